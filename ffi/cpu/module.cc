@@ -1,0 +1,18 @@
+// The CPU extension module: exports the FFI handlers as capsules, keyed by target name.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace te_jax {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCpuHandler);
+}
+
+NB_MODULE(_te_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["te_quantize_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::QuantizeCpuHandler));
+    return d;
+  });
+}

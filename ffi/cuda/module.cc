@@ -1,0 +1,39 @@
+// The CUDA extension module: exports the FFI handlers as capsules keyed by target name, and the library versions
+// that `python -m te_jax.doctor` reports.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace te_jax {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeDbiasCudaHandler);
+}
+
+namespace {
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_te_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
+    d["te_quantize_dbias_cuda"] = Capsule(te_jax::QuantizeDbiasCudaHandler);
+    return d;
+  });
+  // The CUDA runtime this module was built with (static cudart), e.g. 13000.
+  m.def("cuda_runtime_version", []() { return CUDART_VERSION; });
+  // The driver's CUDA version, or 0 when no driver is installed.
+  m.def("cuda_driver_version", []() {
+    int v = 0;
+    return cudaDriverGetVersion(&v) == cudaSuccess ? v : 0;
+  });
+  // The cuBLASLt library loaded at run time, e.g. 131000.
+  m.def("cublaslt_version", []() { return static_cast<int64_t>(cublasLtGetVersion()); });
+}

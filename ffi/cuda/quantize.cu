@@ -1,0 +1,404 @@
+// CUDA handlers for te_quantize: saturating FP8 cast of x * scale and amax = max|x| in one pass over x, with the
+// transposed FP8 copy (for Hopper's K-major FP8 GEMMs) and the column sums (dbias) fused in when asked for.
+//
+// Fast path (cols % 8 == 0, and rows % 8 == 0 when transposing): one 256-thread block per 128x128 tile. Each
+// thread loads 8 rows x 8 elements (16-byte loads, all in flight before the first use), writes the row-major FP8
+// bytes straight out (8-byte stores, coalesced), and parks them in shared memory. For the transposed copy each
+// thread then reads an 8x8 byte block back, transposes it in registers (byte permutes) and writes 8 rows of 8
+// bytes of qt, again coalesced. Shared memory is XOR-swizzled by row group so that both phases are free of bank
+// conflicts. Any other shape goes through a 32x32-tile kernel with scalar accesses.
+//
+// amax is reduced on the bit patterns of |x| (unsigned max): exact, order independent, and a NaN anywhere gives a
+// NaN amax, as jnp.max does. dbias is deterministic: per-tile column partials, then a fixed-order column sum.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "te_jax/cuda_check.h"
+#include "te_jax/quantize_view.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_jax {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Fast path geometry.
+constexpr int kTile = 128;                               // tile rows = tile cols
+constexpr int kVec = 8;                                  // elements per thread access
+constexpr int kChunksPerRow = kTile / kVec;              // 16
+constexpr int kRowsPerPass = kThreads / kChunksPerRow;   // 16
+constexpr int kRowsPerThread = kTile / kRowsPerPass;     // 8
+// Generic path geometry.
+constexpr int kSmallTile = 32;
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+// 8 consecutive input elements, loaded with 16-byte accesses.
+template <typename T>
+struct Chunk {
+  static constexpr int kWords = sizeof(T) * kVec / 16;
+  uint4 raw[kWords];
+
+  __device__ __forceinline__ void Load(const T* p) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ float Get(int i) const { return ToFloat(reinterpret_cast<const T*>(raw)[i]); }
+};
+
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ uint32_t Cvt4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
+  return lo | (hi << 16);
+}
+
+// Reduces amax bits over the block and folds them into *amax with one atomic.
+__device__ __forceinline__ void BlockAmax(uint32_t bits, unsigned* amax, uint32_t* scratch) {
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = bits;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t m = scratch[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
+    if (m != 0) atomicMax(amax, m);
+  }
+}
+
+// Byte j of each of a, b, c, d, packed in that order.
+__device__ __forceinline__ uint32_t GatherByte(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t j) {
+  const uint32_t sel = j | ((j + 4) << 4);
+  const uint32_t ab = __byte_perm(a, b, sel);
+  const uint32_t cd = __byte_perm(c, d, sel);
+  return __byte_perm(ab, cd, 0x5410);
+}
+
+template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias>
+__global__ void __launch_bounds__(kThreads)
+    CastTransposeKernel(const T* __restrict__ x, const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
+                        uint8_t* __restrict__ qt, unsigned* __restrict__ amax, float* __restrict__ dbias_partial,
+                        int64_t rows, int64_t cols, int64_t tiles_m, int64_t tiles_n) {
+  __shared__ uint2 tile[kTranspose ? kTile : 1][kChunksPerRow];
+  __shared__ float col_sums[kDbias ? kWarps : 1][kTile];
+  __shared__ uint32_t amax_scratch[kWarps];
+
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (tiles_m * tiles_n);
+  const int64_t tm = (t / tiles_n) % tiles_m;
+  const int64_t tn = t % tiles_n;
+  const int64_t row0 = tm * kTile;
+  const int64_t col0 = tn * kTile;
+  const int chunk = threadIdx.x % kChunksPerRow;
+  const int rsub = threadIdx.x / kChunksPerRow;
+  const int64_t col = col0 + chunk * kVec;
+  const bool col_ok = col < cols;
+  const T* xb = x + b * rows * cols;
+  uint8_t* qb = q + b * rows * cols;
+  const float scale = *scale_ptr;
+
+  Chunk<T> in[kRowsPerThread];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t r = row0 + rsub + i * kRowsPerPass;
+    if (col_ok && r < rows) {
+      in[i].Load(xb + r * cols + col);
+    } else {
+      in[i].Zero();  // zeros leave amax and dbias unchanged
+    }
+  }
+
+  uint32_t amax_bits = 0;
+  float dsum[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) dsum[j] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    float f[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      f[j] = in[i].Get(j);
+      amax_bits = max(amax_bits, __float_as_uint(f[j]) & 0x7FFFFFFFu);
+      if constexpr (kDbias) dsum[j] += f[j];
+    }
+    uint2 packed;
+    packed.x = Cvt4<kFmt>(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale);
+    packed.y = Cvt4<kFmt>(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale);
+    const int lr = rsub + i * kRowsPerPass;
+    const int64_t r = row0 + lr;
+    if (col_ok && r < rows) *reinterpret_cast<uint2*>(qb + r * cols + col) = packed;
+    if constexpr (kTranspose) tile[lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
+  }
+
+  if constexpr (kTranspose) {
+    __syncthreads();
+    const int g = threadIdx.x % kChunksPerRow;  // tile rows 8g .. 8g+7
+    const int h = threadIdx.x / kChunksPerRow;  // tile cols 8h .. 8h+7
+    uint2 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = tile[8 * g + i][h ^ g];
+    const int64_t qr = row0 + 8 * g;  // position along a qt row
+    const int64_t c_base = col0 + 8 * h;
+    if (qr < rows && c_base < cols) {
+      uint8_t* qtb = qt + b * rows * cols;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint2 o;
+        if (j < 4) {
+          o.x = GatherByte(v[0].x, v[1].x, v[2].x, v[3].x, j);
+          o.y = GatherByte(v[4].x, v[5].x, v[6].x, v[7].x, j);
+        } else {
+          o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
+          o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
+        }
+        *reinterpret_cast<uint2*>(qtb + (c_base + j) * rows + qr) = o;
+      }
+    }
+  }
+
+  if constexpr (kDbias) {
+    // Lanes l and l + 16 of a warp hold the same columns; then the 8 warps are summed in a fixed order.
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dsum[j] += __shfl_xor_sync(0xffffffffu, dsum[j], 16);
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 < 16) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) col_sums[warp][chunk * kVec + j] = dsum[j];
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile && col0 + threadIdx.x < cols) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
+      dbias_partial[(b * tiles_m + tm) * cols + col0 + threadIdx.x] = s;
+    }
+  }
+  BlockAmax(amax_bits, amax, amax_scratch);
+}
+
+// Any shape: 32x32 tiles, a (32, 8) thread block, one element per access.
+template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias>
+__global__ void __launch_bounds__(kThreads)
+    CastTransposeGenericKernel(const T* __restrict__ x, const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
+                               uint8_t* __restrict__ qt, unsigned* __restrict__ amax,
+                               float* __restrict__ dbias_partial, int64_t rows, int64_t cols, int64_t tiles_m,
+                               int64_t tiles_n) {
+  __shared__ uint8_t tile[kSmallTile][kSmallTile + 1];
+  __shared__ float col_sums[kWarps][kSmallTile];
+  __shared__ uint32_t amax_scratch[kWarps];
+
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (tiles_m * tiles_n);
+  const int64_t tm = (t / tiles_n) % tiles_m;
+  const int64_t tn = t % tiles_n;
+  const int64_t row0 = tm * kSmallTile;
+  const int64_t col0 = tn * kSmallTile;
+  const int tx = threadIdx.x % kSmallTile;
+  const int ty = threadIdx.x / kSmallTile;  // 0 .. 7, also the warp index
+  const float scale = *scale_ptr;
+  const T* xb = x + b * rows * cols;
+
+  uint32_t amax_bits = 0;
+  float dsum = 0.0f;
+  const int64_t c = col0 + tx;
+  for (int i = 0; i < kSmallTile / kWarps; ++i) {
+    const int lr = ty + i * kWarps;
+    const int64_t r = row0 + lr;
+    if (r < rows && c < cols) {
+      const float f = ToFloat(xb[r * cols + c]);
+      amax_bits = max(amax_bits, __float_as_uint(f) & 0x7FFFFFFFu);
+      if constexpr (kDbias) dsum += f;
+      const uint8_t bits = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, kFmt);
+      q[(b * rows + r) * cols + c] = bits;
+      if constexpr (kTranspose) tile[lr][tx] = bits;
+    }
+  }
+  if constexpr (kTranspose) {
+    __syncthreads();
+    for (int i = 0; i < kSmallTile / kWarps; ++i) {
+      const int lc = ty + i * kWarps;
+      const int64_t c2 = col0 + lc;
+      const int64_t r2 = row0 + tx;
+      if (c2 < cols && r2 < rows) qt[(b * cols + c2) * rows + r2] = tile[tx][lc];
+    }
+  }
+  if constexpr (kDbias) {
+    col_sums[ty][tx] = dsum;
+    __syncthreads();
+    if (ty == 0 && c < cols) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += col_sums[w][tx];
+      dbias_partial[(b * tiles_m + tm) * cols + c] = s;
+    }
+  }
+  BlockAmax(amax_bits, amax, amax_scratch);
+}
+
+// dbias[c] = sum over partial rows, in a fixed order.
+__global__ void ColumnSumKernel(const float* __restrict__ partial, float* __restrict__ out, int64_t n_partial,
+                                int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+  for (int64_t p = 0; p < n_partial; ++p) s += partial[p * cols + c];
+  out[c] = s;
+}
+
+template <typename F>
+void DispatchBool(bool v, F&& f) {
+  if (v) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+template <typename T, __nv_fp8_interpretation_t kFmt>
+ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const void* x, const float* scale, void* q, void* qt,
+                  unsigned* amax, float* dbias, float* workspace) {
+  const bool transpose = qt != nullptr;
+  const bool fast = v.cols % kVec == 0 && (!transpose || v.rows % 8 == 0) && Aligned(x, 16) && Aligned(q, 8) &&
+                    (!transpose || Aligned(qt, 8));
+  const int tile = fast ? kTile : kSmallTile;
+  const int64_t tiles_m = (v.rows + tile - 1) / tile;
+  const int64_t tiles_n = (v.cols + tile - 1) / tile;
+  const int64_t blocks = v.batch * tiles_m * tiles_n;
+  DispatchBool(transpose, [&](auto kT) {
+    DispatchBool(dbias != nullptr, [&](auto kD) {
+      auto kernel = fast ? CastTransposeKernel<T, kFmt, decltype(kT)::value, decltype(kD)::value>
+                         : CastTransposeGenericKernel<T, kFmt, decltype(kT)::value, decltype(kD)::value>;
+      kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), scale, static_cast<uint8_t*>(q),
+                                              static_cast<uint8_t*>(qt), amax, workspace, v.rows, v.cols, tiles_m,
+                                              tiles_n);
+    });
+  });
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "quantize kernel launch");
+  if (dbias != nullptr) {
+    const int threads = 256;
+    const int64_t grid = (v.cols + threads - 1) / threads;
+    ColumnSumKernel<<<grid, threads, 0, stream>>>(workspace, dbias, v.batch * tiles_m, v.cols);
+    TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "dbias column-sum launch");
+  }
+  return ffi::Error::Success();
+}
+
+// Rows of dbias partials the kernels write: one per row tile (fast path tiles are the larger, so this bounds both).
+int64_t DbiasWorkspaceRows(const QuantizeView& v) { return v.batch * ((v.rows + kSmallTile - 1) / kSmallTile); }
+
+ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                        ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
+                        int64_t batch_ndim, ffi::ScratchAllocator* scratch) {
+  auto view = MakeQuantizeView(x.dimensions(), batch_ndim);
+  if (view.has_error()) return view.error();
+  const bool want_t = qt->element_count() > 0;
+  const bool want_dbias = dbias->element_count() > 0;
+  if (want_t && qt->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("quantize: qt must be empty or hold as many elements as x");
+  }
+  if (want_dbias && (dbias->element_type() != ffi::DataType::F32 || dbias->element_count() != view->cols)) {
+    return ffi::Error::InvalidArgument("quantize: dbias must be empty or f32[cols]");
+  }
+  if (want_dbias && scratch == nullptr) {
+    return ffi::Error::InvalidArgument("quantize: dbias needs the te_quantize_dbias_cuda target");
+  }
+  auto* amax_ptr = reinterpret_cast<unsigned*>(amax->typed_data());
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax_ptr, 0, sizeof(float), stream), "amax memset");
+  if (view->size() == 0) {
+    if (want_dbias) {
+      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream),
+                                  "dbias memset");
+    }
+    return ffi::Error::Success();
+  }
+  float* workspace = nullptr;
+  if (want_dbias) {
+    auto mem = scratch->Allocate(DbiasWorkspaceRows(*view) * view->cols * sizeof(float));
+    if (!mem.has_value()) return ffi::Error::Internal("quantize: could not allocate the dbias workspace");
+    workspace = static_cast<float*>(*mem);
+  }
+  void* qt_ptr = want_t ? qt->untyped_data() : nullptr;
+  float* db_ptr = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;
+  const float* s = scale.typed_data();
+
+  auto with_format = [&](auto dummy) -> ffi::Error {
+    using T = decltype(dummy);
+    switch (q->element_type()) {
+      case ffi::DataType::F8E4M3FN:
+        return Launch<T, __NV_E4M3>(stream, *view, x.untyped_data(), s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr,
+                                    workspace);
+      case ffi::DataType::F8E5M2:
+        return Launch<T, __NV_E5M2>(stream, *view, x.untyped_data(), s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr,
+                                    workspace);
+      default:
+        return ffi::Error::InvalidArgument("quantize: q must be float8_e4m3fn or float8_e5m2");
+    }
+  };
+  switch (x.element_type()) {
+    case ffi::DataType::F32: return with_format(float{});
+    case ffi::DataType::BF16: return with_format(__nv_bfloat16{});
+    case ffi::DataType::F16: return with_format(__half{});
+    default: return ffi::Error::InvalidArgument("quantize: x must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                        ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
+                        int64_t batch_ndim) {
+  return QuantizeImpl(stream, x, scale, q, qt, amax, dbias, batch_ndim, nullptr);
+}
+
+ffi::Error QuantizeDbiasCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                             ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
+                             ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::BufferR0<ffi::F32>> amax,
+                             ffi::Result<ffi::AnyBuffer> dbias, int64_t batch_ndim) {
+  return QuantizeImpl(stream, x, scale, q, qt, amax, dbias, batch_ndim, &scratch);
+}
+
+}  // namespace
+
+// Allocates nothing, so XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCudaHandler, QuantizeCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
+                                  .Arg<ffi::BufferR0<ffi::F32>>()           // scale: multiplies x before the cast
+                                  .Ret<ffi::AnyBuffer>()                     // q: FP8, x's shape
+                                  .Ret<ffi::AnyBuffer>()                     // qt: FP8 transposed copy, or empty
+                                  .Ret<ffi::BufferR0<ffi::F32>>()           // amax: max |x|
+                                  .Ret<ffi::AnyBuffer>()                     // dbias: must be empty here
+                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by qt
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Takes a scratch buffer for the dbias partials, so it is not CUDA-graph compatible.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeDbiasCudaHandler, QuantizeDbiasCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Ctx<ffi::ScratchAllocator>()              // dbias partials
+                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
+                                  .Arg<ffi::BufferR0<ffi::F32>>()           // scale: multiplies x before the cast
+                                  .Ret<ffi::AnyBuffer>()                     // q: FP8, x's shape
+                                  .Ret<ffi::AnyBuffer>()                     // qt: FP8 transposed copy, or empty
+                                  .Ret<ffi::BufferR0<ffi::F32>>()           // amax: max |x|
+                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums
+                                  .Attr<int64_t>("batch_ndim"));             // leading dims kept in front by qt
+
+}  // namespace te_jax

@@ -1,0 +1,26 @@
+// Turn CUDA errors into XLA FFI errors.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace te_jax {
+
+inline xla::ffi::Error CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return xla::ffi::Error::Success();
+  return xla::ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+// Checks the error state after a kernel launch.
+inline xla::ffi::Error LastCudaError(const char* what) { return CudaError(cudaGetLastError(), what); }
+
+}  // namespace te_jax
+
+#define TE_JAX_CUDA_RETURN_IF_ERROR(expr, what)         \
+  do {                                                  \
+    auto _te_err = ::te_jax::CudaError((expr), (what)); \
+    if (_te_err.failure()) return _te_err;              \
+  } while (0)

@@ -1,0 +1,72 @@
+"""Loads the native extension modules and registers their XLA FFI targets.
+
+Never raises at import. A missing module, a missing CUDA library or no GPU means the ops lower to their pure-JAX
+reference; the first lowering that falls back on a platform where a native handler was expected logs one warning.
+``TE_JAX_REFERENCE=1`` forces the reference path everywhere (for A/B numerics and benchmarks); it is read once,
+here, at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import types
+
+import jax
+
+logger = logging.getLogger("te_jax")
+
+#: Platforms with a native module: the jax lowering platform name and the extension module that serves it.
+_MODULES = {"cpu": "_te_cpu", "cuda": "_te_cuda"}
+
+REFERENCE_FORCED: bool = os.environ.get("TE_JAX_REFERENCE", "0") not in ("", "0")
+
+#: The loaded extension module per platform (None where it did not load).
+modules: dict[str, types.ModuleType | None] = {}
+#: Why a module is not loaded, per platform.
+load_errors: dict[str, str] = {}
+#: FFI target names registered with XLA, per platform.
+registered: dict[str, list[str]] = {}
+_warned: set[str] = set()
+
+
+def _load(platform: str, module_name: str) -> None:
+  modules[platform] = None
+  registered[platform] = []
+  if REFERENCE_FORCED:
+    load_errors[platform] = "TE_JAX_REFERENCE=1 forces the pure-JAX path"
+    return
+  try:
+    module = importlib.import_module(f"te_jax.{module_name}")
+  except (ImportError, OSError) as e:  # not built, or a shared library (libcublasLt, ...) missing
+    load_errors[platform] = f"{type(e).__name__}: {e}"
+    return
+  try:
+    for name, capsule in module.registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform.upper() if platform == "cuda" else platform)
+      registered[platform].append(name)
+  except Exception as e:  # noqa: BLE001 - any registration failure means the reference path, never a failed import
+    load_errors[platform] = f"FFI registration failed: {type(e).__name__}: {e}"
+    registered[platform] = []
+    return
+  modules[platform] = module
+
+
+for _platform, _name in _MODULES.items():
+  _load(_platform, _name)
+
+
+def has_target(platform: str, target: str) -> bool:
+  """Whether ``target`` is registered for ``platform`` ("cpu" or "cuda")."""
+  return target in registered.get(platform, ())
+
+
+def warn_fallback(platform: str, op: str) -> None:
+  """Logs once per platform that ``op`` runs on the pure-JAX reference where a native handler was expected."""
+  if platform in _warned or REFERENCE_FORCED:
+    return
+  _warned.add(platform)
+  reason = load_errors.get(platform, "no native handler for this op")
+  logger.warning("te_jax: %s on %s uses the pure-JAX reference path (%s). `python -m te_jax.doctor` says more.",
+                 op, platform, reason)

@@ -1,0 +1,136 @@
+"""How a te_jax op becomes a JAX primitive: one place for the lowering, batching and partitioning plumbing.
+
+Each op is a pair of primitives, the pattern of jax's own cuDNN ops and of Transformer Engine:
+
+- the *inner* primitive sees one device's buffers. It lowers to the op's XLA FFI handler on each platform that has
+  one (``te_<op>_<platform>``) and to ``mlir.lower_fun(reference)`` everywhere else, so the pure-JAX reference is the
+  fallback on any machine;
+- the *outer* primitive is what the op's Python function binds. Its lowering wraps the inner one in
+  ``custom_partitioning`` with a Shardy rule and a ``partition`` callback, so that under ``jax.jit`` with sharded
+  inputs the handler runs shard-local and the op adds its own collectives (amax max-reduced, sums psum-reduced)
+  instead of XLA all-gathering the inputs. Its vmap rule is the op's.
+
+Static parameters travel as one frozen, hashable config dataclass in the primitive parameter ``config``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import dispatch  # prim_requires_devices_during_lowering: needed by custom_partitioning in a lowering
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from te_jax import _native
+
+__all__ = ["Op", "define_op", "sequential_batcher"]
+
+
+class Op:
+  """The two primitives of one op; ``bind(*args, config=...)`` returns the outer primitive's results."""
+
+  def __init__(self, inner: Primitive, outer: Primitive):
+    self.inner = inner
+    self.outer = outer
+
+  def bind(self, *args, config) -> list[jax.Array]:
+    return self.outer.bind(*args, config=config)
+
+
+def define_op(
+    name: str,
+    *,
+    abstract_eval: Callable[..., Sequence[jax.core.ShapedArray]],
+    reference: Callable[..., Sequence[jax.Array]],
+    native_targets: dict[str, Callable[[Any], str]],
+    ffi_attributes: Callable[[Any], dict[str, Any]],
+    native_result_avals: Callable[[Any, Sequence[Any]], tuple[Sequence[Any], Sequence[int]]] | None = None,
+    partition: Callable[..., Any],
+    sharding_rule: Callable[..., str],
+    batcher: Callable[..., Any] | None = None,
+) -> Op:
+  """Creates and registers the inner and outer primitives of an op.
+
+  Args:
+    name: the op name; primitives are ``te_<name>`` and ``te_<name>_outer``.
+    abstract_eval: ``(*avals, config) -> [ShapedArray]``.
+    reference: the pure-jnp reference, ``(*args, config) -> [Array]``; also the default lowering.
+    native_targets: platform ("cpu", "cuda") -> ``config -> FFI target name``.
+    ffi_attributes: ``config -> {attribute: numpy scalar}`` passed to the FFI handler.
+    native_result_avals: where the handler has more results than the primitive (fixed-signature handlers with
+      optional outputs), ``(config, out_avals) -> (handler result avals, indices of the primitive's results)``.
+    partition: custom_partitioning's partition callback, called as ``partition(config, mesh, arg_shapes,
+      result_shape)``; its ``lower_fn`` must bind ``Op.inner``.
+    sharding_rule: ``(config, mesh, value_types, result_types) -> Shardy rule string``.
+    batcher: the vmap rule of the outer primitive; defaults to ``sequential_batcher``.
+  """
+  inner = Primitive(f"te_{name}")
+  inner.multiple_results = True
+  inner.def_impl(functools.partial(dispatch.apply_primitive, inner))
+  inner.def_abstract_eval(abstract_eval)
+  reference_lowering = mlir.lower_fun(reference, multiple_results=True)
+  mlir.register_lowering(inner, reference_lowering)
+  for platform, target_of in native_targets.items():
+    mlir.register_lowering(
+        inner,
+        _native_lowering(name, platform, target_of, ffi_attributes, native_result_avals, reference_lowering),
+        platform=platform,
+    )
+
+  outer = Primitive(f"te_{name}_outer")
+  outer.multiple_results = True
+  outer.def_impl(functools.partial(dispatch.apply_primitive, outer))
+  outer.def_abstract_eval(abstract_eval)
+
+  def impl(config, *args):
+    return tuple(inner.bind(*args, config=config))
+
+  partitioned = custom_partitioning(impl, static_argnums=(0,))
+  partitioned.def_partition(partition=partition, sharding_rule=sharding_rule)
+
+  def outer_lowering(*args, config):
+    return partitioned(config, *args)
+
+  mlir.register_lowering(outer, mlir.lower_fun(outer_lowering, multiple_results=True))
+  dispatch.prim_requires_devices_during_lowering.add(outer)
+  op = Op(inner, outer)
+  batching.primitive_batchers[outer] = batcher or sequential_batcher(op)
+  return op
+
+
+def _native_lowering(name, platform, target_of, ffi_attributes, native_result_avals, reference_lowering):
+  def lowering(ctx, *args, config):
+    target = target_of(config)
+    if not _native.has_target(platform, target):
+      _native.warn_fallback(platform, name)
+      return reference_lowering(ctx, *args, config=config)
+    if native_result_avals is None:
+      return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attributes(config))
+    avals, keep = native_result_avals(config, ctx.avals_out)
+    results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=list(avals)), *args, **ffi_attributes(config))
+    return [results[i] for i in keep]
+
+  return lowering
+
+
+def sequential_batcher(op: Op):
+  """A vmap rule that runs the op once per batch element (``lax.map``).
+
+  Right for ops with reductions over the whole input (amax, column sums), whose per-element results a single
+  call over the stacked input would mix.
+  """
+
+  def rule(args, dims, *, config):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    moved = [
+        jax.numpy.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jax.numpy.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    outs = jax.lax.map(lambda xs: tuple(op.bind(*xs, config=config)), tuple(moved))
+    return list(outs), [0] * len(outs)
+
+  return rule

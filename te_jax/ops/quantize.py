@@ -1,0 +1,292 @@
+"""FP8 quantization: saturating cast of ``x * scale`` to E4M3/E5M2, with amax, transposed copy and dbias fused.
+
+One pass over ``x`` gives everything an FP8 GEMM and its backward pass need from a high-precision tensor:
+
+- ``data``: ``x * scale`` cast to FP8, saturating (values beyond the format's range clamp to +-max, inf included);
+- ``amax``: ``max|x|`` of the high-precision input, for the next scale;
+- ``data_t`` (optional): the same FP8 bytes, transposed. Hopper's FP8 GEMMs need both operands K-major, so the
+  dgrad/wgrad GEMMs read this copy instead of an XLA transpose;
+- ``dbias`` (optional): the column sums of ``x`` (over every dim but the last) in float32, the bias gradient when
+  ``x`` is an output gradient.
+
+NaN: a NaN in ``x`` gives a NaN in ``data`` at that position (which NaN bit pattern is not specified) and a NaN
+``amax``, as ``jnp.max`` does; the scaling math then keeps the previous scale (see ``te_jax.scaling``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from te_jax.ops._primitive import define_op
+
+__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "FP8_DTYPES"]
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+  """Static parameters of one quantize call.
+
+  Attributes:
+    out_dtype: float8_e4m3fn or float8_e5m2.
+    transpose: also produce the transposed copy.
+    batch_ndim: leading dims of ``x`` that stay in front in the transposed copy; the copy swaps the last dim with the
+      block of dims between them: ``x.shape[:b] + x.shape[-1:] + x.shape[b:-1]``.
+    dbias: also produce the float32 column sums of ``x``.
+  """
+
+  out_dtype: np.dtype
+  transpose: bool = False
+  batch_ndim: int = 0
+  dbias: bool = False
+
+  def transposed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    b = self.batch_ndim
+    return (*shape[:b], shape[-1], *shape[b:-1])
+
+  def transposed_axes(self, ndim: int) -> tuple[int, ...]:
+    b = self.batch_ndim
+    return (*range(b), ndim - 1, *range(b, ndim - 1))
+
+
+class Quantized(NamedTuple):
+  """What ``quantize`` returns; fields not asked for are None."""
+
+  data: jax.Array
+  data_t: jax.Array | None
+  amax: jax.Array
+  dbias: jax.Array | None
+
+
+# ---- reference ---------------------------------------------------------------------------------------------------
+
+
+def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> list[jax.Array]:
+  """The pure-jnp definition: the CPU fallback, the test oracle and the documentation of the kernels."""
+  xf = x.astype(jnp.float32)
+  fp8_max = float(jnp.finfo(config.out_dtype).max)
+  q = jnp.clip(xf * scale, -fp8_max, fp8_max).astype(config.out_dtype)
+  outs = [q]
+  if config.transpose:
+    outs.append(jnp.transpose(q, config.transposed_axes(x.ndim)))
+  outs.append(jnp.max(jnp.abs(xf), initial=0.0))
+  if config.dbias:
+    outs.append(jnp.sum(xf, axis=tuple(range(x.ndim - 1))))
+  return outs
+
+
+# ---- primitive ---------------------------------------------------------------------------------------------------
+
+
+def _abstract_eval(x, scale, *, config: QuantizeConfig):
+  del scale
+  outs = [jax.core.ShapedArray(x.shape, config.out_dtype)]
+  if config.transpose:
+    outs.append(jax.core.ShapedArray(config.transposed_shape(x.shape), config.out_dtype))
+  outs.append(jax.core.ShapedArray((), jnp.float32))
+  if config.dbias:
+    outs.append(jax.core.ShapedArray(x.shape[-1:], jnp.float32))
+  return outs
+
+
+def _native_result_avals(config: QuantizeConfig, avals_out):
+  """The handlers always return (q, qt, amax, dbias); the ones not asked for are empty."""
+  empty_fp8 = jax.core.ShapedArray((0,), config.out_dtype)
+  empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
+  avals = list(avals_out)
+  q, rest = avals[0], avals[1:]
+  qt = rest.pop(0) if config.transpose else empty_fp8
+  amax_aval = rest.pop(0)
+  dbias = rest.pop(0) if config.dbias else empty_f32
+  keep = [0] + ([1] if config.transpose else []) + [2] + ([3] if config.dbias else [])
+  return [q, qt, amax_aval, dbias], keep
+
+
+def _spec(sharding, ndim: int) -> tuple:
+  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+  return spec + (None,) * (ndim - len(spec))
+
+
+def _mesh_axes(entries) -> tuple[str, ...]:
+  axes = []
+  for e in entries:
+    if e is None:
+      continue
+    axes.extend(e if isinstance(e, tuple) else (e,))
+  return tuple(axes)
+
+
+def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
+  """Every dim of x may stay sharded: the cast is elementwise and the transpose a permutation of dims."""
+  del result_shape
+  ndim = len(arg_shapes[0].shape)
+  spec = _spec(arg_shapes[0].sharding, ndim)
+  x_sharding = NamedSharding(mesh, P(*spec))
+  replicated = NamedSharding(mesh, P())
+  out_shardings = [x_sharding]
+  if config.transpose:
+    out_shardings.append(NamedSharding(mesh, P(*(spec[i] for i in config.transposed_axes(ndim)))))
+  out_shardings.append(replicated)
+  if config.dbias:
+    out_shardings.append(NamedSharding(mesh, P(spec[-1])))
+  amax_axes = _mesh_axes(spec)
+  sum_axes = _mesh_axes(spec[:-1])
+
+  def lower_fn(x, scale):
+    outs = list(_QUANTIZE.inner.bind(x, scale, config=config))
+    i_amax = 2 if config.transpose else 1
+    if amax_axes:  # every shard must use the same scale next step
+      outs[i_amax] = jax.lax.pmax(outs[i_amax], amax_axes)
+    if config.dbias and sum_axes:
+      outs[-1] = jax.lax.psum(outs[-1], sum_axes)
+    return tuple(outs)
+
+  return mesh, lower_fn, tuple(out_shardings), (x_sharding, replicated)
+
+
+def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types) -> str:
+  del mesh, result_types
+  ndim = len(value_types[0].shape)
+  dims = [f"d{i}" for i in range(ndim)]
+  x = " ".join(dims)
+  results = [x]
+  if config.transpose:
+    results.append(" ".join(dims[i] for i in config.transposed_axes(ndim)))
+  results.append("")
+  if config.dbias:
+    results.append(dims[-1])
+  return f"{x}, -> {', '.join(results)}"
+
+
+def _attributes(config: QuantizeConfig) -> dict:
+  return {"batch_ndim": np.int64(config.batch_ndim)}
+
+
+_QUANTIZE = define_op(
+    "quantize",
+    abstract_eval=_abstract_eval,
+    reference=quantize_ref,
+    native_targets={
+        "cpu": lambda config: "te_quantize_cpu",
+        "cuda": lambda config: "te_quantize_dbias_cuda" if config.dbias else "te_quantize_cuda",
+    },
+    ffi_attributes=_attributes,
+    native_result_avals=_native_result_avals,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+)
+
+
+# ---- public API --------------------------------------------------------------------------------------------------
+
+
+def _check_input(x, name: str = "x") -> jax.Array:
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    x = jnp.asarray(x)
+  if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype).name}")
+  if x.ndim == 0:
+    raise ValueError(f"{name} must have rank >= 1, got a scalar")
+  return x
+
+
+def _check_scale(scale) -> jax.Array:
+  if isinstance(scale, float):
+    return jnp.float32(scale)
+  if not hasattr(scale, "dtype") or jnp.dtype(scale.dtype) != jnp.float32:
+    raise TypeError(f"scale must be a float32 scalar, got {getattr(scale, 'dtype', type(scale).__name__)}")
+  if jnp.shape(scale) != ():
+    raise ValueError(f"scale must be a float32 scalar (shape ()), got shape {jnp.shape(scale)}")
+  return scale
+
+
+def _check_fp8_dtype(dtype) -> np.dtype:
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt not in FP8_DTYPES:
+    raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype!r}")
+  return dt
+
+
+def quantize(
+    x: jax.Array,
+    scale: jax.Array | float,
+    dtype=jnp.float8_e4m3fn,
+    *,
+    transpose: bool = False,
+    transpose_batch_dims: int | None = None,
+    dbias: bool = False,
+) -> Quantized:
+  """Casts ``x * scale`` to FP8 (saturating) and returns it with ``amax = max|x|``, in one pass over ``x``.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> out = te_jax.quantize(jnp.array([[1.0, -600.0]], jnp.bfloat16), jnp.float32(1.0), transpose=True)
+  >>> out.data.astype(jnp.float32).tolist(), out.data_t.shape, float(out.amax)
+  ([[1.0, -448.0]], (2, 1), 600.0)
+
+  Args:
+    x: float32, bfloat16 or float16, rank >= 1; the last dim is the row.
+    scale: float32 scalar multiplying ``x`` before the cast.
+    dtype: ``jnp.float8_e4m3fn`` (max 448) or ``jnp.float8_e5m2`` (max 57344).
+    transpose: also return the transposed FP8 copy in ``data_t``.
+    transpose_batch_dims: leading dims of ``x`` kept in front in ``data_t``. The default, ``x.ndim - 2``, swaps the
+      last two dims; 0 moves the last dim to the front, the K-major layout of a GEMM that contracts over every
+      leading dim (the weight gradient of a dense layer).
+    dbias: also return the float32 column sums of ``x`` (over every dim but the last) in ``dbias``.
+
+  Returns:
+    ``Quantized(data, data_t, amax, dbias)``; ``data_t`` and ``dbias`` are None unless asked for.
+  """
+  x = _check_input(x)
+  scale = _check_scale(scale)
+  out_dtype = _check_fp8_dtype(dtype)
+  batch_ndim = 0
+  if transpose:
+    if x.ndim < 2:
+      raise ValueError(f"transpose=True needs x of rank >= 2, got shape {x.shape}")
+    batch_ndim = x.ndim - 2 if transpose_batch_dims is None else transpose_batch_dims
+    if not 0 <= batch_ndim <= x.ndim - 2:
+      raise ValueError(f"transpose_batch_dims must be in [0, {x.ndim - 2}] for x of rank {x.ndim}, got {batch_ndim}")
+  elif transpose_batch_dims is not None:
+    raise ValueError("transpose_batch_dims needs transpose=True")
+  config = QuantizeConfig(out_dtype=out_dtype, transpose=bool(transpose), batch_ndim=batch_ndim, dbias=bool(dbias))
+  outs = list(_QUANTIZE.bind(x, scale, config=config))
+  data = outs.pop(0)
+  data_t = outs.pop(0) if transpose else None
+  amax_ = outs.pop(0)
+  dbias_ = outs.pop(0) if dbias else None
+  return Quantized(data, data_t, amax_, dbias_)
+
+
+def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -> jax.Array:
+  """``q * scale_inv`` in ``dtype`` (bfloat16, float16 or float32), computed in float32.
+
+  Left to XLA on purpose: it fuses the multiply into whatever consumes the result (a GEMM operand, an add), which
+  a custom call would prevent.
+  """
+  _check_fp8_dtype(q.dtype)
+  out = jnp.dtype(dtype)
+  if out not in _INPUT_DTYPES:
+    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+  return (q.astype(jnp.float32) * _check_scale(scale_inv)).astype(out)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """``max|x|`` as float32 (NaN if ``x`` holds a NaN; 0 for an empty ``x``), for current scaling.
+
+  A plain reduction: XLA reads ``x`` once at full bandwidth and inserts the all-reduce itself when ``x`` is
+  sharded, so no custom call is needed.
+  """
+  x = _check_input(x)
+  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)

@@ -1,0 +1,92 @@
+"""FP8 scaling state math: pure functions, the one place where scales are computed.
+
+Conventions (those of Transformer Engine's delayed scaling):
+
+- ``scale = fp8_max / (amax * 2**margin)`` multiplies a tensor before its FP8 cast; ``scale_inv = 1 / scale``
+  dequantizes it (and goes to the GEMM).
+- An amax of zero, or one that is not finite (NaN, inf), keeps the previous scale; so does an amax so small that
+  the scale would overflow float32.
+- The amax history is a float32 vector whose element 0 is the most recent amax. Delayed scaling rolls the amax of
+  the step just taken into it, then derives the next step's scale from it with ``max`` (over the whole history) or
+  ``most_recent`` (element 0).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "AmaxComputeAlgo",
+    "ScaleState",
+    "fp8_max",
+    "compute_scale",
+    "roll_amax_history",
+    "amax_from_history",
+    "update_scale_state",
+]
+
+AmaxComputeAlgo = Literal["max", "most_recent"]
+
+
+class ScaleState(NamedTuple):
+  """Delayed-scaling state of one tensor: its amax history and the scale for the next step."""
+
+  amax_history: jax.Array  # float32 (history_len,), element 0 most recent
+  scale: jax.Array  # float32 ()
+
+  @classmethod
+  def create(cls, history_len: int) -> "ScaleState":
+    if history_len < 1:
+      raise ValueError(f"history_len must be >= 1, got {history_len}")
+    return cls(jnp.zeros((history_len,), jnp.float32), jnp.ones((), jnp.float32))
+
+  @property
+  def scale_inv(self) -> jax.Array:
+    return 1.0 / self.scale
+
+
+def fp8_max(dtype) -> float:
+  """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value: float, margin: int = 0) -> jax.Array:
+  """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0, not finite, or too small."""
+  amax = jnp.asarray(amax, jnp.float32)
+  new = jnp.float32(fp8_max_value) / (amax * jnp.float32(2.0**margin))
+  ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(new)
+  return jnp.where(ok, new, scale).astype(jnp.float32)
+
+
+def roll_amax_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+  """Puts ``amax`` at element 0 and shifts the rest back by one, dropping the oldest."""
+  return jnp.concatenate([jnp.reshape(amax, (1,)).astype(history.dtype), history[:-1]])
+
+
+def amax_from_history(history: jax.Array, algo: AmaxComputeAlgo = "max") -> jax.Array:
+  """The amax a scale is computed from: the history's max, or its most recent entry.
+
+  A NaN anywhere in the history makes ``max`` NaN, so the scale is kept until the NaN rolls out of the history.
+  """
+  if algo == "max":
+    return jnp.max(history)
+  if algo == "most_recent":
+    return history[0]
+  raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
+
+
+def update_scale_state(
+    state: ScaleState,
+    amax: jax.Array,
+    fp8_dtype,
+    *,
+    margin: int = 0,
+    algo: AmaxComputeAlgo = "max",
+) -> ScaleState:
+  """One delayed-scaling step: roll ``amax`` into the history, then derive the next scale from it."""
+  history = roll_amax_history(state.amax_history, amax)
+  scale = compute_scale(amax_from_history(history, algo), state.scale, fp8_max(fp8_dtype), margin)
+  return ScaleState(history, scale)
