@@ -125,9 +125,9 @@ def sequential_batcher(op: Op):
   """
 
   def rule(args, dims, *, config):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)  # None: not batched
     moved = [
-        jax.numpy.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jax.numpy.moveaxis(a, d, 0)
+        jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
     outs = jax.lax.map(lambda xs: tuple(op.bind(*xs, config=config)), tuple(moved))
