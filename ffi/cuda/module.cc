@@ -11,6 +11,7 @@ namespace nb = nanobind;
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeDbiasCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
 }
 
 namespace {
@@ -25,6 +26,7 @@ NB_MODULE(_te_cuda, m) {
     nb::dict d;
     d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
     d["te_quantize_dbias_cuda"] = Capsule(te_jax::QuantizeDbiasCudaHandler);
+    d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);
     return d;
   });
   // The CUDA runtime this module was built with (static cudart), e.g. 13000.

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax._src import dispatch  # prim_requires_devices_during_lowering: needed by custom_partitioning in a lowering
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
@@ -27,7 +28,7 @@ from jax.interpreters import batching, mlir
 
 from te_jax import _native
 
-__all__ = ["Op", "define_op", "sequential_batcher"]
+__all__ = ["NativeSignature", "Op", "define_op", "sequential_batcher"]
 
 
 class Op:
@@ -48,7 +49,7 @@ def define_op(
     reference: Callable[..., Sequence[jax.Array]],
     native_targets: dict[str, Callable[[Any], str]],
     ffi_attributes: Callable[[Any], dict[str, Any]],
-    native_result_avals: Callable[[Any, Sequence[Any]], tuple[Sequence[Any], Sequence[int]]] | None = None,
+    native_signature: Callable[[Any, Sequence[Any], Sequence[Any]], "NativeSignature"] | None = None,
     partition: Callable[..., Any],
     sharding_rule: Callable[..., str],
     batcher: Callable[..., Any] | None = None,
@@ -61,8 +62,8 @@ def define_op(
     reference: the pure-jnp reference, ``(*args, config) -> [Array]``; also the default lowering.
     native_targets: platform ("cpu", "cuda") -> ``config -> FFI target name``.
     ffi_attributes: ``config -> {attribute: numpy scalar}`` passed to the FFI handler.
-    native_result_avals: where the handler has more results than the primitive (fixed-signature handlers with
-      optional outputs), ``(config, out_avals) -> (handler result avals, indices of the primitive's results)``.
+    native_signature: for handlers with a fixed signature whose optional operands/results the primitive omits,
+      ``(config, avals_in, avals_out) -> NativeSignature``.
     partition: custom_partitioning's partition callback, called as ``partition(config, mesh, arg_shapes,
       result_shape)``; its ``lower_fn`` must bind ``Op.inner``.
     sharding_rule: ``(config, mesh, value_types, result_types) -> Shardy rule string``.
@@ -77,7 +78,7 @@ def define_op(
   for platform, target_of in native_targets.items():
     mlir.register_lowering(
         inner,
-        _native_lowering(name, platform, target_of, ffi_attributes, native_result_avals, reference_lowering),
+        _native_lowering(name, platform, target_of, ffi_attributes, native_signature, reference_lowering),
         platform=platform,
     )
 
@@ -102,17 +103,35 @@ def define_op(
   return op
 
 
-def _native_lowering(name, platform, target_of, ffi_attributes, native_result_avals, reference_lowering):
+class NativeSignature(NamedTuple):
+  """How a primitive's operands/results map onto a fixed-signature FFI handler.
+
+  Attributes:
+    extra_operands: constant arrays appended to the primitive's operands (e.g. an empty optional bias).
+    result_avals: every result the handler returns.
+    keep: which of those results the primitive returns, in order.
+  """
+
+  extra_operands: Sequence[np.ndarray]
+  result_avals: Sequence[Any]
+  keep: Sequence[int]
+
+
+def _native_lowering(name, platform, target_of, ffi_attributes, native_signature, reference_lowering):
   def lowering(ctx, *args, config):
     target = target_of(config)
     if not _native.has_target(platform, target):
       _native.warn_fallback(platform, name)
       return reference_lowering(ctx, *args, config=config)
-    if native_result_avals is None:
-      return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attributes(config))
-    avals, keep = native_result_avals(config, ctx.avals_out)
-    results = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=list(avals)), *args, **ffi_attributes(config))
-    return [results[i] for i in keep]
+    call = jax.ffi.ffi_lowering(target)
+    if native_signature is None:
+      return call(ctx, *args, **ffi_attributes(config))
+    sig = native_signature(config, ctx.avals_in, ctx.avals_out)
+    extra_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in sig.extra_operands]
+    extra = [mlir.ir_constant(a) for a in sig.extra_operands]
+    ctx = ctx.replace(avals_in=[*ctx.avals_in, *extra_avals], avals_out=list(sig.result_avals))
+    results = call(ctx, *args, *extra, **ffi_attributes(config))
+    return [results[i] for i in sig.keep]
 
   return lowering
 

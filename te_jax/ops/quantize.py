@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import define_op
+from te_jax.ops._primitive import NativeSignature, define_op
 
 __all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "FP8_DTYPES"]
 
@@ -98,8 +98,9 @@ def _abstract_eval(x, scale, *, config: QuantizeConfig):
   return outs
 
 
-def _native_result_avals(config: QuantizeConfig, avals_out):
+def _native_signature(config: QuantizeConfig, avals_in, avals_out) -> NativeSignature:
   """The handlers always return (q, qt, amax, dbias); the ones not asked for are empty."""
+  del avals_in
   empty_fp8 = jax.core.ShapedArray((0,), config.out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
   avals = list(avals_out)
@@ -108,7 +109,7 @@ def _native_result_avals(config: QuantizeConfig, avals_out):
   amax_aval = rest.pop(0)
   dbias = rest.pop(0) if config.dbias else empty_f32
   keep = [0] + ([1] if config.transpose else []) + [2] + ([3] if config.dbias else [])
-  return [q, qt, amax_aval, dbias], keep
+  return NativeSignature(extra_operands=(), result_avals=(q, qt, amax_aval, dbias), keep=keep)
 
 
 def _spec(sharding, ndim: int) -> tuple:
@@ -180,7 +181,7 @@ _QUANTIZE = define_op(
         "cuda": lambda config: "te_quantize_dbias_cuda" if config.dbias else "te_quantize_cuda",
     },
     ffi_attributes=_attributes,
-    native_result_avals=_native_result_avals,
+    native_signature=_native_signature,
     partition=_partition,
     sharding_rule=_sharding_rule,
 )

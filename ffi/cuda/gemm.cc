@@ -1,0 +1,268 @@
+// CUDA handler for te_gemm: out[M, N] = op(lhs) @ op(rhs)^T through cuBLASLt, row-major.
+//
+// Operands are 2-D (the Python side folds batch dims into rows). Untransposed, lhs is (M, K) and rhs is (N, K):
+// both K-major, the only layout Hopper's FP8 tensor-core GEMMs accept ("TN" in cuBLAS terms), which is why the
+// quantize kernels produce transposed FP8 copies. The transpose flags (lhs (K, M), rhs (K, N)) are for
+// bf16/fp16/fp32 operands only.
+//
+// FP8 operands are dequantized inside the GEMM by their per-tensor scale_inv (device pointers, so no host sync).
+// Optional bias epilogue (bias in the output dtype). Fast accumulation is a per-call attribute: Transformer
+// Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
+//
+// cuBLASLt plans (descriptors, layouts, the heuristic's algorithm) are built once per device and problem and
+// cached; a call only looks its plan up. The workspace comes from XLA's scratch allocator.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "te_jax/cuda_check.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_jax {
+namespace {
+
+// 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms.
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+ffi::Error CublasError(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("cuBLASLt: ") + what + ": status " + std::to_string(status));
+}
+
+#define TE_JAX_CUBLAS_RETURN_IF_ERROR(expr, what)       \
+  do {                                                  \
+    auto _te_err = CublasError((expr), (what));         \
+    if (_te_err.failure()) return _te_err;              \
+  } while (0)
+
+bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
+
+ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return CUDA_R_32F;
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
+    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
+    default: return ffi::Error::InvalidArgument("gemm: unsupported data type");
+  }
+}
+
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int>;
+
+// Everything cuBLASLt needs for one problem, built once.
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo;
+  ~Plan() {
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+  }
+};
+
+struct Cache {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<PlanKey, std::unique_ptr<Plan>> plans;
+};
+
+Cache& GetCache() {
+  static Cache* cache = new Cache();  // never destroyed: handles must outlive every executable
+  return *cache;
+}
+
+struct Problem {
+  int device;
+  int64_t m, n, k;  // row-major out is (m, n)
+  cudaDataType_t lhs_type, rhs_type, out_type;
+  bool transpose_lhs, transpose_rhs, bias, fast_accum;
+  bool fp8;
+  int align_lhs, align_rhs, align_out;  // pointer alignments in bytes, up to 256: the heuristic must know them
+};
+
+int Alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+// Row-major out[m, n] = lhs . rhs^T is column-major out^T[n, m] = rhs . lhs^T, so cuBLAS's A is our rhs and its B
+// our lhs. Untransposed rhs (n, k) row-major is a column-major (k, n) matrix used transposed (TRANSA = T);
+// untransposed lhs (m, k) is column-major (k, m) used as is (TRANSB = N).
+ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache) {
+  const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
+                    p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out};
+  auto it = cache.plans.find(key);
+  if (it != cache.plans.end()) return it->second.get();
+
+  auto plan = std::make_unique<Plan>();
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                "matmul descriptor");
+  const cublasOperation_t op_a = p.transpose_rhs ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t op_b = p.transpose_lhs ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)), "TRANSA");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)), "TRANSB");
+  if (p.fp8) {
+    const int8_t fast = p.fast_accum ? 1 : 0;
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+        "FAST_ACCUM");
+  }
+  if (p.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
+        "EPILOGUE");
+    const cudaDataType_t bias_type = p.out_type;
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                                 &bias_type, sizeof(bias_type)),
+                                  "BIAS_DATA_TYPE");
+  }
+  // Column-major shapes (rows, cols, leading dim) of the stored matrices.
+  const int64_t a_rows = p.transpose_rhs ? p.n : p.k, a_cols = p.transpose_rhs ? p.k : p.n;
+  const int64_t b_rows = p.transpose_lhs ? p.m : p.k, b_cols = p.transpose_lhs ? p.k : p.m;
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, p.rhs_type, a_rows, a_cols, a_rows), "layout A");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, p.lhs_type, b_rows, b_cols, b_rows), "layout B");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, p.out_type, p.n, p.m, p.n), "layout D");
+
+  cublasLtMatmulPreference_t pref;
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  const uint64_t ws = kWorkspaceBytes;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  const uint32_t align_a = p.align_rhs, align_b = p.align_lhs, align_d = p.align_out;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(status, "algorithm heuristic");
+  if (found == 0) {
+    return ffi::Error::InvalidArgument("gemm: cuBLASLt has no algorithm for m=" + std::to_string(p.m) +
+                                       " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
+                                       " with these types/layout");
+  }
+  plan->algo = result.algo;
+  Plan* raw = plan.get();
+  cache.plans.emplace(key, std::move(plan));
+  return raw;
+}
+
+ffi::Error GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                    ffi::BufferR0<ffi::F32> lhs_scale_inv, ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias,
+                    ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs, bool transpose_rhs, bool fast_accum) {
+  if (lhs.dimensions().size() != 2 || rhs.dimensions().size() != 2 || out->dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("gemm: lhs, rhs and out must be 2-D");
+  }
+  Problem p;
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetDevice(&p.device), "cudaGetDevice");
+  p.m = transpose_lhs ? lhs.dimensions()[1] : lhs.dimensions()[0];
+  p.k = transpose_lhs ? lhs.dimensions()[0] : lhs.dimensions()[1];
+  p.n = transpose_rhs ? rhs.dimensions()[1] : rhs.dimensions()[0];
+  const int64_t k_rhs = transpose_rhs ? rhs.dimensions()[0] : rhs.dimensions()[1];
+  if (k_rhs != p.k || out->dimensions()[0] != p.m || out->dimensions()[1] != p.n) {
+    return ffi::Error::InvalidArgument("gemm: operand shapes do not agree");
+  }
+  auto lhs_type = CudaType(lhs.element_type());
+  auto rhs_type = CudaType(rhs.element_type());
+  auto out_type = CudaType(out->element_type());
+  if (lhs_type.has_error()) return lhs_type.error();
+  if (rhs_type.has_error()) return rhs_type.error();
+  if (out_type.has_error()) return out_type.error();
+  p.lhs_type = *lhs_type;
+  p.rhs_type = *rhs_type;
+  p.out_type = *out_type;
+  p.fp8 = IsFp8(lhs.element_type()) || IsFp8(rhs.element_type());
+  if (p.fp8 && (transpose_lhs || transpose_rhs)) {
+    return ffi::Error::InvalidArgument("gemm: FP8 operands must both be K-major (no transpose flags)");
+  }
+  p.transpose_lhs = transpose_lhs;
+  p.transpose_rhs = transpose_rhs;
+  p.bias = bias.element_count() > 0;
+  p.fast_accum = fast_accum;
+  p.align_lhs = Alignment(lhs.untyped_data());
+  p.align_rhs = Alignment(rhs.untyped_data());
+  p.align_out = Alignment(out->untyped_data());
+  if (p.bias && (bias.element_count() != p.n || bias.element_type() != out->element_type())) {
+    return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype");
+  }
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {
+    return CudaError(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "gemm: zero-K memset");
+  }
+
+  auto workspace = scratch.Allocate(kWorkspaceBytes, 256);
+  if (!workspace.has_value()) return ffi::Error::Internal("gemm: could not allocate the cuBLASLt workspace");
+  Cache& cache = GetCache();
+  // Held through the launch: the cached descriptor carries this call's scale and bias pointers.
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cublasLtHandle_t handle;
+  auto h = cache.handles.find(p.device);
+  if (h == cache.handles.end()) {
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle), "create handle");
+    cache.handles.emplace(p.device, handle);
+  } else {
+    handle = h->second;
+  }
+  auto got = GetPlan(handle, p, cache);
+  if (got.has_error()) return got.error();
+  Plan* plan = *got;
+  if (p.fp8) {
+    const float* a_scale = rhs_scale_inv.typed_data();
+    const float* b_scale = lhs_scale_inv.typed_data();
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                                 &a_scale, sizeof(a_scale)),
+                                  "A_SCALE_POINTER");
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                                 &b_scale, sizeof(b_scale)),
+                                  "B_SCALE_POINTER");
+  }
+  if (p.bias) {
+    const void* bias_ptr = bias.untyped_data();
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                 &bias_ptr, sizeof(bias_ptr)),
+                                  "BIAS_POINTER");
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b, &beta,
+                     out->untyped_data(), plan->d, out->untyped_data(), plan->d, &plan->algo, *workspace,
+                     kWorkspaceBytes, stream),
+      "matmul");
+  return LastCudaError("gemm");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Ctx<ffi::ScratchAllocator>()              // cuBLASLt workspace
+                                  .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), or (K, M) if transposed
+                                  .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), or (K, N) if transposed
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // lhs_scale_inv (FP8 lhs only)
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
+                                  .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
+                                  .Ret<ffi::AnyBuffer>()                     // out: (M, N) bf16/fp16/fp32
+                                  .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
+                                  .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
+                                  .Attr<bool>("fast_accum"));                // FP8 fast accumulation
+
+}  // namespace te_jax

@@ -1,0 +1,261 @@
+"""GEMM through cuBLASLt: FP8 (E4M3/E5M2, per-tensor scales) and bf16/fp16/fp32, with a bias epilogue.
+
+``gemm(lhs, rhs)`` computes ``out[M, N] = lhs[M, K] @ rhs[N, K]^T``: both operands K-major (contracting dim
+last), the layout Hopper's FP8 tensor cores need. Leading dims of ``lhs`` fold into M, of ``rhs`` into N. FP8
+operands come with their ``scale_inv`` and are dequantized inside the GEMM. bf16/fp16/fp32 operands may also be
+given transposed (``lhs`` as (K, M...), ``rhs`` as (K, N...)); FP8 operands may not, use the transposed copies
+``te_jax.quantize(..., transpose=True)`` makes.
+
+FP8 shapes: cuBLASLt's FP8 kernels need K and N to be multiples of 16 (the leading dims of the stored
+operands); such shapes are rejected with a ValueError, never padded behind the caller's back (``dense`` pads the
+rows it owns). On CPU, and wherever the CUDA module is missing, the reference runs: dequantize, dot in float32,
+add bias, cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from te_jax.ops._primitive import NativeSignature, define_op
+from te_jax.ops.quantize import FP8_DTYPES
+
+__all__ = ["gemm", "gemm_ref", "GemmConfig"]
+
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_FP8_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Static parameters of one GEMM.
+
+  Attributes:
+    out_dtype: bfloat16, float16 or float32.
+    transpose_lhs: lhs is stored (K, M) (bf16/fp16/fp32 only).
+    transpose_rhs: rhs is stored (K, N) (bf16/fp16/fp32 only).
+    has_bias: a (N,) bias in ``out_dtype`` is the fifth operand, added in float32 before the output cast.
+    fast_accum: FP8 fast accumulation (cuBLASLt FAST_ACCUM): faster, with fewer accumulator promotions.
+  """
+
+  out_dtype: np.dtype
+  transpose_lhs: bool = False
+  transpose_rhs: bool = False
+  has_bias: bool = False
+  fast_accum: bool = False
+
+
+def _mk(shape, transposed):
+  """(rows, K) of a 2-D operand."""
+  return (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+
+
+# ---- reference ---------------------------------------------------------------------------------------------------
+
+
+def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmConfig) -> list[jax.Array]:
+  """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias, cast."""
+  a = lhs.T if config.transpose_lhs else lhs
+  b = rhs.T if config.transpose_rhs else rhs
+  if jnp.dtype(a.dtype) in FP8_DTYPES:
+    a = a.astype(jnp.float32) * lhs_scale_inv
+    b = b.astype(jnp.float32) * rhs_scale_inv
+  out = jax.lax.dot_general(
+      a, b, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+  )
+  if config.has_bias:
+    out = out + bias[0].astype(jnp.float32)
+  return [out.astype(config.out_dtype)]
+
+
+# ---- primitive ---------------------------------------------------------------------------------------------------
+
+
+def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmConfig):
+  del lhs_scale_inv, rhs_scale_inv, bias
+  m, _ = _mk(lhs.shape, config.transpose_lhs)
+  n, _ = _mk(rhs.shape, config.transpose_rhs)
+  return [jax.core.ShapedArray((m, n), config.out_dtype)]
+
+
+def _native_signature(config: GemmConfig, avals_in, avals_out) -> NativeSignature:
+  """The handler always takes a bias operand: empty when there is none."""
+  del avals_in
+  extra = () if config.has_bias else (np.zeros((0,), config.out_dtype),)
+  return NativeSignature(extra_operands=extra, result_avals=avals_out, keep=(0,))
+
+
+def _attributes(config: GemmConfig) -> dict:
+  return {
+      "transpose_lhs": np.bool_(config.transpose_lhs),
+      "transpose_rhs": np.bool_(config.transpose_rhs),
+      "fast_accum": np.bool_(config.fast_accum),
+  }
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _spec2(sharding) -> tuple:
+  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+  return spec + (None,) * (2 - len(spec))
+
+
+def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
+  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M).
+
+  When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match; a mesh axis used twice
+  (say M and N both on 'model') is kept on M only.
+  """
+  lhs_spec, rhs_spec = _spec2(arg_shapes[0].sharding), _spec2(arg_shapes[1].sharding)
+  m_l, k_l = (lhs_spec[1], lhs_spec[0]) if config.transpose_lhs else lhs_spec
+  n_r, k_r = (rhs_spec[1], rhs_spec[0]) if config.transpose_rhs else rhs_spec
+  k_axes = _mesh_axes(k_l) or _mesh_axes(k_r)
+  m_axes = tuple(a for a in _mesh_axes(m_l) if a not in k_axes)
+  n_axes = tuple(a for a in _mesh_axes(n_r) if a not in k_axes and a not in m_axes)
+  m, k, n = _entry(m_axes), _entry(k_axes), _entry(n_axes)
+  lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
+  rhs_sharding = NamedSharding(mesh, P(k, n) if config.transpose_rhs else P(n, k))
+  scalar = NamedSharding(mesh, P())
+  arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
+  if config.has_bias:
+    arg_shardings.append(NamedSharding(mesh, P(n)))
+  # Sequence parallelism: when the output is wanted with M sharded over the K axes, reduce-scatter instead.
+  out_m = _spec2(result_shape[0].sharding)[0]
+  scatter = bool(k_axes) and not m_axes and _mesh_axes(out_m) == k_axes
+  out_sharding = NamedSharding(mesh, P(k if scatter else m, n))
+  local_config = dataclasses.replace(config, has_bias=config.has_bias and not k_axes)
+
+  def lower_fn(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias):
+    operands = (lhs, rhs, lhs_scale_inv, rhs_scale_inv, *(bias if local_config.has_bias else ()))
+    (out,) = _GEMM.inner.bind(*operands, config=local_config)
+    if k_axes:
+      # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; the bias goes on after.
+      if scatter:
+        out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=0, tiled=True)
+      else:
+        out = jax.lax.psum(out, k_axes)
+      if config.has_bias:
+        out = (out.astype(jnp.float32) + bias[0].astype(jnp.float32)).astype(config.out_dtype)
+    return (out,)
+
+  return mesh, lower_fn, (out_sharding,), tuple(arg_shardings)
+
+
+def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
+  del mesh, value_types, result_types
+  lhs = "k m" if config.transpose_lhs else "m k"
+  rhs = "k n" if config.transpose_rhs else "n k"
+  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else [])  # the scale_invs are scalars
+  return ", ".join(operands) + " -> m n", {"reduction_factors": ("k",)}
+
+
+_GEMM = define_op(
+    "gemm",
+    abstract_eval=_abstract_eval,
+    reference=gemm_ref,
+    native_targets={"cuda": lambda config: "te_gemm_cuda"},
+    ffi_attributes=_attributes,
+    native_signature=_native_signature,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+)
+
+
+# ---- public API --------------------------------------------------------------------------------------------------
+
+
+def _check_operand(x, name: str, scale_inv):
+  dt = jnp.dtype(x.dtype)
+  if dt in FP8_DTYPES:
+    if scale_inv is None:
+      raise ValueError(f"{name} is FP8 ({dt.name}): pass {name}_scale_inv")
+    if not hasattr(scale_inv, "dtype") or jnp.dtype(scale_inv.dtype) != jnp.float32 or jnp.shape(scale_inv) != ():
+      raise TypeError(f"{name}_scale_inv must be a float32 scalar, got {getattr(scale_inv, 'dtype', scale_inv)!r}")
+    return True
+  if dt not in _OUT_DTYPES:
+    raise TypeError(f"{name} must be FP8 (e4m3fn/e5m2), bfloat16, float16 or float32, got {dt.name}")
+  if scale_inv is not None:
+    raise ValueError(f"{name}_scale_inv applies to FP8 operands only; {name} is {dt.name}")
+  return False
+
+
+def gemm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    lhs_scale_inv: jax.Array | None = None,
+    rhs_scale_inv: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    transpose_lhs: bool = False,
+    transpose_rhs: bool = False,
+    fast_accum: bool = False,
+) -> jax.Array:
+  """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> te_jax.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((48, 16), jnp.bfloat16)).shape
+  (32, 48)
+
+  Args:
+    lhs: (..., K), or (K, ...) with ``transpose_lhs``; FP8 or bfloat16/float16/float32.
+    rhs: (..., K), or (K, ...) with ``transpose_rhs``; the same kind (FP8 or not) as ``lhs``.
+    lhs_scale_inv, rhs_scale_inv: float32 scalars, required for FP8 operands and only for them.
+    bias: optional (N,) bias, cast to ``out_dtype``, fused into the GEMM epilogue.
+    out_dtype: bfloat16, float16 or float32.
+    transpose_lhs, transpose_rhs: the operand is stored with K first (not for FP8).
+    fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise.
+
+  Returns:
+    ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's.
+  """
+  lhs_fp8 = _check_operand(lhs, "lhs", lhs_scale_inv)
+  rhs_fp8 = _check_operand(rhs, "rhs", rhs_scale_inv)
+  if lhs_fp8 != rhs_fp8:
+    raise TypeError(f"lhs and rhs must both be FP8 or both not, got {lhs.dtype} and {rhs.dtype}")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in _OUT_DTYPES:
+    raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
+  if lhs_fp8 and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
+    raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
+  if lhs_fp8 and (transpose_lhs or transpose_rhs):
+    raise ValueError("FP8 operands must be K-major: pass the transposed FP8 copy instead of transpose_lhs/rhs")
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if x.ndim < 2:
+      raise ValueError(f"{name} must have rank >= 2, got shape {x.shape}")
+
+  def as_2d(x, transposed):
+    return x.reshape(x.shape[0], -1) if transposed else x.reshape(-1, x.shape[-1])
+
+  a, b = as_2d(lhs, transpose_lhs), as_2d(rhs, transpose_rhs)
+  (m, k), (n, k_b) = _mk(a.shape, transpose_lhs), _mk(b.shape, transpose_rhs)
+  if k != k_b:
+    raise ValueError(f"contracting dims differ: lhs {lhs.shape} has K={k}, rhs {rhs.shape} has K={k_b}")
+  if lhs_fp8 and (k % _FP8_ALIGN or n % _FP8_ALIGN):
+    raise ValueError(f"FP8 GEMM needs K and N to be multiples of {_FP8_ALIGN}, got K={k}, N={n}")
+  config = GemmConfig(out_dtype, bool(transpose_lhs), bool(transpose_rhs), bias is not None, bool(fast_accum))
+  one = jnp.ones((), jnp.float32)
+  operands = [a, b, lhs_scale_inv if lhs_fp8 else one, rhs_scale_inv if rhs_fp8 else one]
+  if bias is not None:
+    if bias.shape != (n,):
+      raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    operands.append(bias.astype(out_dtype))
+  (out,) = _GEMM.bind(*operands, config=config)
+  lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:-1]
+  rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:-1]
+  assert math.prod(lhs_rows) == m and math.prod(rhs_rows) == n
+  return out.reshape(*lhs_rows, *rhs_rows)
