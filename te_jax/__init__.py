@@ -3,10 +3,21 @@
 The public API, in one place. Everything not re-exported here is private.
 """
 
+from te_jax import recipe as recipe
 from te_jax import scaling as scaling
+from te_jax.autocast import AutocastState as AutocastState
+from te_jax.autocast import MeshResource as MeshResource
+from te_jax.autocast import autocast as autocast
+from te_jax.autocast import get_autocast_state as get_autocast_state
+from te_jax.dense import DenseFp8Meta as DenseFp8Meta
+from te_jax.dense import dense as dense
+from te_jax.ops.gemm import gemm as gemm
 from te_jax.ops.quantize import Quantized as Quantized
 from te_jax.ops.quantize import amax as amax
 from te_jax.ops.quantize import dequantize as dequantize
 from te_jax.ops.quantize import quantize as quantize
+
+#: The Flax variable collection of the modules' FP8 state (Flax's `_overwrite_with_gradient`).
+FP8_COLLECTION = "_overwrite_with_gradient"
 
 __version__ = "0.1.0"

@@ -1,0 +1,201 @@
+"""``dense``: ``x @ kernel + bias`` with FP8 GEMMs in the forward and backward passes.
+
+Forward: one pass over ``x`` makes its E4M3 copy, its transposed copy (for the weight gradient) and its amax; one
+pass over the kernel does the same; one FP8 GEMM (fast accumulation) with the bias in its epilogue. Only the FP8
+transposed ``x`` and the FP8 kernel are saved for the backward pass: 1 byte per element instead of 2.
+
+Backward: one pass over the output gradient makes its FP8 copy (E5M2 under HYBRID), its transposed copy, its amax
+and the bias gradient; then the dgrad and wgrad FP8 GEMMs (full-precision accumulation). The weight gradient comes
+out in the kernel's dtype (float32 for float32 parameters).
+
+Delayed scaling: the scales come from ``fp8_meta`` and the updated state (amax histories rolled, new scales) is
+returned as ``fp8_meta``'s gradient, so a train step that differentiates with respect to the whole variables dict
+(``flax.training.train_state.TrainState``) keeps the state current with no extra code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import scaling
+from te_jax.autocast import get_autocast_state
+from te_jax.ops.gemm import gemm
+from te_jax.ops.quantize import amax, quantize
+from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+__all__ = ["DenseFp8Meta", "dense"]
+
+# cuBLASLt's FP8 GEMMs need every dim that is a leading dim of a stored operand to be a multiple of 16: K and N
+# in the forward GEMM, and M (the tokens) in the weight-gradient GEMM, which contracts over them.
+_FP8_ALIGN = 16
+
+
+class DenseFp8Meta(NamedTuple):
+  """Delayed-scaling state of one dense layer: input, kernel and output gradient."""
+
+  x: scaling.ScaleState
+  kernel: scaling.ScaleState
+  grad: scaling.ScaleState
+
+  @classmethod
+  def create(cls, history_len: int) -> "DenseFp8Meta":
+    return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8Config:
+  recipe: Recipe
+  out_dtype: jnp.dtype  # the compute dtype: x's dtype
+  kernel_dtype: jnp.dtype  # the weight gradient's dtype
+  bias_dtype: jnp.dtype | None  # None: no bias
+
+  @property
+  def has_bias(self) -> bool:
+    return self.bias_dtype is not None
+
+  @property
+  def fwd_dtype(self):
+    return self.recipe.fp8_format.fwd_dtype
+
+  @property
+  def bwd_dtype(self):
+    return self.recipe.fp8_format.bwd_dtype
+
+  def scale(self, state: scaling.ScaleState | None, x: jax.Array, dtype) -> jax.Array:
+    """The scale to cast ``x`` with: the delayed state's, or one from ``x``'s own amax (current scaling)."""
+    if isinstance(self.recipe, DelayedScaling):
+      return state.scale
+    return scaling.compute_scale(amax(x), jnp.float32(1.0), scaling.fp8_max(dtype))
+
+  def update(self, state: scaling.ScaleState | None, new_amax: jax.Array, dtype) -> scaling.ScaleState | None:
+    if not isinstance(self.recipe, DelayedScaling):
+      return state
+    return scaling.update_scale_state(
+        state, new_amax, dtype, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dense_fp8(cfg: _Fp8Config, x, kernel, bias, meta):
+  return _dense_fp8_fwd(cfg, x, kernel, bias, meta)[0]
+
+
+def _dense_fp8_fwd(cfg: _Fp8Config, x, kernel, bias, meta):
+  sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
+  sw = cfg.scale(meta and meta.kernel, kernel, cfg.fwd_dtype)
+  qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
+  qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
+  sx_inv, sw_inv = 1.0 / sx, 1.0 / sw
+  out = gemm(qx.data, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, out_dtype=cfg.out_dtype,
+             fast_accum=True)
+  return out, (qx.data_t, qw.data, sx_inv, sw_inv, qx.amax, qw.amax, meta)
+
+
+def _dense_fp8_bwd(cfg: _Fp8Config, residuals, g):
+  x_t, w, sx_inv, sw_inv, amax_x, amax_w, meta = residuals
+  sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
+  qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)  # (M, N) and (N, M)
+  sg_inv = 1.0 / sg
+  dx = gemm(qg.data, w, lhs_scale_inv=sg_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype)  # (M, K)
+  dw = gemm(x_t, qg.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype)  # (K, N)
+  dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
+  new_meta = None
+  if meta is not None:
+    new_meta = DenseFp8Meta(
+        cfg.update(meta.x, amax_x, cfg.fwd_dtype),
+        cfg.update(meta.kernel, amax_w, cfg.fwd_dtype),
+        cfg.update(meta.grad, qg.amax, cfg.bwd_dtype),
+    )
+  return dx, dw, dbias, new_meta
+
+
+_dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
+
+
+def _normalize_axes(axes: int | Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  out = []
+  for a in axes:
+    if not -ndim <= a < ndim:
+      raise ValueError(f"{name} axis {a} is out of range for rank {ndim}")
+    out.append(a % ndim)
+  if len(set(out)) != len(out):
+    raise ValueError(f"{name} axes repeat: {axes}")
+  return tuple(out)
+
+
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis: int | Sequence[int] = -1,
+    fp8_meta: DenseFp8Meta | None = None,
+    recipe: Recipe | None = None,
+) -> jax.Array:
+  """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
+
+  Under ``autocast(enabled=True)`` (or with an explicit ``recipe``) both GEMMs of the layer and its backward
+  pass run in FP8; otherwise it is a plain ``dot_general`` in ``x``'s dtype.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> te_jax.dense(jnp.ones((4, 32), jnp.bfloat16), jnp.ones((32, 16))).shape
+  (4, 16)
+
+  Args:
+    x: the input, in the compute dtype (the output has it too).
+    kernel: ``(*x.shape[axis], *features)``, any float dtype (its gradient keeps it).
+    bias: optional ``features``-shaped bias.
+    axis: the dims of ``x`` to contract.
+    fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
+    recipe: overrides the autocast recipe for this call.
+
+  Returns:
+    ``(*x's other dims, *features)`` in ``x``'s dtype.
+  """
+  axes = _normalize_axes(axis, x.ndim, "x")
+  n_contract = len(axes)
+  if kernel.ndim <= n_contract - 1 or kernel.shape[:n_contract] != tuple(x.shape[a] for a in axes):
+    raise ValueError(
+        f"kernel {kernel.shape} must start with x's contracting dims {tuple(x.shape[a] for a in axes)} (axis={axis})"
+    )
+  features = kernel.shape[n_contract:]
+  if bias is not None and bias.shape != features:
+    raise ValueError(f"bias must have shape {features}, got {bias.shape}")
+  if recipe is None:
+    recipe = get_autocast_state().fp8_recipe
+  if recipe is None:
+    dims = ((axes, tuple(range(n_contract))), ((), ()))
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
+    return y if bias is None else y + bias.astype(y.dtype)
+  if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+  if isinstance(recipe, DelayedScaling) and fp8_meta is None:
+    raise ValueError("DelayedScaling needs fp8_meta (a DenseFp8Meta) with the layer's scaling state")
+
+  # Contracting dims last, then fold into 2-D: (M, K) @ (K, N).
+  batch_axes = tuple(a for a in range(x.ndim) if a not in axes)
+  if axes != tuple(range(x.ndim - n_contract, x.ndim)):
+    x = jnp.transpose(x, batch_axes + axes)
+  batch_shape = tuple(x.shape[: len(batch_axes)])
+  k, n, m = math.prod(kernel.shape[:n_contract]), math.prod(features), math.prod(batch_shape)
+  if k % _FP8_ALIGN or n % _FP8_ALIGN:
+    raise ValueError(f"FP8 dense needs input and output features to be multiples of {_FP8_ALIGN}, got {k} and {n}")
+  x2d = x.reshape(m, k)
+  pad = -m % _FP8_ALIGN
+  if pad:  # zero rows leave amax, dbias and the weight gradient unchanged
+    x2d = jnp.pad(x2d, ((0, pad), (0, 0)))
+  b = None if bias is None else bias.reshape(n)
+  cfg = _Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
+  y = _dense_fp8(cfg, x2d, kernel.reshape(k, n), b, meta)
+  if pad:
+    y = y[:m]
+  return y.reshape(*batch_shape, *features)

@@ -1,0 +1,88 @@
+"""FP8 recipes: immutable, hashable, validated descriptions of how tensors are scaled and cast.
+
+A recipe is part of ``autocast``'s state and therefore of jax's jit cache key: changing it retraces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+
+
+class Format(enum.Enum):
+  """Which FP8 formats the forward and backward passes use.
+
+  ``E4M3``: E4M3 everywhere. ``HYBRID``: E4M3 for forward tensors (inputs, weights) and E5M2, with its wider
+  range, for gradients.
+  """
+
+  E4M3 = "E4M3"
+  HYBRID = "HYBRID"
+
+  @property
+  def fwd_dtype(self):
+    return jnp.dtype(jnp.float8_e4m3fn)
+
+  @property
+  def bwd_dtype(self):
+    return jnp.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn)
+
+
+def _check_format(value) -> None:
+  if not isinstance(value, Format):
+    raise ValueError(f"fp8_format must be a te_jax.recipe.Format, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """Per-tensor scaling from the amax history of earlier steps (Transformer Engine's default recipe).
+
+  Each FP8 tensor keeps an amax history; the scale used at a step comes from the history up to the step before,
+  so the cast needs no extra pass over the tensor. The state lives in the module's FP8 variable collection.
+
+  >>> from te_jax import recipe
+  >>> recipe.DelayedScaling(amax_history_len=16).amax_compute_algo
+  'max'
+
+  Attributes:
+    margin: the scale leaves ``2**margin`` of headroom: ``scale = fp8_max / (amax * 2**margin)``.
+    fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
+    amax_history_len: how many steps of amax each tensor remembers.
+    amax_compute_algo: ``"max"`` over the history, or ``"most_recent"``.
+  """
+
+  margin: int = 0
+  fp8_format: Format = Format.HYBRID
+  amax_history_len: int = 1024
+  amax_compute_algo: str = "max"
+
+  def __post_init__(self):
+    if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+      raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+    _check_format(self.fp8_format)
+    if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or (
+        self.amax_history_len < 1):
+      raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+    if self.amax_compute_algo not in ("max", "most_recent"):
+      raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling:
+  """Per-tensor scaling from the amax of the tensor itself, computed just before its cast (two passes, no state).
+
+  Attributes:
+    fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
+  """
+
+  fp8_format: Format = Format.HYBRID
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+
+
+Recipe = DelayedScaling | Float8CurrentScaling
