@@ -28,7 +28,16 @@ from jax.interpreters import batching, mlir
 
 from te_jax import _native
 
-__all__ = ["NativeSignature", "Op", "define_op", "sequential_batcher"]
+__all__ = ["NativeSignature", "Op", "define_op", "output_aval", "sequential_batcher"]
+
+
+def output_aval(like: jax.core.ShapedArray, shape, dtype) -> jax.core.ShapedArray:
+  """An output type of an op whose input is ``like``: inside ``shard_map``, it varies over the mesh axes ``like``
+  varies over (so ``check_vma`` sees per-shard values as such)."""
+  if like.manual_axis_type.empty:
+    return jax.core.ShapedArray(shape, dtype)
+  sharding = jax.sharding.NamedSharding(like.sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=like.manual_axis_type)
 
 
 class Op:

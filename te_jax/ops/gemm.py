@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op
+from te_jax.ops._primitive import NativeSignature, define_op, output_aval
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["gemm", "gemm_ref", "GemmConfig"]
@@ -81,7 +81,7 @@ def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmCo
   del lhs_scale_inv, rhs_scale_inv, bias
   m, _ = _mk(lhs.shape, config.transpose_lhs)
   n, _ = _mk(rhs.shape, config.transpose_rhs)
-  return [jax.core.ShapedArray((m, n), config.out_dtype)]
+  return [output_aval(lhs, (m, n), config.out_dtype)]
 
 
 def _native_signature(config: GemmConfig, avals_in, avals_out) -> NativeSignature:

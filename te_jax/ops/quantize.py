@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op
+from te_jax.ops._primitive import NativeSignature, define_op, output_aval, sequential_batcher
 
 __all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "FP8_DTYPES"]
 
@@ -70,6 +70,17 @@ class Quantized(NamedTuple):
 # ---- reference ---------------------------------------------------------------------------------------------------
 
 
+def _amax_f32(xf: jax.Array, axis=None) -> jax.Array:
+  """``max|x|`` of float32 ``xf`` as an unsigned max over the bit patterns of ``|x|``.
+
+  Exactly what the kernels compute: integer order equals float order for non-negative floats, every NaN sorts above
+  +inf (so any NaN gives a NaN amax), and subnormals count. A float ``jnp.max`` is not that on every backend: XLA:CPU
+  flushes subnormals to zero and, past a few thousand elements, can drop NaNs.
+  """
+  bits = jax.lax.bitcast_convert_type(xf, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis, initial=jnp.uint32(0)), jnp.float32)
+
+
 def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> list[jax.Array]:
   """The pure-jnp definition: the CPU fallback, the test oracle and the documentation of the kernels."""
   xf = x.astype(jnp.float32)
@@ -78,7 +89,7 @@ def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> l
   outs = [q]
   if config.transpose:
     outs.append(jnp.transpose(q, config.transposed_axes(x.ndim)))
-  outs.append(jnp.max(jnp.abs(xf), initial=0.0))
+  outs.append(_amax_f32(xf))
   if config.dbias:
     outs.append(jnp.sum(xf, axis=tuple(range(x.ndim - 1))))
   return outs
@@ -89,12 +100,16 @@ def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> l
 
 def _abstract_eval(x, scale, *, config: QuantizeConfig):
   del scale
-  outs = [jax.core.ShapedArray(x.shape, config.out_dtype)]
+
+  def aval(shape, dtype):
+    return output_aval(x, shape, dtype)
+
+  outs = [aval(x.shape, config.out_dtype)]
   if config.transpose:
-    outs.append(jax.core.ShapedArray(config.transposed_shape(x.shape), config.out_dtype))
-  outs.append(jax.core.ShapedArray((), jnp.float32))
+    outs.append(aval(config.transposed_shape(x.shape), config.out_dtype))
+  outs.append(aval((), jnp.float32))
   if config.dbias:
-    outs.append(jax.core.ShapedArray(x.shape[-1:], jnp.float32))
+    outs.append(aval(x.shape[-1:], jnp.float32))
   return outs
 
 
@@ -168,6 +183,26 @@ def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types) -> s
   return f"{x}, -> {', '.join(results)}"
 
 
+def _batcher(args, dims, *, config: QuantizeConfig):
+  """vmap: one kernel over the stacked input when the scale is shared, so a sharded batch dim stays sharded.
+
+  The FP8 bytes do not depend on the batching (the batch dim just joins the leading dims); the per-element amax and
+  dbias are plain reductions over the non-batch dims. A per-element scale runs the op once per element instead.
+  """
+  x, scale = args
+  x_dim, scale_dim = dims
+  if scale_dim is not None or x_dim is None:
+    return sequential_batcher(_QUANTIZE)(args, dims, config=config)
+  x = jnp.moveaxis(x, x_dim, 0)
+  batched = dataclasses.replace(config, batch_ndim=config.batch_ndim + 1, dbias=False)
+  outs = list(_QUANTIZE.bind(x, scale, config=batched))
+  xf = x.astype(jnp.float32)
+  outs[2 if config.transpose else 1] = _amax_f32(xf, axis=tuple(range(1, x.ndim)))
+  if config.dbias:
+    outs.append(jnp.sum(xf, axis=tuple(range(1, x.ndim - 1))))
+  return outs, [0] * len(outs)
+
+
 def _attributes(config: QuantizeConfig) -> dict:
   return {"batch_ndim": np.int64(config.batch_ndim)}
 
@@ -184,6 +219,7 @@ _QUANTIZE = define_op(
     native_signature=_native_signature,
     partition=_partition,
     sharding_rule=_sharding_rule,
+    batcher=_batcher,
 )
 
 
@@ -276,7 +312,8 @@ def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -
   Left to XLA on purpose: it fuses the multiply into whatever consumes the result (a GEMM operand, an add), which
   a custom call would prevent.
   """
-  _check_fp8_dtype(q.dtype)
+  if jnp.dtype(q.dtype) not in FP8_DTYPES:
+    raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {jnp.dtype(q.dtype).name}")
   out = jnp.dtype(dtype)
   if out not in _INPUT_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -286,8 +323,8 @@ def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -
 def amax(x: jax.Array) -> jax.Array:
   """``max|x|`` as float32 (NaN if ``x`` holds a NaN; 0 for an empty ``x``), for current scaling.
 
-  A plain reduction: XLA reads ``x`` once at full bandwidth and inserts the all-reduce itself when ``x`` is
-  sharded, so no custom call is needed.
+  A plain reduction (over the bit patterns of ``|x|``, as the kernels do): XLA reads ``x`` once at full bandwidth
+  and inserts the all-reduce itself when ``x`` is sharded, so no custom call is needed.
   """
   x = _check_input(x)
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+  return _amax_f32(x.astype(jnp.float32))

@@ -1,0 +1,100 @@
+"""Test setup shared by every test file: 8 forced CPU devices, the ``gpu`` marker, and comparison helpers.
+
+pytest imports this file before any test module, so the XLA flag below is set before jax is first imported: the
+sharding tests get 8 CPU devices, and the single-device tests run on device 0 of them. The helpers are imported by
+the test modules (``from conftest import ...``; pytest puts tests/ on sys.path).
+"""
+
+import os
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# Unit roundoff of float32 (round to nearest).
+F32_U = 2.0**-24
+
+
+def _gpus() -> list:
+  return [d for d in jax.devices() if d.platform == "gpu"]
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skips ``@pytest.mark.gpu`` tests only when jax sees no GPU; with a GPU they run (and fail if anything is off)."""
+  del config
+  if _gpus():
+    return
+  skip = pytest.mark.skip(reason="no GPU in jax.devices()")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu():
+  """The first GPU device (gpu tests are skipped before this runs when there is none)."""
+  return _gpus()[0]
+
+
+# ---- comparison helpers --------------------------------------------------------------------------------------------
+
+
+def fp8_bits(a) -> np.ndarray:
+  """The raw bytes of an FP8 array."""
+  return np.asarray(a).view(np.uint8)
+
+
+def isnan(a) -> np.ndarray:
+  return np.isnan(np.asarray(a).astype(np.float32))
+
+
+def assert_fp8_equal(actual, expected, what: str = "data"):
+  """Bitwise equal FP8 arrays, except that a NaN may be any NaN: NaN positions must match, not NaN bit patterns."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  nan = isnan(expected)
+  np.testing.assert_array_equal(isnan(actual), nan, err_msg=f"{what}: NaN positions")
+  bad = np.flatnonzero((fp8_bits(actual) != fp8_bits(expected)) & ~nan)
+  assert bad.size == 0, (
+      f"{what}: {bad.size} of {actual.size} bytes differ; first at flat index {bad[0]}: "
+      f"{fp8_bits(actual).flat[bad[0]]:#04x} != {fp8_bits(expected).flat[bad[0]]:#04x}")
+
+
+def assert_f32_equal(actual, expected, what: str = "amax"):
+  """Bitwise equal float32 values, any NaN matching any NaN."""
+  actual = np.asarray(actual, dtype=np.float32)
+  expected = np.asarray(expected, dtype=np.float32)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  nan = np.isnan(expected)
+  np.testing.assert_array_equal(np.isnan(actual), nan, err_msg=f"{what}: NaN positions")
+  np.testing.assert_array_equal(actual.view(np.uint32)[~nan], expected.view(np.uint32)[~nan], err_msg=what)
+
+
+def assert_column_sums_close(dbias, x):
+  """``dbias`` is a float32 sum of ``x`` over every dim but the last, in any order.
+
+  The tolerance is the a-priori bound of any float32 summation order (Higham, Accuracy and Stability of Numerical
+  Algorithms, eq. 4.4): ``|computed - exact| <= gamma_{n-1} * sum|x_i|`` with ``gamma_k = k*u / (1 - k*u)``,
+  u = 2^-24, n the number of terms. ``x`` (float32, bfloat16 or float16) is exact in float64, so the float64 sum
+  stands in for the exact one (its own error is ~2^-29 times smaller). A column holding inf or NaN has the same
+  non-finite sum in any order, so it is compared exactly.
+  """
+  shape = np.shape(x)
+  x64 = np.asarray(x).astype(np.float64).reshape(int(np.prod(shape[:-1])), shape[-1])
+  n = x64.shape[0]
+  exact = x64.sum(axis=0)
+  k = max(n - 1, 0)
+  bound = k * F32_U / (1 - k * F32_U) * np.abs(x64).sum(axis=0)
+  dbias = np.asarray(dbias)
+  assert dbias.dtype == np.float32 and dbias.shape == exact.shape, (dbias.dtype, dbias.shape, exact.shape)
+  d = dbias.astype(np.float64)
+  finite = np.isfinite(x64).all(axis=0)
+  assert_f32_equal(d[~finite], exact[~finite], what="dbias, non-finite columns")
+  err = np.abs(d[finite] - exact[finite])
+  worst = np.argmax(err - bound[finite]) if err.size else 0
+  assert np.all(err <= bound[finite]), f"dbias: error {err[worst]} over the bound {bound[finite][worst]}"

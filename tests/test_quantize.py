@@ -1,0 +1,512 @@
+"""te_jax.quantize, dequantize and amax.
+
+- The CPU FFI handler against the pure-jnp reference ``quantize_ref``: bitwise for the FP8 bytes, the transposed copy
+  and amax; dbias within the bound of float32 summation.
+- The reference itself against ml_dtypes/numpy and hand-computed values, so that the oracle is anchored independently.
+- jit, vmap, eager; argument checks; dequantize and amax against numpy.
+- On a GPU (``@pytest.mark.gpu``): the CUDA handler against the reference run on the same GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import te_jax
+from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal, fp8_bits
+from te_jax import _native
+from te_jax.ops.quantize import QuantizeConfig, quantize_ref
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+FP8 = pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+IN_DTYPES = pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+CPU = jax.devices("cpu")[0]
+
+# Odd sizes, 1 element, rows not a multiple of 16, rank 1..4.
+SHAPES = [(1,), (7,), (1, 1), (1, 17), (17, 1), (5, 7), (13, 31), (16, 16), (33, 130), (2, 3, 5), (3, 17, 33),
+          (2, 3, 5, 7), (2, 1, 9, 40)]
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+
+
+def fp8_max(fp8) -> float:
+  return float(ml_dtypes.finfo(fp8).max)
+
+
+def random_input(shape, dtype, seed: int) -> np.ndarray:
+  """Normal values with magnitudes spread over 2^-12 .. 2^12: below, across and above both FP8 ranges at scale 1."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp2(rng.uniform(-12, 12, shape))
+  return x.astype(dtype)
+
+
+def numpy_quantize(x, scale, fp8) -> np.ndarray:
+  """The oracle's oracle: ml_dtypes' round-to-nearest-even cast of the clipped float32 product."""
+  m = np.float32(fp8_max(fp8))
+  with np.errstate(invalid="ignore", over="ignore"):
+    return np.clip(np.asarray(x).astype(np.float32) * np.float32(scale), -m, m).astype(fp8)
+
+
+def numpy_amax(x) -> np.float32:
+  """max|x| in float32; NaN if x holds one, 0 if x is empty."""
+  return np.max(np.abs(np.asarray(x).astype(np.float32)), initial=np.float32(0))
+
+
+def t_axes(ndim: int, batch_dims: int) -> tuple:
+  """``x.shape[:b] + x.shape[-1:] + x.shape[b:-1]``, written independently of QuantizeConfig."""
+  return tuple(range(batch_dims)) + (ndim - 1,) + tuple(range(batch_dims, ndim - 1))
+
+
+def native(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.Quantized:
+  """te_jax.quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
+  args = (jax.device_put(x, device), jax.device_put(np.float32(scale), device))
+  compiled = jax.jit(lambda x, s: te_jax.quantize(x, s, fp8, **kwargs)).lower(*args).compile()
+  cuda_target = "te_quantize_dbias_cuda" if kwargs.get("dbias") else "te_quantize_cuda"
+  target = {"cpu": "te_quantize_cpu", "gpu": cuda_target}[device.platform]
+  assert compiled.as_text().count(f'custom_call_target="{target}"') == 1, target
+  return compiled(*args)
+
+
+def reference(x, scale, fp8, *, transpose=False, transpose_batch_dims=None, dbias=False, device=CPU):
+  """quantize_ref, jitted, on ``device``, returned as a Quantized."""
+  batch = np.ndim(x) - 2 if transpose_batch_dims is None else transpose_batch_dims
+  config = QuantizeConfig(out_dtype=jnp.dtype(fp8), transpose=transpose, batch_ndim=batch if transpose else 0,
+                          dbias=dbias)
+  outs = list(jax.jit(functools.partial(quantize_ref, config=config))(jax.device_put(x, device),
+                                                                    jax.device_put(np.float32(scale), device)))
+  data = outs.pop(0)
+  data_t = outs.pop(0) if transpose else None
+  amax = outs.pop(0)
+  return te_jax.Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+
+
+def assert_matches_reference(x, scale, fp8, *, device=CPU, check_reference_amax=True, **kwargs):
+  """The handler on ``device`` vs the reference on ``device``; also the transposed copy vs numpy's transpose of the
+  handler's data, and amax vs numpy."""
+  out = native(x, scale, fp8, device=device, **kwargs)
+  ref = reference(x, scale, fp8, device=device, **kwargs)
+  assert_fp8_equal(out.data, ref.data)
+  assert_f32_equal(out.amax, numpy_amax(x), what="amax vs numpy")
+  if check_reference_amax:
+    assert_f32_equal(out.amax, ref.amax)
+  if kwargs.get("transpose"):
+    b = kwargs.get("transpose_batch_dims")
+    axes = t_axes(np.ndim(x), np.ndim(x) - 2 if b is None else b)
+    assert_fp8_equal(out.data_t, np.transpose(np.asarray(out.data), axes), what="data_t vs transpose(data)")
+    assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
+  else:
+    assert out.data_t is None
+  if kwargs.get("dbias"):
+    assert_column_sums_close(out.dbias, x)
+    assert_column_sums_close(ref.dbias, x)
+  else:
+    assert out.dbias is None
+  return out
+
+
+@pytest.fixture(autouse=True)
+def _cpu_handler_registered():
+  """Every test here means the native CPU handler: a silent fallback to the reference must fail, not pass."""
+  assert _native.has_target("cpu", "te_quantize_cpu"), _native.load_errors
+
+
+# ---- CPU handler vs reference --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extras", [{}, {"transpose": True, "dbias": True}], ids=["plain", "t+dbias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@IN_DTYPES
+@FP8
+def test_cpu_matches_reference(shape, dtype, fp8, extras):
+  if len(shape) == 1:
+    extras = {k: v for k, v in extras.items() if k != "transpose"}
+  x = random_input(shape, dtype, seed=len(shape) * 1000 + sum(shape))
+  assert_matches_reference(x, 1.0, fp8, **extras)
+
+
+@pytest.mark.parametrize("shape,batch_dims", [((4, 9), 0), ((3, 17, 33), None), ((3, 17, 33), 0), ((3, 17, 33), 1),
+                                              ((2, 3, 5, 7), None), ((2, 3, 5, 7), 0), ((2, 3, 5, 7), 1)], ids=str)
+@pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
+@pytest.mark.parametrize("dtype,fp8", [(ml_dtypes.bfloat16, E4M3), (np.float32, E5M2)], ids=["bf16-e4m3", "f32-e5m2"])
+def test_cpu_transpose_modes(shape, batch_dims, dbias, dtype, fp8):
+  x = random_input(shape, dtype, seed=7)
+  out = assert_matches_reference(x, 0.75, fp8, transpose=True, transpose_batch_dims=batch_dims, dbias=dbias)
+  b = len(shape) - 2 if batch_dims is None else batch_dims
+  assert out.data_t.shape == shape[:b] + shape[-1:] + shape[b:-1]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.75, 2.0**-10, 3000.0])
+@IN_DTYPES
+@FP8
+def test_cpu_scales(scale, dtype, fp8):
+  assert_matches_reference(random_input((19, 23), dtype, seed=3), scale, fp8, transpose=True, dbias=True)
+
+
+def special_values(fp8, dtype=np.float32) -> np.ndarray:
+  """Values at the edges of ``fp8`` (for scale 1): saturation, subnormals, ties, signed zeros, inf, NaN; float16 turns
+  the largest into inf."""
+  m = fp8_max(fp8)
+  tiny = float(ml_dtypes.finfo(fp8).smallest_subnormal)
+  v = [0.0, m, np.nextafter(np.float32(m), np.float32(np.inf)), 1.0625 * m, 1.5 * m, 1e30, np.inf,
+       tiny, 0.5 * tiny, 0.50001 * tiny, 0.49999 * tiny, 1.5 * tiny, 2.5 * tiny, 3.5 * tiny, 100 * tiny / 3,
+       1.0, 1.0625, 1.1875, 1.03125, 1.09375, 3.0 / 7.0, 2.0**-6, 2.0**-14]
+  v = np.array(v, np.float32)
+  v = np.concatenate([v, -v, [np.nan, -np.nan, np.float32(np.nan) * 0]]).astype(np.float32)
+  with np.errstate(over="ignore"):
+    return v.astype(dtype)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-4], ids=["s1", "s1/16"])
+@IN_DTYPES
+@FP8
+def test_cpu_special_values(dtype, fp8, scale):
+  v = special_values(fp8) / np.float32(scale)  # powers of two: exact
+  with np.errstate(over="ignore"):  # float16: the largest values become inf
+    x = np.resize(v, (7, len(v) // 7 + 3)).astype(dtype)  # wraps around: every value, rows and cols odd
+  out = assert_matches_reference(x, scale, fp8, transpose=True)
+  assert np.isnan(np.asarray(out.amax))
+  finite = x[np.isfinite(x.astype(np.float32))]
+  out = assert_matches_reference(finite, scale, fp8)  # no NaN: amax is the largest finite |x|
+  assert_f32_equal(out.amax, np.max(np.abs(finite.astype(np.float32))))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-8, 448.0 / 3.0])
+@FP8
+def test_every_16bit_input(dtype, fp8, scale):
+  """Every bf16/f16 bit pattern, through the handler, the reference and ml_dtypes.
+
+  amax (NaN: the input holds NaNs) is checked against numpy only: the reference's amax loses NaNs on XLA:CPU at this
+  size, see test_reference_amax_propagates_nan.
+  """
+  x = np.arange(2**16, dtype=np.uint16).view(dtype).reshape(256, 256)
+  out = assert_matches_reference(x, scale, fp8, transpose=True, check_reference_amax=False)
+  assert np.isnan(np.asarray(out.amax))
+  assert_fp8_equal(out.data, numpy_quantize(x, scale, fp8), what="data vs ml_dtypes")
+
+
+def fp8_grid(fp8) -> tuple[np.ndarray, np.ndarray]:
+  """The finite non-negative FP8 values in order, and the float32 midpoints between neighbours."""
+  codes = np.arange(256, dtype=np.uint8)
+  values = codes.view(fp8).astype(np.float32)
+  values = values[np.isfinite(values) & (codes < 0x80)]
+  return values, (values[:-1] + values[1:]) / 2  # exact: adjacent values are at most one binade apart
+
+
+@FP8
+def test_cpu_ties_round_half_to_even(fp8):
+  """float32 midpoints between neighbouring FP8 values go to the even code; one ulp off them, to the nearer one."""
+  values, mid = fp8_grid(fp8)
+  up = np.nextafter(mid, np.float32(np.inf))
+  down = np.nextafter(mid, np.float32(0))
+  x = np.concatenate([values, mid, up, down])
+  x = np.concatenate([x, -x])
+  out = assert_matches_reference(x, 1.0, fp8)
+  q = fp8_bits(out.data)
+  n = len(values) - 1
+  at_mid = q[len(values):len(values) + n]
+  assert np.all(at_mid % 2 == 0), "a tie went to an odd code"
+  lo = np.arange(n, dtype=np.uint8)  # for non-negative FP8 values the code is the index in `values`
+  assert np.all((at_mid == lo) | (at_mid == lo + 1))
+  np.testing.assert_array_equal(q[len(values) + n:len(values) + 2 * n], lo + 1)  # just above a midpoint: up
+  np.testing.assert_array_equal(q[len(values) + 2 * n:len(values) + 3 * n], lo)  # just below: down
+
+
+def test_cpu_float32_subnormal_inputs_cast():
+  """float32 subnormal inputs: the cast agrees with the reference (XLA:CPU flushes them to zero, and so does the
+  handler, which runs under XLA's float environment)."""
+  x = np.array([[2.0**-130, -(2.0**-140)], [2.0**-149, 1.0]], np.float32)
+  assert_matches_reference(x, 2.0**127, E4M3, transpose=True)
+
+
+def test_cpu_amax_of_float32_subnormals():
+  """max|x| is the largest subnormal, as numpy says (the handler reduces bit patterns, which no float mode flushes)."""
+  x = np.array([[2.0**-130, -(2.0**-140)], [2.0**-149, 0.0]], np.float32)
+  assert_f32_equal(native(x, 1.0, E4M3).amax, np.float32(2.0**-130))
+
+
+# A float jnp.max on XLA:CPU flushes subnormals and, past a few thousand elements, drops NaNs: the reference's amax
+# must not (it reduces the bit patterns of |x|, as the kernels do).
+def test_reference_amax_of_float32_subnormals():
+  x = np.array([[2.0**-130, -(2.0**-140)], [2.0**-149, 0.0]], np.float32)
+  assert_f32_equal(reference(x, 1.0, E4M3).amax, np.float32(2.0**-130))
+
+
+@pytest.mark.parametrize("amax_of", ["quantize_ref", "te_jax.amax"])
+def test_reference_amax_propagates_nan(amax_of):
+  x = np.ones((64, 64), np.float32)
+  x[63, 63] = np.nan  # a float max-reduce on XLA:CPU gives 0.0 here (4096 elements)
+  got = reference(x, 1.0, E4M3).amax if amax_of == "quantize_ref" else te_jax.amax(jax.device_put(x, CPU))
+  assert np.isnan(np.asarray(got)), got
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0,)], ids=str)
+def test_cpu_empty(shape):
+  extras = {"transpose": True} if len(shape) > 1 else {}
+  out = assert_matches_reference(np.zeros(shape, np.float32), 1.0, E4M3, dbias=True, **extras)
+  assert float(out.amax) == 0.0
+
+
+@pytest.mark.slow
+def test_cpu_more_than_2_pow_24_elements():
+  x = random_input((4097, 4099), np.float32, seed=24)
+  assert x.size > 2**24
+  assert_matches_reference(x, 1.0 / 16, E4M3, transpose=True, dbias=True)
+
+
+# ---- the reference itself ------------------------------------------------------------------------------------------
+
+
+@IN_DTYPES
+@FP8
+def test_reference_matches_ml_dtypes(dtype, fp8):
+  # < 4096 elements: test_reference_amax_propagates_nan says why
+  x = np.concatenate([random_input((2000,), dtype, seed=11), special_values(fp8, dtype)])
+  for scale in [1.0, 0.3, 2.0**-6]:
+    ref = reference(x, scale, fp8)
+    assert_fp8_equal(ref.data, numpy_quantize(x, scale, fp8))
+    assert_f32_equal(ref.amax, np.max(np.abs(x.astype(np.float32))))
+    assert np.isnan(np.asarray(ref.amax))  # special_values holds NaN
+
+
+@pytest.mark.parametrize("fp8,x,expected", [
+    (E4M3, 1.0625, 1.0),  # tie between 1 and 1.125: even mantissa
+    (E4M3, 1.1875, 1.25),  # tie between 1.125 and 1.25: even mantissa
+    (E4M3, 470.0, 448.0),  # nearer 480, which E4M3FN lacks (that code is NaN): saturates
+    (E4M3, -np.inf, -448.0),
+    (E4M3, 2.0**-10, 0.0),  # half the smallest subnormal: ties to zero
+    (E4M3, 3 * 2.0**-10, 2.0**-8),  # 1.5 subnormal steps: ties to 2 steps
+    (E4M3, -0.0, -0.0),
+    (E5M2, 1.125, 1.0),  # E5M2 has 2 mantissa bits: 1, 1.25, ...
+    (E5M2, 61440.0, 57344.0),  # the tie between 57344 and 65536 (inf in E5M2) rounds up: saturates
+    (E5M2, np.inf, 57344.0),
+    (E5M2, 2.0**-17, 0.0),  # half the smallest subnormal 2^-16
+    (E5M2, 3 * 2.0**-17, 2.0**-15),
+])
+def test_hand_computed_values(fp8, x, expected):
+  x = np.array([x], np.float32)
+  for out in (reference(x, 1.0, fp8).data, native(x, 1.0, fp8).data, numpy_quantize(x, 1.0, fp8)):
+    got = np.asarray(out).astype(np.float32)
+    assert got.view(np.uint32)[0] == np.float32(expected).view(np.uint32), (x, got, expected)
+
+
+# ---- jit, vmap, eager ----------------------------------------------------------------------------------------------
+
+
+def test_eager_equals_jit():
+  x = jax.device_put(random_input((9, 11), ml_dtypes.bfloat16, seed=1), CPU)
+  eager = te_jax.quantize(x, jnp.float32(0.5), E5M2, transpose=True, dbias=True)
+  jitted = native(x, 0.5, E5M2, transpose=True, dbias=True)
+  assert_fp8_equal(eager.data, jitted.data)
+  assert_fp8_equal(eager.data_t, jitted.data_t, what="data_t")
+  assert_f32_equal(eager.amax, jitted.amax)
+  assert_f32_equal(eager.dbias, jitted.dbias, what="dbias")  # the same handler: the same summation order
+
+
+@pytest.mark.parametrize("scale_batched", [False, True], ids=["scale", "scales"])
+@pytest.mark.parametrize("in_axis", [0, 1])
+def test_vmap_is_per_element(in_axis, scale_batched):
+  x = random_input((3, 4, 9, 10), ml_dtypes.bfloat16, seed=5)
+  scales = np.array([1.0, 0.25, 4.0, 2.0**-6], np.float32)[: x.shape[in_axis]]
+  f = lambda x, s: te_jax.quantize(x, s, E4M3, transpose=True, dbias=True)  # noqa: E731
+  s_axis = 0 if scale_batched else None
+  s_arg = scales if scale_batched else np.float32(0.5)
+  out = jax.jit(jax.vmap(f, in_axes=(in_axis, s_axis)))(jax.device_put(x, CPU), s_arg)
+  for i in range(x.shape[in_axis]):
+    xi = np.take(x, i, axis=in_axis)
+    ref = reference(xi, scales[i] if scale_batched else 0.5, E4M3, transpose=True, dbias=True)
+    assert_fp8_equal(out.data[i], ref.data)
+    assert_fp8_equal(out.data_t[i], ref.data_t, what="data_t")
+    assert_f32_equal(out.amax[i], ref.amax)  # the amax of element i alone, not of the whole batch
+    assert_column_sums_close(out.dbias[i], xi)
+
+
+def test_nested_vmap():
+  x = random_input((2, 3, 5, 6), np.float32, seed=9)
+  out = jax.vmap(jax.vmap(lambda x: te_jax.quantize(x, 1.0, E4M3, transpose=True)))(jax.device_put(x, CPU))
+  assert out.amax.shape == (2, 3)
+  for i in range(2):
+    for j in range(3):
+      ref = reference(x[i, j], 1.0, E4M3, transpose=True)
+      assert_fp8_equal(out.data[i, j], ref.data)
+      assert_fp8_equal(out.data_t[i, j], ref.data_t, what="data_t")
+      assert_f32_equal(out.amax[i, j], ref.amax)
+
+
+def test_scale_accepts_python_numpy_and_jax_float32():
+  x = jax.device_put(random_input((4, 6), np.float32, seed=2), CPU)
+  expected = fp8_bits(te_jax.quantize(x, jnp.float32(0.5)).data)
+  for s in [0.5, np.float32(0.5), jnp.asarray(0.5)]:
+    np.testing.assert_array_equal(fp8_bits(te_jax.quantize(x, s).data), expected)
+
+
+def test_fields_not_asked_for_are_none():
+  out = te_jax.quantize(jnp.ones((2, 3), jnp.float32), 1.0)
+  assert out.data_t is None and out.dbias is None
+  assert out.data.dtype == E4M3 and out.amax.dtype == jnp.float32 and out.amax.shape == ()
+
+
+# ---- argument checks -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    ((jnp.ones((2, 2), jnp.int32), 1.0), {}, TypeError, "^x must be float32"),
+    ((np.ones((2, 2), np.float64), 1.0), {}, TypeError, "^x must be float32"),
+    ((jnp.float32(1.0), 1.0), {}, ValueError, "^x must have rank >= 1"),
+    ((jnp.ones((2, 2)), np.array(1.0, np.float64)), {}, TypeError, "^scale must be a float32 scalar"),
+    ((jnp.ones((2, 2)), 1), {}, TypeError, "^scale must be a float32 scalar"),
+    ((jnp.ones((2, 2)), jnp.ones((1,), jnp.float32)), {}, ValueError, r"^scale must be a float32 scalar \(shape"),
+    ((jnp.ones((2, 2)), 1.0, jnp.float8_e4m3fnuz), {}, ValueError, "^dtype must be float8_e4m3fn or float8_e5m2"),
+    ((jnp.ones((2, 2)), 1.0, jnp.bfloat16), {}, ValueError, "^dtype must be float8_e4m3fn or float8_e5m2"),
+    ((jnp.ones((3,)), 1.0), {"transpose": True}, ValueError, "^transpose=True needs x of rank >= 2"),
+    ((jnp.ones((2, 3, 4)), 1.0), {"transpose": True, "transpose_batch_dims": 2}, ValueError,
+     r"^transpose_batch_dims must be in \[0, 1\]"),
+    ((jnp.ones((2, 3, 4)), 1.0), {"transpose": True, "transpose_batch_dims": -1}, ValueError,
+     "^transpose_batch_dims must be in"),
+    ((jnp.ones((2, 3, 4)), 1.0), {"transpose_batch_dims": 0}, ValueError, "^transpose_batch_dims needs transpose"),
+], ids=["int-x", "f64-x", "rank0", "f64-scale", "int-scale", "scale-shape", "fnuz", "bf16-out", "t-rank1",
+        "batch-too-big", "batch-negative", "batch-without-t"])
+def test_bad_arguments_raise_before_xla(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    te_jax.quantize(*args, **kwargs)
+  with pytest.raises(error, match=match):  # under jit: at trace time, with the same message
+    jax.jit(lambda: te_jax.quantize(*args, **kwargs))()
+
+
+# ---- dequantize and amax -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+@FP8
+def test_dequantize_matches_numpy(fp8, out_dtype):
+  q = np.arange(256, dtype=np.uint8).view(fp8).reshape(16, 16)  # every code, NaN included
+  for scale_inv in [1.0, 1.0 / 448.0, 3.0]:
+    got = te_jax.dequantize(jnp.asarray(q), np.float32(scale_inv), out_dtype)
+    with np.errstate(over="ignore"):  # 3 * 57344 is inf in float16, in XLA too
+      want = (q.astype(np.float32) * np.float32(scale_inv)).astype(out_dtype)
+    assert got.dtype == out_dtype
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(got).astype(np.float32)), nan)
+    np.testing.assert_array_equal(np.asarray(got)[~nan].view(np.uint16 if out_dtype != np.float32 else np.uint32),
+                                  want[~nan].view(np.uint16 if out_dtype != np.float32 else np.uint32))
+
+
+def test_quantize_dequantize_round_trip():
+  x = random_input((8, 8), np.float32, seed=4) / 64  # within E4M3 range at scale 1 after the divide
+  q = te_jax.quantize(jnp.asarray(x), 4.0)
+  y = np.asarray(te_jax.dequantize(q.data, np.float32(0.25), jnp.float32))
+  np.testing.assert_array_equal(y, numpy_quantize(x, 4.0, E4M3).astype(np.float32) * np.float32(0.25))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((jnp.ones((2,), jnp.float32), 1.0), TypeError, "^q must be float8"),
+    ((jnp.ones((2,), E4M3), 1.0, jnp.int8), ValueError, "^dtype must be float32, bfloat16 or float16"),
+    ((jnp.ones((2,), E4M3), np.array(1.0, np.float64)), TypeError, "^scale must be a float32 scalar"),
+])
+def test_dequantize_bad_arguments(args, error, match):
+  with pytest.raises(error, match=match):
+    te_jax.dequantize(*args)
+
+
+@IN_DTYPES
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (2, 3, 5)], ids=str)
+def test_amax_matches_numpy(dtype, shape):
+  x = random_input(shape, dtype, seed=8)
+  assert_f32_equal(te_jax.amax(jnp.asarray(x)), np.max(np.abs(x.astype(np.float32))))
+  x.flat[-1] = np.nan
+  assert np.isnan(te_jax.amax(jnp.asarray(x)))
+  x.flat[-1] = -np.inf
+  assert te_jax.amax(jnp.asarray(x)) == np.inf
+
+
+def test_amax_edge_cases():
+  assert te_jax.amax(jnp.zeros((0, 3), jnp.float32)) == 0.0
+  assert_f32_equal(te_jax.amax(jnp.array([-0.0], jnp.bfloat16)), np.float32(0.0))  # +0, float32
+  with pytest.raises(TypeError, match="^x must be float32"):
+    te_jax.amax(jnp.ones((2,), jnp.int32))
+
+
+# ---- CUDA handler vs reference on the GPU --------------------------------------------------------------------------
+
+# Odd shapes (generic 32x32-tile kernel) and shapes with cols % 8 == 0 and rows % 8 == 0 (fast 128x128-tile kernel),
+# with partial tiles; (1001, 1000) takes the fast kernel without transpose and the generic one with it.
+GPU_SHAPES = [(7,), (1, 1), (17, 1), (5, 7), (33, 130), (3, 17, 33), (2, 3, 5, 7), (8, 8), (200, 264),
+              (1001, 1000), (1000, 1001), (4, 136, 128)]
+GPU_LARGE = [((16384, 8192), ml_dtypes.bfloat16), ((3, 1000, 4096), ml_dtypes.bfloat16),
+             ((3, 1000, 4096), np.float32), ((4096, 4104), np.float16), ((4097, 4099), np.float32)]
+# Each is its own kernel instantiation.
+GPU_EXTRAS = {"plain": {}, "t": {"transpose": True}, "dbias": {"dbias": True},
+              "t+dbias": {"transpose": True, "dbias": True}}
+
+
+def assert_cuda_handler(x, fp8, gpu, **kwargs):
+  assert _native.has_target("cuda", "te_quantize_cuda"), _native.load_errors
+  assert _native.has_target("cuda", "te_quantize_dbias_cuda"), _native.load_errors
+  return assert_matches_reference(x, 1.0, fp8, device=gpu, **kwargs)
+
+
+def _gpu_cases():
+  for shape in GPU_SHAPES:
+    for name, extras in GPU_EXTRAS.items():
+      if len(shape) > 1 or not extras.get("transpose"):  # no transposed copy of a vector
+        yield pytest.param(shape, extras, id=f"{shape}-{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,extras", list(_gpu_cases()))
+@IN_DTYPES
+@FP8
+def test_gpu_matches_reference(shape, extras, dtype, fp8, gpu):
+  assert_cuda_handler(random_input(shape, dtype, seed=sum(shape)), fp8, gpu, **extras)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", GPU_LARGE, ids=lambda v: str(v) if isinstance(v, tuple) else None)
+@FP8
+def test_gpu_large(shape, dtype, fp8, gpu):
+  assert_cuda_handler(_large_input(shape, dtype), fp8, gpu, transpose=True, dbias=True)
+
+
+@functools.lru_cache(maxsize=1)  # generated once for both formats (the largest takes seconds); never mutated
+def _large_input(shape, dtype) -> np.ndarray:
+  return random_input(shape, dtype, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,batch_dims", [((3, 17, 33), 0), ((2, 3, 5, 7), 0), ((2, 3, 5, 7), 1),
+                                              ((4, 64, 128), 0), ((2, 3, 64, 128), 1), ((2, 3, 64, 128), 0)], ids=str)
+@pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
+def test_gpu_transpose_modes(shape, batch_dims, dbias, gpu):
+  x = random_input(shape, ml_dtypes.bfloat16, seed=2)
+  assert_cuda_handler(x, E4M3, gpu, transpose=True, transpose_batch_dims=batch_dims, dbias=dbias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [7, 64], ids=["generic", "fast"])
+@IN_DTYPES
+@FP8
+def test_gpu_special_values(dtype, fp8, cols, gpu):
+  values, mid = fp8_grid(fp8)
+  v = np.concatenate([special_values(fp8), values, mid, -mid, np.nextafter(mid, np.float32(np.inf))])
+  with np.errstate(over="ignore"):
+    x = np.resize(v, (8 * (len(v) // (8 * cols) + 1), cols)).astype(dtype)
+  out = assert_cuda_handler(x, fp8, gpu, transpose=True)
+  assert np.isnan(np.asarray(out.amax))
+  finite = np.where(np.isfinite(x.astype(np.float32)), x, 0).astype(dtype)
+  out = assert_cuda_handler(finite, fp8, gpu, transpose=True, dbias=True)
+  assert_fp8_equal(out.data, numpy_quantize(finite, 1.0, fp8), what="data vs ml_dtypes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 1001)], ids=str)
+def test_gpu_dbias_is_deterministic(shape, gpu):
+  x = jax.device_put(random_input(shape, np.float32, seed=6), gpu)
+  f = jax.jit(lambda x: te_jax.quantize(x, 1.0, E4M3, transpose=True, dbias=True).dbias)
+  first = np.asarray(f(x))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(f(x)).view(np.uint32), first.view(np.uint32))

@@ -1,0 +1,133 @@
+"""te_jax.scaling: the delayed-scaling math, against numpy float32 arithmetic written out by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_f32_equal
+from te_jax import scaling
+
+E4M3_MAX = np.float32(448.0)
+E5M2_MAX = np.float32(57344.0)
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+  """The expected values are numpy float32 arithmetic, which XLA:CPU reproduces bit for bit (IEEE division)."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
+def np_compute_scale(amax, scale, fp8_max, margin=0) -> np.float32:
+  """The documented rule in numpy float32: fp8_max / (amax * 2^margin), else the previous scale."""
+  amax = np.float32(amax)
+  with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    new = np.float32(fp8_max) / (amax * np.float32(2.0**margin))
+  return new if (amax > 0 and np.isfinite(amax) and np.isfinite(new)) else np.float32(scale)
+
+
+def test_fp8_max():
+  assert scaling.fp8_max(jnp.float8_e4m3fn) == 448.0
+  assert scaling.fp8_max(jnp.float8_e5m2) == 57344.0
+
+
+@pytest.mark.parametrize("amax,margin,expected", [
+    (2.0, 0, 224.0),
+    (448.0, 0, 1.0),
+    (3.0, 0, np.float32(448.0) / np.float32(3.0)),  # rounded once, in float32
+    (2.0, 1, 112.0),
+    (2.0, 3, 28.0),
+    (1e-3, 0, np.float32(448.0) / np.float32(1e-3)),
+    (1e30, 0, np.float32(448.0) / np.float32(1e30)),  # tiny but normal scale
+])
+def test_compute_scale(amax, margin, expected):
+  got = scaling.compute_scale(jnp.float32(amax), jnp.float32(5.0), 448.0, margin)
+  assert got.dtype == jnp.float32
+  assert_f32_equal(got, np.float32(expected), what="scale")
+  assert_f32_equal(got, np_compute_scale(amax, 5.0, E4M3_MAX, margin), what="scale vs numpy")
+
+
+@pytest.mark.parametrize("amax", [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 2.0**-130],
+                         ids=["zero", "-zero", "nan", "inf", "-inf", "tiny-1e-45", "tiny-2^-130"])
+def test_compute_scale_keeps_previous(amax):
+  """Zero, non-finite, and amax so small that fp8_max / amax overflows float32 (448 / 1e-45 = inf, and
+  448 / 2^-130 > 3.4e38) keep the previous scale."""
+  got = scaling.compute_scale(jnp.float32(amax), jnp.float32(0.375), 448.0)
+  assert_f32_equal(got, np.float32(0.375), what="scale")
+
+
+def test_compute_scale_margin_overflow_keeps_previous():
+  """amax * 2^margin is finite but the scale is not: 448 / (2^-120 * 2^-8) = 448 * 2^128 overflows."""
+  got = scaling.compute_scale(jnp.float32(2.0**-120), jnp.float32(2.0), 448.0, margin=-8)
+  assert_f32_equal(got, np.float32(2.0), what="scale")
+
+
+def test_compute_scale_elementwise_and_jit():
+  amax = np.array([2.0, 0.0, np.nan, 448.0], np.float32)
+  prev = np.array([1.0, 3.0, 4.0, 5.0], np.float32)
+  got = jax.jit(scaling.compute_scale, static_argnums=(2, 3))(amax, prev, 448.0, 1)
+  want = np.array([np_compute_scale(a, p, E4M3_MAX, 1) for a, p in zip(amax, prev)], np.float32)
+  assert_f32_equal(got, want, what="scale")
+
+
+def test_roll_amax_history():
+  h = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+  got = scaling.roll_amax_history(jnp.asarray(h), jnp.float32(9.0))
+  assert got.dtype == jnp.float32
+  assert_f32_equal(got, np.array([9.0, 1.0, 2.0, 3.0], np.float32), what="history")
+  assert_f32_equal(scaling.roll_amax_history(jnp.zeros((1,)), jnp.float32(7.0)), np.array([7.0], np.float32))
+  assert_f32_equal(scaling.roll_amax_history(jnp.asarray(h), jnp.array([5.0])), np.array([5, 1, 2, 3], np.float32))
+
+
+@pytest.mark.parametrize("algo,expected", [("max", 7.0), ("most_recent", 2.0)])
+def test_amax_from_history(algo, expected):
+  h = jnp.array([2.0, 7.0, 0.0, 3.0], jnp.float32)
+  assert_f32_equal(scaling.amax_from_history(h, algo), np.float32(expected))
+
+
+def test_amax_from_history_nan():
+  h = jnp.array([2.0, np.nan, 1.0], jnp.float32)
+  assert np.isnan(scaling.amax_from_history(h, "max"))  # documented: NaN until it rolls out
+  assert scaling.amax_from_history(h, "most_recent") == 2.0
+
+
+def test_amax_from_history_bad_algo():
+  with pytest.raises(ValueError, match="amax_compute_algo must be 'max' or 'most_recent', got 'mean'"):
+    scaling.amax_from_history(jnp.zeros((3,)), "mean")
+
+
+@pytest.mark.parametrize("history_len", [1, 4])
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fp8,fp8_max", [(jnp.float8_e4m3fn, E4M3_MAX), (jnp.float8_e5m2, E5M2_MAX)],
+                         ids=["e4m3", "e5m2"])
+def test_update_scale_state_replayed(history_len, margin, algo, fp8, fp8_max):
+  """Several delayed-scaling steps, replayed by hand: a zero, a NaN and an inf amax among normal ones."""
+  amaxes = np.array([3.0, 0.0, 10.0, np.nan, 0.5, 0.25, np.inf, 0.125, 2.0, 1.0, 1.0, 1.0], np.float32)
+  step = jax.jit(scaling.update_scale_state, static_argnames=("fp8_dtype", "margin", "algo"))
+  state = scaling.ScaleState.create(history_len)
+  history, scale = np.zeros(history_len, np.float32), np.float32(1.0)
+  for amax in amaxes:
+    state = step(state, jnp.float32(amax), fp8_dtype=fp8, margin=margin, algo=algo)
+    history = np.concatenate([[amax], history[:-1]]).astype(np.float32)
+    source = history.max() if algo == "max" else history[0]  # ndarray.max propagates NaN, as documented
+    scale = np_compute_scale(source, scale, fp8_max, margin)
+    assert_f32_equal(state.amax_history, history, what="history")
+    assert_f32_equal(state.scale, scale, what="scale")
+    assert_f32_equal(state.scale_inv, np.float32(1.0) / scale, what="scale_inv")
+  assert state.scale.dtype == jnp.float32 and state.amax_history.dtype == jnp.float32
+
+
+def test_scale_state_create():
+  s = scaling.ScaleState.create(3)
+  assert_f32_equal(s.amax_history, np.zeros(3, np.float32), what="history")
+  assert_f32_equal(s.scale, np.float32(1.0), what="scale")
+  assert s.scale.shape == () and s.amax_history.dtype == jnp.float32
+  assert_f32_equal(s.scale_inv, np.float32(1.0), what="scale_inv")
+
+
+@pytest.mark.parametrize("history_len", [0, -1])
+def test_scale_state_create_rejects(history_len):
+  with pytest.raises(ValueError, match=f"history_len must be >= 1, got {history_len}"):
+    scaling.ScaleState.create(history_len)
