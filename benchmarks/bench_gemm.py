@@ -1,0 +1,99 @@
+"""GEMM: te_jax's cuBLASLt FP8 GEMM vs XLA's bf16 GEMM (and te_jax's own bf16 path), same shape, same process.
+
+FP8 operands are quantized once, outside the timed function: this measures the GEMM alone. Rates count
+2*M*N*K FLOPs.
+
+  python benchmarks/bench_gemm.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import te_jax
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 4096, 16384))  # (M, N, K)
+COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("TFLOP/s", "tflops"),
+    ("vs XLA bf16", "speedup_vs_xla"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+
+
+def _operands(key, m, n, k):
+  ka, kb = jax.random.split(key)
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
+  return a, b
+
+
+def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
+  m, n, k = (d // ctx.shrink for d in mnk)
+  a, b = _operands(key, m, n, k)
+  one = jnp.float32(1.0)
+  qa, qb = te_jax.quantize(a, one), te_jax.quantize(b, one)
+  inv = jnp.float32(1.0)
+  impls = {
+      "te_jax fp8 (fast acc)": (jax.jit(lambda x, y: te_jax.gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv,
+                                                                fast_accum=True)), (qa.data, qb.data)),
+      "te_jax fp8": (jax.jit(lambda x, y: te_jax.gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv)),
+                     (qa.data, qb.data)),
+      "te_jax bf16": (jax.jit(lambda x, y: te_jax.gemm(x, y)), (a, b)),
+      "xla bf16": (jax.jit(lambda x, y: jnp.dot(x, y.T)), (a, b)),
+  }
+  flops = 2.0 * m * n * k
+  ref = impls["xla bf16"][0](a, b).astype(jnp.float32)
+  rows = []
+  for name, (fn, args) in impls.items():
+    t = harness.time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
+    targets = harness.custom_call_targets(fn, *args)
+    native = name.startswith("xla") or f"te_gemm_{ctx.platform}" in targets or not ctx.gpu
+    # Agreement: relative Frobenius error vs the bf16 GEMM; FP8 E4M3 rounding of both inputs bounds it near 2^-4.
+    out = fn(*args).astype(jnp.float32)
+    rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    bound = 0.1 if "fp8" in name else 1e-2
+    problems = ([] if native else ["NOT NATIVE"]) + ([] if rel <= bound else [f"rel err {rel:.3g} > {bound}"])
+    rows.append({
+        "bench": "gemm",
+        "case": f"{m}x{n}x{k} -> bf16",
+        "impl": name,
+        "ms": t.ms,
+        "timing": t.as_dict(),
+        "tflops": flops / (t.ms * 1e-3) / 1e12,
+        "rel_err_vs_bf16": rel,
+        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas")))) or "xla",
+        "ok": not problems,
+        "note": "; ".join(problems),
+    })
+  base = next(r for r in rows if r["impl"] == "xla bf16")["ms"]
+  for r in rows:
+    r["speedup_vs_xla"] = base / r["ms"]
+  return rows
+
+
+def run(ctx: harness.Context) -> list[dict]:
+  rows = []
+  for i, mnk in enumerate(SHAPES):
+    shape_rows = bench_shape(ctx, mnk, jax.random.key(100 + i))
+    for r in shape_rows:
+      print(f"gemm {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
+            f"{r['speedup_vs_xla']:.2f}x vs XLA bf16" + (f" [{r['note']}]" if not r["ok"] else ""),
+            file=sys.stderr, flush=True)
+    rows += shape_rows
+  return rows
+
+
+if __name__ == "__main__":
+  import run as runner  # noqa: PLC0415 - the driver lives beside this file
+
+  sys.exit(runner.main(["--only", "bench_gemm", "--no-write"]))

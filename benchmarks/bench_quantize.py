@@ -1,0 +1,156 @@
+"""Quantize: te_jax.quantize (one fused kernel) vs the same math compiled by XLA from jnp.
+
+The baseline is ``te_jax.ops.quantize.quantize_ref`` under ``jax.jit``: the same outputs (FP8 data, transposed FP8
+data, amax, dbias), which XLA fuses as well as it can. Both run in one process on the same input. Each row checks
+that the te_jax path ran the native handler (its target is in the compiled HLO) and that its outputs equal XLA's
+(bitwise for the FP8 data and amax; dbias within float32 summation-order error), and says so when not.
+
+Bytes moved = input bytes + one FP8 byte per element for each FP8 output (+ the float32 dbias vector): the minimum
+traffic of the op, so GB/s over the measured copy bandwidth is the fraction of the memory-bound ceiling reached.
+
+  python benchmarks/bench_quantize.py     # this benchmark alone (run.py runs them all and writes the results)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import te_jax
+from te_jax.ops.quantize import QuantizeConfig, quantize_ref
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  shape: tuple[int, int]
+  dtype: jnp.dtype
+  transpose: bool = True
+  dbias: bool = False
+  note: str = ""
+
+  def name(self, shape: tuple[int, ...]) -> str:
+    extras = ["+T" if self.transpose else "", "+dbias" if self.dbias else ""]
+    return f"{'x'.join(map(str, shape))} {jnp.dtype(self.dtype).name}->e4m3{''.join(extras)}"
+
+
+CASES = (
+    Case((16384, 8192), jnp.bfloat16, note="acceptance shape"),
+    Case((8192, 8192), jnp.bfloat16),
+    Case((16384, 8192), jnp.bfloat16, transpose=False),
+    Case((16384, 8192), jnp.float32),
+    Case((16384, 8192), jnp.bfloat16, dbias=True),
+)
+COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("ms (loop)", "ms_loop"),
+    ("ms (1 sync call)", "ms_sync"),
+    ("GB/s", "gbps"),
+    ("% copy BW", "pct_copy"),
+    ("vs XLA", "speedup_vs_xla"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+# Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
+_LOOP_BELOW = 1 << 22
+
+
+def _expected_target(platform: str, case: Case) -> str:
+  return f"te_quantize_dbias_{platform}" if case.dbias and platform == "cuda" else f"te_quantize_{platform}"
+
+
+def _outputs_agree(x: jax.Array, got: tuple, want: tuple, case: Case) -> bool:
+  """FP8 data, transposed data and amax bitwise; dbias to float32 summation-order error (1e-5 of sum |x|)."""
+  n_exact = len(got) - (1 if case.dbias else 0)
+  if not all(harness.bitwise_equal(a, b) for a, b in zip(got[:n_exact], want[:n_exact], strict=True)):
+    return False
+  if case.dbias:
+    bound = 1e-5 * jnp.sum(jnp.abs(x.astype(jnp.float32)), axis=0)
+    return bool(jnp.all(jnp.abs(got[-1] - want[-1]) <= bound))
+  return True
+
+
+def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
+  """Times one case on both paths; returns the te_jax row and the XLA row."""
+  shape = tuple(d // ctx.shrink for d in case.shape)
+  x = (3.0 * jax.random.normal(key, shape, jnp.float32)).astype(case.dtype)
+  scale = te_jax.scaling.compute_scale(te_jax.amax(x), jnp.float32(1.0), te_jax.scaling.fp8_max(E4M3))
+  config = QuantizeConfig(out_dtype=E4M3, transpose=case.transpose, dbias=case.dbias)
+
+  def ours(x, s):
+    return tuple(o for o in te_jax.quantize(x, s, E4M3, transpose=case.transpose, dbias=case.dbias) if o is not None)
+
+  def xla(x, s):
+    return tuple(quantize_ref(x, s, config=config))
+
+  te_fn, xla_fn = jax.jit(ours), jax.jit(xla)
+  targets = harness.custom_call_targets(te_fn, x, scale)
+  expected = _expected_target(ctx.platform, case)
+  native = expected in targets
+  te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
+  agree = _outputs_agree(x, te_fn(x, scale), xla_fn(x, scale), case)
+
+  fp8_copies = 2 if case.transpose else 1
+  moved = x.nbytes + fp8_copies * x.size + (4 * shape[-1] if case.dbias else 0)
+  rows = []
+  for impl, fn, plain in (("te_jax", te_fn, ours), ("xla (jnp)", xla_fn, xla)):
+    # Three views of one time: back-to-back calls (the reported one for large inputs), a jitted loop (the reported
+    # one for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call.
+    t_loop = harness.time_loop(plain, (x, scale), inner=ctx.inner, runs=ctx.runs)
+    t_sync = harness.time_calls(fn, x, scale, runs=ctx.runs)
+    t = t_loop if x.size < _LOOP_BELOW else harness.time_calls(fn, x, scale, runs=ctx.runs, batch=ctx.batch)
+    rate = harness.gbps(moved, t.ms)
+    rows.append({
+        "bench": "quantize",
+        "case": case.name(shape),
+        "impl": impl,
+        "shape": list(shape),
+        "dtype": jnp.dtype(case.dtype).name,
+        "out_dtype": E4M3.name,
+        "transpose": case.transpose,
+        "dbias": case.dbias,
+        "bytes": moved,
+        "ms": t.ms,
+        "ms_loop": t_loop.ms,
+        "ms_sync": t_sync.ms,
+        "timing": t.as_dict(),
+        "gbps": rate,
+        "pct_copy": 100.0 * rate / ctx.copy_gbps,
+        "handler": te_handler if impl == "te_jax" else "xla fusion",
+        "note": case.note,
+    })
+  te_row, xla_row = rows
+  te_row["speedup_vs_xla"] = xla_row["ms"] / te_row["ms"]
+  xla_row["speedup_vs_xla"] = 1.0
+  problems = ([] if native else [f"NOT NATIVE (expected {expected})"]) + ([] if agree else ["MISMATCH vs XLA"])
+  te_row["ok"] = not problems
+  xla_row["ok"] = True
+  te_row["note"] = "; ".join(filter(None, [case.note, *problems]))
+  return rows
+
+
+def run(ctx: harness.Context) -> list[dict]:
+  """All cases, te_jax row then XLA row for each."""
+  rows = []
+  for i, case in enumerate(CASES):
+    case_rows = bench_case(ctx, case, jax.random.key(i))
+    te_row = case_rows[0]
+    print(f"quantize {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {case_rows[1]['ms']:.4f} ms, "
+          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW, {te_row['handler']}"
+          + (f" [{te_row['note']}]" if not te_row["ok"] else ""), file=sys.stderr, flush=True)
+    rows += case_rows
+  return rows
+
+
+if __name__ == "__main__":
+  import run as runner  # noqa: PLC0415 - the driver lives beside this file
+
+  sys.exit(runner.main(["--only", "bench_quantize", "--no-write"]))

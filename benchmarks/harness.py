@@ -1,0 +1,203 @@
+"""Timing helpers shared by the benchmarks: synchronized timing, jitted loops for small ops, the copy ceiling.
+
+Conventions:
+
+- Every timed function is jitted and compiled before timing, then warmed up; a time is the median of ``runs``
+  synchronized measurements (``jax.block_until_ready`` on the result).
+- ``time_calls(batch=1)`` is one host-timed call per measurement, dispatch included: comparable with the baselines in
+  the project's perf anchors (measured that way). ``batch > 1`` dispatches that many calls back to back and waits for
+  the last: the device never waits for the host, so the time is the op's own (use it for ops above ~50 us).
+- ``time_loop`` runs the op ``inner`` times inside one jitted ``lax.fori_loop``, for ops too small for per-call
+  timing. It times ``inner`` and ``2 * inner`` iterations and takes the difference, which cancels the loop's fixed
+  costs (dispatch, carry initialisation, final sync).
+- Bandwidth counts bytes read + written once each (the minimum traffic of the op); ``copy_bandwidth`` measures the
+  ceiling the same way, with a large device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What every benchmark's ``run(ctx)`` gets.
+
+  Attributes:
+    gpu: whether the default backend is a GPU.
+    platform: the lowering platform of the default backend, "cuda" or "cpu" (FFI target names end with it).
+    shrink: divide every benchmark dimension by this (1 on a GPU; larger for a quick smoke run on a CPU).
+    copy_gbps: the measured device copy bandwidth (bytes read + written), the ceiling for memory-bound ops.
+    runs: measurements per timing (the median is reported).
+    batch: calls per measurement in ``time_calls`` for the main (device-bound) time.
+    inner: iterations of the shorter loop in ``time_loop``.
+  """
+
+  gpu: bool
+  platform: str
+  shrink: int
+  copy_gbps: float
+  runs: int = 20
+  batch: int = 10
+  inner: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """A median time per call, in milliseconds, with the spread of the measurements."""
+
+  ms: float
+  ms_min: float
+  ms_max: float
+  runs: int
+
+  def as_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+def _timing(samples: Sequence[float]) -> Timing:
+  return Timing(statistics.median(samples) * 1e3, min(samples) * 1e3, max(samples) * 1e3, len(samples))
+
+
+def time_calls(fn: Callable[..., Any], *args: Any, runs: int = 20, batch: int = 1, warmup: int = 3) -> Timing:
+  """Median time of one call of the jitted ``fn(*args)``.
+
+  Args:
+    fn: a jitted function.
+    *args: its arguments (device arrays).
+    runs: number of measurements.
+    batch: calls per measurement, dispatched back to back; the measurement is divided by it.
+    warmup: calls before the first measurement (the first one compiles, if ``fn`` was not compiled yet).
+
+  Returns:
+    The median (and min, max) over ``runs`` measurements of the time per call.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    for _ in range(batch):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / batch)
+  return _timing(samples)
+
+
+def time_loop(fn: Callable[..., Any], args: Sequence[Any], *, inner: int = 100, vary_argnum: int = -1,
+              runs: int = 20, warmup: int = 2) -> Timing:
+  """Time of one iteration of ``fn(*args)`` run ``inner`` times in a jitted ``lax.fori_loop``.
+
+  Two things keep XLA from optimising the loop away: each iteration's outputs are carried to the end (nothing is dead
+  code), and the float scalar ``args[vary_argnum]`` gets ``zero * (first output element)`` added after each
+  iteration, with ``zero`` a run-time argument, so that the call is not loop invariant and cannot be hoisted.
+
+  Args:
+    fn: the (unjitted) function to time; returns a pytree of arrays.
+    args: its arguments; ``args[vary_argnum]`` must be a float scalar.
+    inner: iterations in the shorter loop (the longer one runs ``2 * inner``).
+    vary_argnum: which argument to perturb.
+    runs: measurements of each loop.
+    warmup: calls of each loop before measuring.
+
+  Returns:
+    The per-iteration time: the median over ``runs`` of (time of the 2*inner loop - time of the inner loop) / inner,
+    the two loops timed back to back in each run so that both see the same machine load. Where noise (another process)
+    makes that median non-positive: the 2*inner loop's median / (2*inner), an upper bound.
+  """
+  args = list(args)
+  vary_argnum %= len(args)
+  out_shapes = jax.eval_shape(fn, *args)
+
+  def loop(n, zero, *args):
+    def body(_, carry):
+      args_, _ = carry
+      outs = fn(*args_)
+      first = jnp.ravel(jax.tree.leaves(outs)[0])[0].astype(jnp.float32)
+      args_ = list(args_)
+      args_[vary_argnum] = args_[vary_argnum] + (zero * first).astype(args_[vary_argnum].dtype)
+      return tuple(args_), outs
+
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+    return jax.lax.fori_loop(0, n, body, (tuple(args), init))[1]
+
+  zero = jnp.float32(0.0)
+  short = jax.jit(lambda *a: loop(inner, *a))
+  long = jax.jit(lambda *a: loop(2 * inner, *a))
+  for _ in range(warmup):
+    jax.block_until_ready((short(zero, *args), long(zero, *args)))
+  diffs, longs = [], []
+  for _ in range(runs):
+    t_short = time_calls(short, zero, *args, runs=1, warmup=0).ms
+    t_long = time_calls(long, zero, *args, runs=1, warmup=0).ms
+    diffs.append((t_long - t_short) / inner)
+    longs.append(t_long / (2 * inner))
+  if statistics.median(diffs) <= 0:
+    return Timing(statistics.median(longs), min(longs), max(longs), runs)
+  return Timing(statistics.median(diffs), min(diffs), max(diffs), runs)
+
+
+def copy_bandwidth(nbytes: int, *, runs: int = 20, batch: int = 10) -> dict[str, float]:
+  """The device copy ceiling: a jitted ``jnp.copy`` of ``nbytes`` (the input is not donated, so XLA must copy).
+
+  Args:
+    nbytes: size of the copied array; take it large (1 GiB on a GPU) so that launch costs vanish.
+    runs: measurements.
+    batch: copies per measurement.
+
+  Returns:
+    ``{"bytes": read + written, "ms": median per copy, "gbps": GB/s read + written, "hlo_copies": whether the
+    compiled HLO holds a copy}``; if it does not, the number is no ceiling (the caller says so).
+  """
+  x = jnp.zeros((nbytes // 4,), jnp.float32)
+  copy = jax.jit(jnp.copy)
+  copies = bool(re.search(r"\bcopy(-start)?\(", copy.lower(x).compile().as_text()))
+  t = time_calls(copy, x, runs=runs, batch=batch)
+  moved = 2 * x.nbytes
+  return {"bytes": moved, "ms": t.ms, "gbps": gbps(moved, t.ms), "hlo_copies": copies}
+
+
+def gbps(nbytes: int, ms: float) -> float:
+  """GB/s (10^9 bytes per second) for ``nbytes`` moved in ``ms`` milliseconds."""
+  return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+
+
+def custom_call_targets(jitted: Callable[..., Any], *args: Any) -> set[str]:
+  """The custom-call targets in the optimised HLO of ``jitted(*args)``, e.g. ``{"te_quantize_cuda"}``."""
+  return set(re.findall(r'custom_call_target="([^"]+)"', jitted.lower(*args).compile().as_text()))
+
+
+def bits(x: jax.Array) -> jax.Array:
+  """``x`` reinterpreted as unsigned integers of the same width, for bitwise comparisons on the device."""
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(x.dtype).itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned)
+
+
+def bitwise_equal(a: jax.Array, b: jax.Array) -> bool:
+  """Same shape, dtype and bytes."""
+  return a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(bits(a), bits(b)))
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+  """A markdown table of ``rows``; ``columns`` are (header, key) pairs; floats get 3 significant decimals."""
+
+  def cell(v: Any) -> str:
+    if v is None:
+      return ""
+    if isinstance(v, bool):
+      return "yes" if v else "NO"
+    if isinstance(v, float):
+      return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+  lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+  lines += ["| " + " | ".join(cell(r.get(k)) for _, k in columns) + " |" for r in rows]
+  return "\n".join(lines)

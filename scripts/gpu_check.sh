@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine. GPU time is scarce, so one run does everything: build, doctor, GPU tests,
+# benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
+#
+#   bash scripts/gpu_check.sh      # logs in build/gpu_check/; with OUT=<dir>, logs and results are copied there too
+#
+# That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
+# nanobind, scikit-build-core, cmake, ninja, nvcc and cuBLASLt: so no venv, and an in-place build without build
+# isolation. The CUDA module is built for the H200 only (sm_90a) and must build (TE_JAX_CUDA=ON): a machine where it
+# cannot is a failed check, not a silent fallback to the reference path.
+#
+# Each step has a time limit, and the whole run stays within GPU_CHECK_BUDGET_S seconds (default 570, under the
+# machine's 10 minutes per command). The tests not marked `gpu` run only with GPU_CHECK_ALL_TESTS=1: CI runs them on
+# every change anyway.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+LOGS=build/gpu_check
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+touch "$LOGS/.start"
+BUDGET=${GPU_CHECK_BUDGET_S:-570}
+START=$SECONDS
+STEPS=()
+FAILED=0
+
+# step NAME MAX_SECONDS LOG TAIL_LINES COMMAND: runs COMMAND (a command line for `bash -c`: a function exported below,
+# or a command) with a time limit, appends its output to LOG, prints its last TAIL_LINES lines, records the status.
+step() {
+  local name=$1 max=$2 log=$3 lines=$4 cmd=$5
+  local left=$((BUDGET - (SECONDS - START) - 10))
+  if ((left < 15)); then
+    STEPS+=("| $name | SKIPPED (no time left) | 0 |")
+    FAILED=1
+    return
+  fi
+  local limit=$((max < left ? max : left)) t0=$SECONDS rc=0 status
+  echo "=== $name (limit ${limit}s): $cmd"
+  timeout -k 10 "$limit" bash -c "$cmd" >> "$LOGS/$log" 2>&1 || rc=$?
+  tail -n "$lines" "$LOGS/$log"
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="TIMEOUT after ${limit}s" ;;
+    5) status="FAIL (no tests collected)" ;;
+    *) status="FAIL (exit $rc)" ;;
+  esac
+  [ "$rc" -eq 0 ] || FAILED=1
+  STEPS+=("| $name | $status | $((SECONDS - t0)) |")
+  echo "=== $name: $status"
+}
+
+build() {
+  SKBUILD_CMAKE_DEFINE="TE_JAX_CUDA=ON;TE_JAX_CUDA_ARCHS=90a-real" \
+    python3 -m pip install -v --no-index --no-build-isolation --no-deps -e . \
+    && python3 -c 'import te_jax._te_cuda as m; print("te_jax._te_cuda:", m.__file__)'
+}
+
+# Here the doctor must also see the GPU, the CUDA module loaded and its quantize handler bitwise equal to the
+# reference: otherwise every later step would quietly measure the fallback.
+doctor() {
+  python3 -m te_jax.doctor && python3 -m te_jax.doctor --json > "$LOGS/doctor.json" || return 1
+  python3 - "$LOGS/doctor.json" <<'PY'
+import json, sys
+info = json.load(open(sys.argv[1]))
+check = info["check"]
+problems = [p for p, bad in (
+    ("no GPU visible to jax", not info["gpus"]),
+    ("CUDA module not loaded", not info["extensions"]["cuda"]["loaded"]),
+    ("the quantize check did not run te_quantize_cuda bitwise equal to the reference",
+     check.get("handler") != "te_quantize_cuda" or not check.get("bitwise_equal_to_reference")),
+) if bad]
+sys.exit("gpu_check: " + "; ".join(problems) if problems else 0)
+PY
+}
+
+# All GPU tests skipped (no GPU visible) is a failure, not a pass.
+gpu_tests() {
+  set -o pipefail
+  python3 -m pytest -q -m gpu --continue-on-collection-errors tests | tee "$LOGS/.pytest_gpu" || return
+  grep -qE "[0-9]+ passed" "$LOGS/.pytest_gpu" || { echo "gpu_check: no GPU test ran"; return 1; }
+}
+
+export LOGS
+export -f build doctor gpu_tests
+step "build (CUDA sm_90a)" 300 build.log 12 build
+step "doctor" 60 doctor.log 40 doctor
+step "tests -m gpu" 180 tests_gpu.log 25 gpu_tests
+step "benchmarks" 240 bench.log 60 'python3 benchmarks/run.py'
+step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
+if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
+  step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
+fi
+
+# The device, and the acceptance row (quantize 16384x8192 bf16 -> E4M3 + transpose) if the benchmarks got that far.
+HEADLINE=$(python3 - <<'PY' 2>/dev/null
+import glob, json, os
+try:
+  info = json.load(open("build/gpu_check/doctor.json"))
+  gpus = ", ".join(f"{g['name']} (cc {g['compute_capability']})" for g in info["gpus"]) or "no GPU"
+  print(f"device: {gpus}; driver CUDA {info['cuda']['driver_version']}; jax {info['packages']['jax']}")
+except (OSError, ValueError, KeyError):
+  print("device: unknown (no doctor.json)")
+start = os.path.getmtime("build/gpu_check/.start")
+for f in [f for f in glob.glob("benchmarks/results/*.json") if os.path.getmtime(f) >= start]:
+  for r in json.load(open(f))["rows"]:
+    if r["impl"] == "te_jax" and r.get("note", "").startswith("acceptance shape"):
+      print(f"acceptance: {r['case']}: {r['ms']:.4f} ms, {r['gbps']:,.0f} GB/s = {r['pct_copy']:.0f}% of copy, "
+            f"{r['speedup_vs_xla']:.2f}x XLA, handler {r['handler']}, ok={r['ok']}")
+PY
+)
+
+{
+  echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - START)) s"
+  echo "$HEADLINE"
+  echo
+  echo "| step | status | seconds |"
+  echo "|---|---|---|"
+  printf '%s\n' "${STEPS[@]}"
+} > "$LOGS/summary.txt"
+
+if [ -n "${OUT:-}" ]; then  # at most 8 files: 6 logs and the benchmark results (json + md)
+  mkdir -p "$OUT"
+  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
+  find benchmarks/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.md' \) -newer "$LOGS/.start" \
+    | head -n 2 | xargs -r cp -t "$OUT"/
+fi
+
+echo
+cat "$LOGS/summary.txt"
+exit "$FAILED"
