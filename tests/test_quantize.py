@@ -62,43 +62,70 @@ def t_axes(ndim: int, batch_dims: int) -> tuple:
   return tuple(range(batch_dims)) + (ndim - 1,) + tuple(range(batch_dims, ndim - 1))
 
 
-def native(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.Quantized:
-  """te_jax.quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
-  args = (jax.device_put(x, device), jax.device_put(np.float32(scale), device))
-  compiled = jax.jit(lambda x, s: te_jax.quantize(x, s, fp8, **kwargs)).lower(*args).compile()
-  cuda_target = "te_quantize_dbias_cuda" if kwargs.get("dbias") else "te_quantize_cuda"
-  target = {"cpu": "te_quantize_cpu", "gpu": cuda_target}[device.platform]
-  assert compiled.as_text().count(f'custom_call_target="{target}"') == 1, target
+def native_many(xs, scale, fp8, *, device=CPU, **kwargs) -> list[te_jax.Quantized]:
+  """te_jax.quantize on each of ``xs``, in one jitted program on ``device`` (one compile for many shapes); asserts
+  that the compiled program calls the native handler once per input."""
+  args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
+  compiled = jax.jit(lambda xs, s: [te_jax.quantize(x, s, fp8, **kwargs) for x in xs]).lower(*args).compile()
+  target = {"cpu": "te_quantize_cpu", "gpu": "te_quantize_cuda"}[device.platform]
+  assert compiled.as_text().count(f'custom_call_target="{target}"') == len(xs), target
   return compiled(*args)
 
 
-def reference(x, scale, fp8, *, transpose=False, transpose_batch_dims=None, dbias=False, device=CPU):
+def native(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.Quantized:
+  """te_jax.quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
+  return native_many([x], scale, fp8, device=device, **kwargs)[0]
+
+
+def reference_many(xs, scale, fp8, *, transpose=False, transpose_batch_dims=None, dbias=False, device=CPU):
+  """quantize_ref on each of ``xs``, in one jitted program on ``device``, returned as Quantized tuples."""
+
+  def one(x, s):
+    batch = x.ndim - 2 if transpose_batch_dims is None else transpose_batch_dims
+    config = QuantizeConfig(out_dtype=jnp.dtype(fp8), transpose=transpose, batch_ndim=batch if transpose else 0,
+                            dbias=dbias)
+    outs = list(quantize_ref(x, s, config=config))
+    data = outs.pop(0)
+    data_t = outs.pop(0) if transpose else None
+    amax = outs.pop(0)
+    return te_jax.Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+
+  args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
+  return jax.jit(lambda xs, s: [one(x, s) for x in xs])(*args)
+
+
+def reference(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.Quantized:
   """quantize_ref, jitted, on ``device``, returned as a Quantized."""
-  batch = np.ndim(x) - 2 if transpose_batch_dims is None else transpose_batch_dims
-  config = QuantizeConfig(out_dtype=jnp.dtype(fp8), transpose=transpose, batch_ndim=batch if transpose else 0,
-                          dbias=dbias)
-  outs = list(jax.jit(functools.partial(quantize_ref, config=config))(jax.device_put(x, device),
-                                                                    jax.device_put(np.float32(scale), device)))
-  data = outs.pop(0)
-  data_t = outs.pop(0) if transpose else None
-  amax = outs.pop(0)
-  return te_jax.Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+  return reference_many([x], scale, fp8, device=device, **kwargs)[0]
+
+
+def assert_many_match_reference(xs, scale, fp8, *, device=CPU, check_reference_amax=True, **kwargs):
+  """The handler on ``device`` vs the reference on ``device`` for each of ``xs`` (one compile of each for all);
+  also the transposed copy vs numpy's transpose of the handler's data, and amax vs numpy."""
+  outs = native_many(xs, scale, fp8, device=device, **kwargs)
+  refs = reference_many(xs, scale, fp8, device=device, **kwargs)
+  for x, out, ref in zip(xs, outs, refs, strict=True):
+    _check_against_reference(x, out, ref, check_reference_amax, **kwargs)
+  return outs
 
 
 def assert_matches_reference(x, scale, fp8, *, device=CPU, check_reference_amax=True, **kwargs):
-  """The handler on ``device`` vs the reference on ``device``; also the transposed copy vs numpy's transpose of the
-  handler's data, and amax vs numpy."""
-  out = native(x, scale, fp8, device=device, **kwargs)
-  ref = reference(x, scale, fp8, device=device, **kwargs)
-  assert_fp8_equal(out.data, ref.data)
-  assert_f32_equal(out.amax, numpy_amax(x), what="amax vs numpy")
+  """``assert_many_match_reference`` for one input."""
+  return assert_many_match_reference([x], scale, fp8, device=device, check_reference_amax=check_reference_amax,
+                                     **kwargs)[0]
+
+
+def _check_against_reference(x, out, ref, check_reference_amax, **kwargs):
+  shape = f"shape {np.shape(x)}"
+  assert_fp8_equal(out.data, ref.data, what=f"data, {shape}")
+  assert_f32_equal(out.amax, numpy_amax(x), what=f"amax vs numpy, {shape}")
   if check_reference_amax:
-    assert_f32_equal(out.amax, ref.amax)
+    assert_f32_equal(out.amax, ref.amax, what=f"amax, {shape}")
   if kwargs.get("transpose"):
     b = kwargs.get("transpose_batch_dims")
     axes = t_axes(np.ndim(x), np.ndim(x) - 2 if b is None else b)
-    assert_fp8_equal(out.data_t, np.transpose(np.asarray(out.data), axes), what="data_t vs transpose(data)")
-    assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
+    assert_fp8_equal(out.data_t, np.transpose(np.asarray(out.data), axes), what=f"data_t vs transpose(data), {shape}")
+    assert_fp8_equal(out.data_t, ref.data_t, what=f"data_t, {shape}")
   else:
     assert out.data_t is None
   if kwargs.get("dbias"):
@@ -106,7 +133,6 @@ def assert_matches_reference(x, scale, fp8, *, device=CPU, check_reference_amax=
     assert_column_sums_close(ref.dbias, x)
   else:
     assert out.dbias is None
-  return out
 
 
 @pytest.fixture(autouse=True)
@@ -446,23 +472,19 @@ GPU_EXTRAS = {"plain": {}, "t": {"transpose": True}, "dbias": {"dbias": True},
 
 def assert_cuda_handler(x, fp8, gpu, **kwargs):
   assert _native.has_target("cuda", "te_quantize_cuda"), _native.load_errors
-  assert _native.has_target("cuda", "te_quantize_dbias_cuda"), _native.load_errors
   return assert_matches_reference(x, 1.0, fp8, device=gpu, **kwargs)
 
 
-def _gpu_cases():
-  for shape in GPU_SHAPES:
-    for name, extras in GPU_EXTRAS.items():
-      if len(shape) > 1 or not extras.get("transpose"):  # no transposed copy of a vector
-        yield pytest.param(shape, extras, id=f"{shape}-{name}")
-
-
+# All shapes of a configuration go through one compiled program: GPU time goes to the kernels, not to compiles.
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,extras", list(_gpu_cases()))
+@pytest.mark.parametrize("extras", list(GPU_EXTRAS.values()), ids=list(GPU_EXTRAS))
 @IN_DTYPES
 @FP8
-def test_gpu_matches_reference(shape, extras, dtype, fp8, gpu):
-  assert_cuda_handler(random_input(shape, dtype, seed=sum(shape)), fp8, gpu, **extras)
+def test_gpu_matches_reference(extras, dtype, fp8, gpu):
+  assert _native.has_target("cuda", "te_quantize_cuda"), _native.load_errors
+  shapes = [s for s in GPU_SHAPES if len(s) > 1 or not extras.get("transpose")]  # no transposed copy of a vector
+  xs = [random_input(shape, dtype, seed=sum(shape)) for shape in shapes]
+  assert_many_match_reference(xs, 1.0, fp8, device=gpu, **extras)
 
 
 @pytest.mark.gpu

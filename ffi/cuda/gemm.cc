@@ -10,7 +10,7 @@
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the heuristic's algorithm) are built once per device and problem and
-// cached; a call only looks its plan up. The workspace comes from XLA's scratch allocator.
+// cached; a call only looks its plan up. The workspace is an extra result buffer, allocated by XLA.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -29,7 +29,8 @@ namespace ffi = xla::ffi;
 namespace te_jax {
 namespace {
 
-// 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms.
+// 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
+// allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py).
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
 ffi::Error CublasError(cublasStatus_t status, const char* what) {
@@ -165,9 +166,9 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   return raw;
 }
 
-ffi::Error GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                    ffi::BufferR0<ffi::F32> lhs_scale_inv, ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias,
-                    ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs, bool transpose_rhs, bool fast_accum) {
+ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
+                    ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> workspace, bool transpose_lhs, bool transpose_rhs, bool fast_accum) {
   if (lhs.dimensions().size() != 2 || rhs.dimensions().size() != 2 || out->dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("gemm: lhs, rhs and out must be 2-D");
   }
@@ -208,8 +209,9 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     return CudaError(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "gemm: zero-K memset");
   }
 
-  auto workspace = scratch.Allocate(kWorkspaceBytes, 256);
-  if (!workspace.has_value()) return ffi::Error::Internal("gemm: could not allocate the cuBLASLt workspace");
+  if (workspace->size_bytes() < kWorkspaceBytes || Alignment(workspace->untyped_data()) < 256) {
+    return ffi::Error::InvalidArgument("gemm: the workspace must be a 256-byte aligned buffer of 32 MiB");
+  }
   Cache& cache = GetCache();
   // Held through the launch: the cached descriptor carries this call's scale and bias pointers.
   std::lock_guard<std::mutex> lock(cache.mu);
@@ -243,8 +245,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   const float alpha = 1.0f, beta = 0.0f;
   TE_JAX_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b, &beta,
-                     out->untyped_data(), plan->d, out->untyped_data(), plan->d, &plan->algo, *workspace,
-                     kWorkspaceBytes, stream),
+                     out->untyped_data(), plan->d, out->untyped_data(), plan->d, &plan->algo,
+                     workspace->untyped_data(), kWorkspaceBytes, stream),
       "matmul");
   return LastCudaError("gemm");
 }
@@ -254,13 +256,13 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Ctx<ffi::ScratchAllocator>()              // cuBLASLt workspace
                                   .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), or (K, M) if transposed
                                   .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), or (K, N) if transposed
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // lhs_scale_inv (FP8 lhs only)
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
                                   .Ret<ffi::AnyBuffer>()                     // out: (M, N) bf16/fp16/fp32
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB]
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
                                   .Attr<bool>("fast_accum"));                // FP8 fast accumulation

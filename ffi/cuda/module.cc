@@ -10,7 +10,6 @@ namespace nb = nanobind;
 
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeDbiasCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
 }
 
@@ -25,7 +24,6 @@ NB_MODULE(_te_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
-    d["te_quantize_dbias_cuda"] = Capsule(te_jax::QuantizeDbiasCudaHandler);
     d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);
     return d;
   });

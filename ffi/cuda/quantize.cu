@@ -35,6 +35,12 @@ constexpr int kVec = 8;                                  // elements per thread 
 constexpr int kChunksPerRow = kTile / kVec;              // 16
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;   // 16
 constexpr int kRowsPerThread = kTile / kRowsPerPass;     // 8
+// Resident blocks per SM for the fast path: 4 (32 warps, so at most 64 registers per thread) where that fits without
+// spilling; the float32-input and dbias variants hold more per thread and keep 3 (at most 80 registers).
+template <typename T, bool kDbias>
+constexpr int FastBlocksPerSm() {
+  return sizeof(T) == 2 && !kDbias ? 4 : 3;
+}
 // Generic path geometry.
 constexpr int kSmallTile = 32;
 
@@ -56,7 +62,15 @@ struct Chunk {
 #pragma unroll
     for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
   }
-  __device__ __forceinline__ float Get(int i) const { return ToFloat(reinterpret_cast<const T*>(raw)[i]); }
+  __device__ __forceinline__ float Get(int i) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // bf16 is the top half of a float32: two integer ops per pair, no conversion instructions.
+      const uint32_t w = reinterpret_cast<const uint32_t*>(raw)[i / 2];
+      return __uint_as_float(i % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+    } else {
+      return ToFloat(reinterpret_cast<const T*>(raw)[i]);
+    }
+  }
 };
 
 template <__nv_fp8_interpretation_t kFmt>
@@ -89,7 +103,7 @@ __device__ __forceinline__ uint32_t GatherByte(uint32_t a, uint32_t b, uint32_t 
 }
 
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias>())
     CastTransposeKernel(const T* __restrict__ x, const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
                         uint8_t* __restrict__ qt, unsigned* __restrict__ amax, float* __restrict__ dbias_partial,
                         int64_t rows, int64_t cols, int64_t tiles_m, int64_t tiles_n) {
@@ -299,13 +313,10 @@ ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const void* x, con
   return ffi::Error::Success();
 }
 
-// Rows of dbias partials the kernels write: one per row tile (fast path tiles are the larger, so this bounds both).
-int64_t DbiasWorkspaceRows(const QuantizeView& v) { return v.batch * ((v.rows + kSmallTile - 1) / kSmallTile); }
-
-ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
                         ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                        int64_t batch_ndim, ffi::ScratchAllocator* scratch) {
+                        ffi::Result<ffi::AnyBuffer> workspace, int64_t batch_ndim) {
   auto view = MakeQuantizeView(x.dimensions(), batch_ndim);
   if (view.has_error()) return view.error();
   const bool want_t = qt->element_count() > 0;
@@ -316,8 +327,11 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
   if (want_dbias && (dbias->element_type() != ffi::DataType::F32 || dbias->element_count() != view->cols)) {
     return ffi::Error::InvalidArgument("quantize: dbias must be empty or f32[cols]");
   }
-  if (want_dbias && scratch == nullptr) {
-    return ffi::Error::InvalidArgument("quantize: dbias needs the te_quantize_dbias_cuda target");
+  // One partial row per 32-row tile bounds both kernels' needs (the fast path's tiles are 128 rows).
+  const int64_t partial_rows = view->batch * ((view->rows + kSmallTile - 1) / kSmallTile);
+  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
+                     workspace->element_count() < partial_rows * view->cols)) {
+    return ffi::Error::InvalidArgument("quantize: the dbias workspace must be f32[batch * ceil(rows / 32) * cols]");
   }
   auto* amax_ptr = reinterpret_cast<unsigned*>(amax->typed_data());
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax_ptr, 0, sizeof(float), stream), "amax memset");
@@ -328,12 +342,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
     }
     return ffi::Error::Success();
   }
-  float* workspace = nullptr;
-  if (want_dbias) {
-    auto mem = scratch->Allocate(DbiasWorkspaceRows(*view) * view->cols * sizeof(float));
-    if (!mem.has_value()) return ffi::Error::Internal("quantize: could not allocate the dbias workspace");
-    workspace = static_cast<float*>(*mem);
-  }
+  float* ws = want_dbias ? static_cast<float*>(workspace->untyped_data()) : nullptr;
   void* qt_ptr = want_t ? qt->untyped_data() : nullptr;
   float* db_ptr = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;
   const float* s = scale.typed_data();
@@ -343,10 +352,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
     switch (q->element_type()) {
       case ffi::DataType::F8E4M3FN:
         return Launch<T, __NV_E4M3>(stream, *view, x.untyped_data(), s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr,
-                                    workspace);
+                                    ws);
       case ffi::DataType::F8E5M2:
         return Launch<T, __NV_E5M2>(stream, *view, x.untyped_data(), s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr,
-                                    workspace);
+                                    ws);
       default:
         return ffi::Error::InvalidArgument("quantize: q must be float8_e4m3fn or float8_e5m2");
     }
@@ -359,46 +368,20 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
   }
 }
 
-ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
-                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
-                        ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                        int64_t batch_ndim) {
-  return QuantizeImpl(stream, x, scale, q, qt, amax, dbias, batch_ndim, nullptr);
-}
-
-ffi::Error QuantizeDbiasCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                             ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
-                             ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::BufferR0<ffi::F32>> amax,
-                             ffi::Result<ffi::AnyBuffer> dbias, int64_t batch_ndim) {
-  return QuantizeImpl(stream, x, scale, q, qt, amax, dbias, batch_ndim, &scratch);
-}
-
 }  // namespace
 
-// Allocates nothing, so XLA may capture it into a CUDA graph.
+// Allocates nothing (the dbias partials go to a workspace result), so XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCudaHandler, QuantizeCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                                   .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR0<ffi::F32>>()           // scale: multiplies x before the cast
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies x before the cast
                                   .Ret<ffi::AnyBuffer>()                     // q: FP8, x's shape
                                   .Ret<ffi::AnyBuffer>()                     // qt: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()           // amax: max |x|
-                                  .Ret<ffi::AnyBuffer>()                     // dbias: must be empty here
+                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |x|
+                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
                                   .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by qt
                               {ffi::Traits::kCmdBufferCompatible});
-
-// Takes a scratch buffer for the dbias partials, so it is not CUDA-graph compatible.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeDbiasCudaHandler, QuantizeDbiasCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Ctx<ffi::ScratchAllocator>()              // dbias partials
-                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR0<ffi::F32>>()           // scale: multiplies x before the cast
-                                  .Ret<ffi::AnyBuffer>()                     // q: FP8, x's shape
-                                  .Ret<ffi::AnyBuffer>()                     // qt: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()           // amax: max |x|
-                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums
-                                  .Attr<int64_t>("batch_ndim"));             // leading dims kept in front by qt
 
 }  // namespace te_jax

@@ -58,7 +58,7 @@ def define_op(
     reference: Callable[..., Sequence[jax.Array]],
     native_targets: dict[str, Callable[[Any], str]],
     ffi_attributes: Callable[[Any], dict[str, Any]],
-    native_signature: Callable[[Any, Sequence[Any], Sequence[Any]], "NativeSignature"] | None = None,
+    native_signature: Callable[[str, Any, Sequence[Any], Sequence[Any]], "NativeSignature"] | None = None,
     partition: Callable[..., Any],
     sharding_rule: Callable[..., str],
     batcher: Callable[..., Any] | None = None,
@@ -72,7 +72,7 @@ def define_op(
     native_targets: platform ("cpu", "cuda") -> ``config -> FFI target name``.
     ffi_attributes: ``config -> {attribute: numpy scalar}`` passed to the FFI handler.
     native_signature: for handlers with a fixed signature whose optional operands/results the primitive omits,
-      ``(config, avals_in, avals_out) -> NativeSignature``.
+      ``(platform, config, avals_in, avals_out) -> NativeSignature``.
     partition: custom_partitioning's partition callback, called as ``partition(config, mesh, arg_shapes,
       result_shape)``; its ``lower_fn`` must bind ``Op.inner``.
     sharding_rule: ``(config, mesh, value_types, result_types) -> Shardy rule string``.
@@ -117,7 +117,7 @@ class NativeSignature(NamedTuple):
 
   Attributes:
     extra_operands: constant arrays appended to the primitive's operands (e.g. an empty optional bias).
-    result_avals: every result the handler returns.
+    result_avals: every result the handler returns (workspaces included: XLA allocates them with the outputs).
     keep: which of those results the primitive returns, in order.
   """
 
@@ -135,7 +135,7 @@ def _native_lowering(name, platform, target_of, ffi_attributes, native_signature
     call = jax.ffi.ffi_lowering(target)
     if native_signature is None:
       return call(ctx, *args, **ffi_attributes(config))
-    sig = native_signature(config, ctx.avals_in, ctx.avals_out)
+    sig = native_signature(platform, config, ctx.avals_in, ctx.avals_out)
     extra_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in sig.extra_operands]
     extra = [mlir.ir_constant(a) for a in sig.extra_operands]
     ctx = ctx.replace(avals_in=[*ctx.avals_in, *extra_avals], avals_out=list(sig.result_avals))

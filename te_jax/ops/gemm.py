@@ -84,11 +84,17 @@ def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmCo
   return [output_aval(lhs, (m, n), config.out_dtype)]
 
 
-def _native_signature(config: GemmConfig, avals_in, avals_out) -> NativeSignature:
-  """The handler always takes a bias operand: empty when there is none."""
-  del avals_in
+# cuBLASLt's workspace, an extra result of the handler (so XLA allocates it with the outputs): 32 MiB is what its
+# Hopper kernels can use; smaller workspaces rule out some split-K algorithms. Must match kWorkspaceBytes in gemm.cc.
+_WORKSPACE_BYTES = 32 << 20
+
+
+def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) -> NativeSignature:
+  """The handler always takes a bias operand (empty when there is none) and returns its workspace."""
+  del platform, avals_in
   extra = () if config.has_bias else (np.zeros((0,), config.out_dtype),)
-  return NativeSignature(extra_operands=extra, result_avals=avals_out, keep=(0,))
+  workspace = jax.core.ShapedArray((_WORKSPACE_BYTES,), jnp.uint8)
+  return NativeSignature(extra_operands=extra, result_avals=(*avals_out, workspace), keep=(0,))
 
 
 def _attributes(config: GemmConfig) -> dict:

@@ -16,6 +16,7 @@ NaN: a NaN in ``x`` gives a NaN in ``data`` at that position (which NaN bit patt
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -113,9 +114,10 @@ def _abstract_eval(x, scale, *, config: QuantizeConfig):
   return outs
 
 
-def _native_signature(config: QuantizeConfig, avals_in, avals_out) -> NativeSignature:
-  """The handlers always return (q, qt, amax, dbias); the ones not asked for are empty."""
-  del avals_in
+def _native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out) -> NativeSignature:
+  """The handlers always return (q, qt, amax, dbias), the ones not asked for empty; the CUDA one also returns the
+  workspace for its dbias partials: float32, one row per 32-row tile (see quantize.cu)."""
+  x = avals_in[0]
   empty_fp8 = jax.core.ShapedArray((0,), config.out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
   avals = list(avals_out)
@@ -123,8 +125,14 @@ def _native_signature(config: QuantizeConfig, avals_in, avals_out) -> NativeSign
   qt = rest.pop(0) if config.transpose else empty_fp8
   amax_aval = rest.pop(0)
   dbias = rest.pop(0) if config.dbias else empty_f32
+  results = [q, qt, amax_aval, dbias]
+  if platform == "cuda":
+    batch = math.prod(x.shape[:config.batch_ndim])
+    rows = math.prod(x.shape[config.batch_ndim:-1])
+    partial_rows = batch * -(-rows // 32)
+    results.append(jax.core.ShapedArray((partial_rows * x.shape[-1],), jnp.float32) if config.dbias else empty_f32)
   keep = [0] + ([1] if config.transpose else []) + [2] + ([3] if config.dbias else [])
-  return NativeSignature(extra_operands=(), result_avals=(q, qt, amax_aval, dbias), keep=keep)
+  return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
 
 def _spec(sharding, ndim: int) -> tuple:
@@ -213,7 +221,7 @@ _QUANTIZE = define_op(
     reference=quantize_ref,
     native_targets={
         "cpu": lambda config: "te_quantize_cpu",
-        "cuda": lambda config: "te_quantize_dbias_cuda" if config.dbias else "te_quantize_cuda",
+        "cuda": lambda config: "te_quantize_cuda",
     },
     ffi_attributes=_attributes,
     native_signature=_native_signature,
