@@ -77,7 +77,7 @@ PY
 # All GPU tests skipped (no GPU visible) is a failure, not a pass.
 gpu_tests() {
   set -o pipefail
-  python3 -m pytest -q -m gpu --continue-on-collection-errors tests | tee "$LOGS/.pytest_gpu" || return
+  python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=short tests | tee "$LOGS/.pytest_gpu" || return
   grep -qE "[0-9]+ passed" "$LOGS/.pytest_gpu" || { echo "gpu_check: no GPU test ran"; return 1; }
 }
 
@@ -85,7 +85,7 @@ export LOGS
 export -f build doctor gpu_tests
 step "build (CUDA sm_90a)" 300 build.log 12 build
 step "doctor" 60 doctor.log 40 doctor
-step "tests -m gpu" 180 tests_gpu.log 25 gpu_tests
+step "tests -m gpu" 240 tests_gpu.log 25 gpu_tests
 step "benchmarks" 240 bench.log 60 'python3 benchmarks/run.py'
 step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then

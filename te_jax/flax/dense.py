@@ -68,7 +68,7 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     features = _tuple(self.features)
-    axis = tuple(a % inputs.ndim for a in _tuple(self.axis))
+    axis = tuple(sorted(a % inputs.ndim for a in _tuple(self.axis)))  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
     n_in = len(axis)
 

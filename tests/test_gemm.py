@@ -1,0 +1,497 @@
+"""te_jax.gemm: ``out = lhs @ rhs^T`` (K-major operands), FP8 or bfloat16/float16/float32, with a bias epilogue.
+
+- Values against a float64 numpy reference, with flash-attention's rule (DESIGN.md, "Tests"):
+  ``err(ours, f64) <= 2 * err(baseline, f64) + noise``, errors as the max absolute error over the output. The
+  baseline is the same math at our precision (operands in their dtype, float32 accumulation, bias in float32, one
+  cast to the output dtype): an independent jnp einsum on CPU, ``gemm_ref`` jitted on the same GPU on a GPU. FP8
+  operands are made by ``te_jax.quantize`` and their float64 values are the dequantized FP8 bytes, so the comparison
+  measures the GEMM, not the quantization.
+- Argument checks, raised in Python with messages that name the problem.
+- Under ``jax.jit`` on 8 CPU devices: column- and row-parallel GEMMs hold exactly the collectives they need.
+- On a GPU (``@pytest.mark.gpu``): the cuBLASLt handler, including M not a multiple of 16 with FP8, 4096^3,
+  fast accumulation, the custom call in the compiled HLO, and bitwise determinism.
+"""
+
+import collections
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_jax
+from conftest import F32_U
+from te_jax import _native
+from te_jax.ops.gemm import GemmConfig, gemm_ref
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+CPU = jax.devices("cpu")[0]
+CPU_DEVICES = jax.devices("cpu")
+
+HP_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
+OUT_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+FP8_PAIRS = {"e4m3xe4m3": (E4M3, E4M3), "e5m2xe4m3": (E5M2, E4M3), "e4m3xe5m2": (E4M3, E5M2)}
+HLO_TYPE = {E4M3: "f8e4m3fn[", E5M2: "f8e5m2["}
+LAYOUTS = {"nn": (False, False), "tn": (True, False), "nt": (False, True), "tt": (True, True)}
+
+# Unit roundoff of the accumulator of Hopper's FP8 tensor cores: about 14 bits are retained (DeepSeek-V3 technical
+# report, section 3.3.2), well short of float32's 24. cuBLASLt promotes partial sums to float32 only every few
+# k-blocks (and never with fast accumulation), so the FP8 GEMM's noise term uses this roundoff instead of float32's.
+FP8_ACCUM_U = 2.0**-14
+
+
+# ---- operands and references ---------------------------------------------------------------------------------------
+
+
+class Operand:
+  """A GEMM operand as stored (``array``) and its exact float64 value in the logical (rows..., K) layout."""
+
+  def __init__(self, array, logical64, scale_inv=None):
+    self.array = array
+    self.logical64 = logical64  # (*rows, K)
+    self.scale_inv = scale_inv
+
+  @property
+  def matrix64(self) -> np.ndarray:
+    """(rows, K) in float64."""
+    return self.logical64.reshape(-1, self.logical64.shape[-1])
+
+
+def hp_operand(rows: tuple, k: int, dtype, transposed: bool, seed: int) -> Operand:
+  """Normal values in ``dtype``; stored with K first when ``transposed`` (rows keep their order)."""
+  rng = np.random.default_rng(seed)
+  logical = rng.standard_normal((*rows, k)).astype(dtype)
+  stored = np.moveaxis(logical, -1, 0) if transposed else logical
+  return Operand(np.ascontiguousarray(stored), logical.astype(np.float64))
+
+
+def fp8_operand(rows: tuple, k: int, fp8, seed: int) -> Operand:
+  """FP8 bytes from ``te_jax.quantize`` at a scale that is not a power of two (so scale_inv != 1 is exercised),
+  with their exact float64 values ``data * scale_inv``."""
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((*rows, k)) * 3.0).astype(np.float32)
+  scale = np.float32(0.8 * float(ml_dtypes.finfo(fp8).max) / np.abs(x).max())
+  data = te_jax.quantize(jax.device_put(x, CPU), jax.device_put(scale, CPU), fp8).data
+  scale_inv = np.float32(1.0) / scale
+  assert scale_inv != 1.0
+  data = np.asarray(data)
+  return Operand(data, data.astype(np.float64) * np.float64(scale_inv), scale_inv)
+
+
+def exact64(lhs: Operand, rhs: Operand, bias64, rows=slice(None)) -> tuple[np.ndarray, np.ndarray]:
+  """The exact result (float64; each product of two operands is exact in float64, sums round at 2^-53) and
+  ``sum_k |a_ik b_jk|``, which scales every accumulation error bound; ``rows`` selects rows of the result."""
+  a, b = lhs.matrix64[rows], rhs.matrix64
+  out = a @ b.T
+  if bias64 is not None:
+    out = out + bias64
+  return out, np.abs(a) @ np.abs(b).T
+
+
+def max_err(actual, expected64) -> float:
+  actual = np.asarray(actual).astype(np.float64)
+  assert np.all(np.isfinite(actual)), "non-finite output"
+  return float(np.max(np.abs(actual - expected64))) if actual.size else 0.0
+
+
+def assert_gemm_close(ours, baseline, lhs: Operand, rhs: Operand, bias64, *, accum_u=F32_U, rows=slice(None)):
+  """err(ours) <= 2 * err(baseline) + noise, both against the float64 result.
+
+  noise = sqrt(K) * accum_u * max sum|a||b|: the probabilistic bound of a sum of K rounded terms (Higham & Mary,
+  "A new approach to probabilistic rounding error analysis", 2019, with lambda = 1), which covers two correct
+  float32 (or FP8 tensor-core) accumulations in different orders being on different sides of each other.
+  """
+  k = lhs.matrix64.shape[-1]
+  exact, abs_prod = exact64(lhs, rhs, bias64, rows)
+  m_rows = np.asarray(ours).reshape(-1, exact.shape[-1])[rows]
+  b_rows = np.asarray(baseline).reshape(-1, exact.shape[-1])[rows]
+  err, err_base = max_err(m_rows, exact), max_err(b_rows, exact)
+  noise = math.sqrt(k) * accum_u * float(abs_prod.max(initial=0.0))
+  assert err <= 2 * err_base + noise, f"err {err:.3g} > 2 * baseline err {err_base:.3g} + noise {noise:.3g}"
+  return err, err_base
+
+
+def jnp_same_math(lhs: Operand, rhs: Operand, bias, out_dtype, transpose_lhs, transpose_rhs):
+  """The GEMM's math at its precision, written independently of te_jax: einsum over the stored layouts with float32
+  accumulation at HIGHEST precision (no TF32 on a GPU), bias cast to the output dtype and added in float32, one
+  final cast."""
+  a, b = lhs.array, rhs.array
+  if lhs.scale_inv is not None:
+    a = jnp.asarray(a).astype(jnp.float32) * lhs.scale_inv
+    b = jnp.asarray(b).astype(jnp.float32) * rhs.scale_inv
+  a_sub = "k" + "mn"[: a.ndim - 1] if transpose_lhs else "mn"[: a.ndim - 1] + "k"
+  b_sub = "k" + "pq"[: b.ndim - 1] if transpose_rhs else "pq"[: b.ndim - 1] + "k"
+  out_sub = "mn"[: a.ndim - 1] + "pq"[: b.ndim - 1]
+  out = jnp.einsum(f"{a_sub},{b_sub}->{out_sub}", a, b, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+  if bias is not None:
+    rhs_rows = rhs.logical64.shape[:-1]  # the bias is (N,) with N the flattened rhs rows
+    out = out + jnp.asarray(bias).astype(out_dtype).astype(jnp.float32).reshape(rhs_rows)
+  return out.astype(out_dtype)
+
+
+def random_bias(n: int, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def bias64_of(bias, out_dtype):
+  """The bias as the GEMM sees it: cast to the output dtype."""
+  return None if bias is None else np.asarray(jnp.asarray(bias).astype(out_dtype)).astype(np.float64)
+
+
+def run_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, device=CPU, **kwargs):
+  """te_jax.gemm, jitted, on ``device``; returns (out, compiled HLO text)."""
+  put = functools.partial(jax.device_put, device=device)
+  args = [put(lhs.array), put(rhs.array)]
+  scales = {}
+  if lhs.scale_inv is not None:
+    scales = {"lhs_scale_inv": put(lhs.scale_inv), "rhs_scale_inv": put(rhs.scale_inv)}
+  b = None if bias is None else put(bias)
+
+  def f(a, r, s, b):
+    return te_jax.gemm(a, r, bias=b, out_dtype=out_dtype, **s, **kwargs)
+
+  compiled = jax.jit(f).lower(*args, scales, b).compile()
+  return compiled(*args, scales, b), compiled.as_text()
+
+
+# ---- CPU: the reference lowering against float64 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_high_precision_values(layout, dtype, out, with_bias):
+  tl, tr = LAYOUTS[layout]
+  m, k, n = 24, 40, 20  # no multiple of 16 needed outside FP8
+  lhs = hp_operand((m,), k, HP_DTYPES[dtype], tl, seed=1)
+  rhs = hp_operand((n,), k, HP_DTYPES[dtype], tr, seed=2)
+  bias = random_bias(n, seed=3) if with_bias else None
+  out_dtype = OUT_DTYPES[out]
+  ours, _ = run_gemm(lhs, rhs, bias, out_dtype, transpose_lhs=tl, transpose_rhs=tr)
+  assert ours.shape == (m, n) and ours.dtype == out_dtype
+  base = jnp_same_math(lhs, rhs, bias, out_dtype, tl, tr)
+  assert_gemm_close(ours, base, lhs, rhs, bias64_of(bias, out_dtype))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_batch_dims_fold_into_rows(layout, dtype):
+  """Rank-3 operands: lhs (2, 5, K) and rhs (3, 16, K) (or K first when transposed) give (2, 5, 3, 16)."""
+  tl, tr = LAYOUTS[layout]
+  lhs = hp_operand((2, 5), 48, HP_DTYPES[dtype], tl, seed=4)
+  rhs = hp_operand((3, 16), 48, HP_DTYPES[dtype], tr, seed=5)
+  bias = random_bias(48, seed=6)
+  ours, _ = run_gemm(lhs, rhs, bias, jnp.float32, transpose_lhs=tl, transpose_rhs=tr)
+  assert ours.shape == (2, 5, 3, 16)
+  base = jnp_same_math(lhs, rhs, bias, jnp.float32, tl, tr)
+  assert base.shape == ours.shape
+  assert_gemm_close(ours, base, lhs, rhs, bias64_of(bias, jnp.float32))
+
+
+@pytest.mark.parametrize("pair", FP8_PAIRS)
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("lhs_rows,rhs_rows", [((24,), (32,)), ((3, 7), (2, 16))], ids=["2d", "3d"])
+def test_fp8_values(pair, out, with_bias, lhs_rows, rhs_rows):
+  lhs_dtype, rhs_dtype = FP8_PAIRS[pair]
+  k = 64
+  lhs = fp8_operand(lhs_rows, k, lhs_dtype, seed=7)
+  rhs = fp8_operand(rhs_rows, k, rhs_dtype, seed=8)
+  n = math.prod(rhs_rows)
+  bias = random_bias(n, seed=9) if with_bias else None
+  out_dtype = OUT_DTYPES[out]
+  ours, hlo = run_gemm(lhs, rhs, bias, out_dtype)
+  assert ours.shape == (*lhs_rows, *rhs_rows) and ours.dtype == out_dtype
+  for dt in (lhs_dtype, rhs_dtype):  # the operands reach the GEMM as FP8, not widened beforehand
+    assert HLO_TYPE[dt] in hlo, HLO_TYPE[dt]
+  base = jnp_same_math(lhs, rhs, bias, out_dtype, False, False)
+  assert_gemm_close(ours, base, lhs, rhs, bias64_of(bias, out_dtype))
+
+
+def test_fp8_scale_inv_is_applied():
+  """Doubling lhs_scale_inv doubles the result exactly (a power of two changes no rounding)."""
+  lhs = fp8_operand((16,), 32, E4M3, seed=10)
+  rhs = fp8_operand((16,), 32, E4M3, seed=11)
+  one, _ = run_gemm(lhs, rhs, None, jnp.float32)
+  twice = Operand(lhs.array, lhs.logical64 * 2, lhs.scale_inv * np.float32(2))
+  two, _ = run_gemm(twice, rhs, None, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(two), 2 * np.asarray(one))
+
+
+def test_jnp_baseline_matches_float64():
+  """The baseline itself is anchored: on small integers every product and sum is exact in float32."""
+  rng = np.random.default_rng(12)
+  for tl, tr in LAYOUTS.values():
+    a = rng.integers(-8, 8, (6, 16)).astype(np.float32)
+    b = rng.integers(-8, 8, (5, 16)).astype(np.float32)
+    lhs = Operand(a.T.copy() if tl else a, a.astype(np.float64))
+    rhs = Operand(b.T.copy() if tr else b, b.astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(jnp_same_math(lhs, rhs, None, jnp.float32, tl, tr)), a @ b.T)
+    ours, _ = run_gemm(lhs, rhs, None, jnp.float32, transpose_lhs=tl, transpose_rhs=tr)
+    np.testing.assert_array_equal(np.asarray(ours), a @ b.T)
+
+
+def test_eager_and_vmap():
+  lhs = hp_operand((8,), 16, np.float32, False, seed=13)
+  rhs = hp_operand((4,), 16, np.float32, False, seed=14)
+  jitted, _ = run_gemm(lhs, rhs, None, jnp.float32)
+  eager = te_jax.gemm(jax.device_put(lhs.array, CPU), jax.device_put(rhs.array, CPU), out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
+  stacked = np.stack([lhs.array, 2 * lhs.array])
+  mapped = jax.vmap(lambda a: te_jax.gemm(a, rhs.array, out_dtype=jnp.float32))(jax.device_put(stacked, CPU))
+  np.testing.assert_array_equal(np.asarray(mapped[0]), np.asarray(jitted))
+  np.testing.assert_array_equal(np.asarray(mapped[1]), 2 * np.asarray(jitted))
+
+
+# ---- argument checks -----------------------------------------------------------------------------------------------
+
+
+def _f8(shape, dtype=E4M3):
+  return jnp.zeros(shape, dtype)
+
+
+ONE = jnp.float32(1.0)
+BF = functools.partial(jnp.zeros, dtype=jnp.bfloat16)
+ERROR_CASES = {
+    "fp8-without-scale-inv": (lambda: te_jax.gemm(_f8((16, 32)), _f8((16, 32)), rhs_scale_inv=ONE),
+                              ValueError, r"lhs is FP8 \(float8_e4m3fn\): pass lhs_scale_inv"),
+    "fp8-rhs-without-scale-inv": (lambda: te_jax.gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=ONE),
+                                  ValueError, r"rhs is FP8.*pass rhs_scale_inv"),
+    "scale-inv-for-bf16": (lambda: te_jax.gemm(BF((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
+                           ValueError, r"lhs_scale_inv applies to FP8 operands only; lhs is bfloat16"),
+    "scale-inv-not-f32-scalar": (lambda: te_jax.gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=jnp.ones((1,)),
+                                                     rhs_scale_inv=ONE),
+                                 TypeError, r"lhs_scale_inv must be a float32 scalar"),
+    "mixed-fp8-bf16": (lambda: te_jax.gemm(_f8((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
+                       TypeError, r"both be FP8 or both not"),
+    "e5m2xe5m2": (lambda: te_jax.gemm(_f8((16, 32), E5M2), _f8((16, 32), E5M2), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+                  TypeError, r"E5M2 x E5M2 has no FP8 GEMM"),
+    "fp8-transpose-lhs": (lambda: te_jax.gemm(_f8((32, 16)), _f8((16, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+                                              transpose_lhs=True),
+                          ValueError, r"FP8 operands must be K-major"),
+    "fp8-transpose-rhs": (lambda: te_jax.gemm(_f8((16, 32)), _f8((32, 16)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+                                              transpose_rhs=True),
+                          ValueError, r"FP8 operands must be K-major"),
+    "k-mismatch": (lambda: te_jax.gemm(BF((16, 32)), BF((16, 48))),
+                   ValueError, r"contracting dims differ: lhs \(16, 32\) has K=32, rhs \(16, 48\) has K=48"),
+    "k-mismatch-transposed": (lambda: te_jax.gemm(BF((32, 16)), BF((16, 48)), transpose_lhs=True),
+                              ValueError, r"contracting dims differ"),
+    "fp8-k-not-16": (lambda: te_jax.gemm(_f8((16, 40)), _f8((16, 40)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+                     ValueError, r"multiples of 16, got K=40, N=16"),
+    "fp8-n-not-16": (lambda: te_jax.gemm(_f8((16, 32)), _f8((24, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+                     ValueError, r"multiples of 16, got K=32, N=24"),
+    "bad-out-dtype": (lambda: te_jax.gemm(BF((16, 32)), BF((16, 32)), out_dtype=jnp.int8),
+                      ValueError, r"out_dtype must be bfloat16, float16 or float32, got int8"),
+    "fp8-out-dtype": (lambda: te_jax.gemm(BF((16, 32)), BF((16, 32)), out_dtype=E4M3),
+                      ValueError, r"out_dtype must be .* got float8_e4m3fn"),
+    "bias-wrong-shape": (lambda: te_jax.gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((16,))),
+                         ValueError, r"bias must have shape \(24,\), got \(16,\)"),
+    "bias-2d": (lambda: te_jax.gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((1, 24))),
+                ValueError, r"bias must have shape \(24,\)"),
+    "rank1-lhs": (lambda: te_jax.gemm(BF((32,)), BF((16, 32))), ValueError, r"lhs must have rank >= 2"),
+    "rank1-rhs": (lambda: te_jax.gemm(BF((16, 32)), BF((32,))), ValueError, r"rhs must have rank >= 2"),
+    "int-operand": (lambda: te_jax.gemm(jnp.zeros((16, 32), jnp.int8), BF((16, 32))),
+                    TypeError, r"lhs must be FP8 \(e4m3fn/e5m2\), bfloat16, float16 or float32, got int8"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_argument_errors(case):
+  call, exc, match = ERROR_CASES[case]
+  with pytest.raises(exc, match=match):
+    call()
+  with pytest.raises(exc, match=match):  # raised while tracing, before anything is lowered
+    jax.jit(call).lower()
+
+
+# ---- sharding on 8 CPU devices -------------------------------------------------------------------------------------
+
+_COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
+
+# (name, lhs spec, rhs spec, out spec asked for (None: the partitioner's), out spec expected, collectives expected)
+SHARDING_CASES = {
+    "column-parallel": (P(), P("x", None), None, P(None, "x"), {}),
+    "row-parallel": (P(None, "x"), P(None, "x"), None, P(), {"all-reduce": 1}),
+    "row-parallel-scatter": (P(None, "x"), P(None, "x"), P("x", None), P("x", None), {"reduce-scatter": 1}),
+}
+
+
+@pytest.mark.parametrize("case", SHARDING_CASES)
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_sharded_gemm(case, kind, with_bias):
+  """Collectives in the compiled HLO, output sharding, and values equal to the unsharded GEMM.
+
+  Tolerance: the output is float32, and a sharded K reorders the float32 sum of the same K products (8 local sums of
+  K/8, then an all-reduce of 8 partials). Any order is within gamma_{K-1} * sum|a||b| of the exact sum (Higham,
+  Accuracy and Stability of Numerical Algorithms, eq. 4.4), so the two results are within twice that.
+  """
+  lhs_spec, rhs_spec, out_spec, want_spec, want = SHARDING_CASES[case]
+  mesh = Mesh(np.array(CPU_DEVICES), ("x",))
+  m, k, n = 64, 256, 128  # the shards: 8 rows, 32 K, 16 N
+  if kind == "fp8":
+    lhs, rhs = fp8_operand((m,), k, E4M3, seed=20), fp8_operand((n,), k, E4M3, seed=21)
+  else:
+    lhs = hp_operand((m,), k, HP_DTYPES[kind], False, seed=20)
+    rhs = hp_operand((n,), k, HP_DTYPES[kind], False, seed=21)
+  bias = random_bias(n, seed=22) if with_bias else None
+  scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
+
+  def f(a, b, s, bias):
+    return te_jax.gemm(a, b, bias=bias, out_dtype=jnp.float32, **s)
+
+  a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
+  b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
+  jitted = jax.jit(f, out_shardings=None if out_spec is None else NamedSharding(mesh, out_spec))
+  compiled = jitted.lower(a_s, b_s, scales, bias).compile()
+  out = compiled(a_s, b_s, scales, bias)
+  hlo = compiled.as_text()
+
+  assert collections.Counter(_COLLECTIVE.findall(hlo)) == collections.Counter(want), _COLLECTIVE.findall(hlo)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2), out.sharding
+  ref, _ = run_gemm(lhs, rhs, bias, jnp.float32)  # unsharded, one device
+  _, abs_prod = exact64(lhs, rhs, bias64_of(bias, jnp.float32))
+  gamma = (k - 1) * F32_U / (1 - (k - 1) * F32_U)
+  bound = 2 * gamma * (abs_prod + (0 if bias is None else np.abs(bias)))
+  diff = np.abs(np.asarray(out).astype(np.float64) - np.asarray(ref).astype(np.float64))
+  assert np.all(diff <= bound), f"max diff {diff.max():.3g}, bound there {bound.flat[np.argmax(diff)]:.3g}"
+
+
+# ---- GPU: the cuBLASLt handler -------------------------------------------------------------------------------------
+
+
+def assert_calls_cublas(hlo: str):
+  assert _native.has_target("cuda", "te_gemm_cuda"), _native.load_errors
+  assert hlo.count('custom_call_target="te_gemm_cuda"') == 1, "te_gemm_cuda is not in the compiled HLO"
+
+
+def cuda_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, **kwargs):
+  """te_jax.gemm on the GPU, asserting that it runs the cuBLASLt handler once."""
+  out, hlo = run_gemm(lhs, rhs, bias, out_dtype, device=gpu, **kwargs)
+  assert_calls_cublas(hlo)
+  return out
+
+
+def gpu_reference(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, transpose_lhs=False, transpose_rhs=False):
+  """gemm_ref jitted on the same GPU (XLA's own GEMM at HIGHEST precision): the baseline on a GPU."""
+  a = lhs.array.reshape(lhs.array.shape[0], -1) if transpose_lhs else lhs.array.reshape(-1, lhs.array.shape[-1])
+  b = rhs.array.reshape(rhs.array.shape[0], -1) if transpose_rhs else rhs.array.reshape(-1, rhs.array.shape[-1])
+  config = GemmConfig(jnp.dtype(out_dtype), transpose_lhs, transpose_rhs, bias is not None)
+  one = np.float32(1.0)
+  args = [a, b, one if lhs.scale_inv is None else lhs.scale_inv, one if rhs.scale_inv is None else rhs.scale_inv]
+  if bias is not None:
+    args.append(np.asarray(jnp.asarray(bias).astype(out_dtype)))
+  (out,) = jax.jit(functools.partial(gemm_ref, config=config))(*(jax.device_put(x, gpu) for x in args))
+  return out
+
+
+def check_gpu_high_precision(layout, dtype, out_dtype, with_bias, mkn, gpu):
+  tl, tr = LAYOUTS[layout]
+  m, k, n = mkn
+  lhs = hp_operand((m,), k, HP_DTYPES[dtype], tl, seed=30)
+  rhs = hp_operand((n,), k, HP_DTYPES[dtype], tr, seed=31)
+  bias = random_bias(n, seed=32) if with_bias else None
+  ours = cuda_gemm(lhs, rhs, bias, out_dtype, gpu, transpose_lhs=tl, transpose_rhs=tr)
+  assert ours.shape == (m, n) and ours.dtype == out_dtype
+  base = gpu_reference(lhs, rhs, bias, out_dtype, gpu, tl, tr)
+  assert_gemm_close(ours, base, lhs, rhs, bias64_of(bias, out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_gpu_high_precision(layout, dtype, out, with_bias, gpu):
+  check_gpu_high_precision(layout, dtype, OUT_DTYPES[out], with_bias, (17, 64, 48), gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("mkn", [(24, 40, 20), (1, 8, 8), (1000, 1024, 768)], ids=str)
+def test_gpu_high_precision_shapes(layout, dtype, mkn, gpu):
+  check_gpu_high_precision(layout, dtype, jnp.float32, True, mkn, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_batch_dims_fold_into_rows(layout, gpu):
+  tl, tr = LAYOUTS[layout]
+  lhs = hp_operand((2, 5), 48, ml_dtypes.bfloat16, tl, seed=33)
+  rhs = hp_operand((3, 16), 48, ml_dtypes.bfloat16, tr, seed=34)
+  ours = cuda_gemm(lhs, rhs, None, jnp.float32, gpu, transpose_lhs=tl, transpose_rhs=tr)
+  assert ours.shape == (2, 5, 3, 16)
+  base = gpu_reference(lhs, rhs, None, jnp.float32, gpu, tl, tr)
+  assert_gemm_close(ours, base, lhs, rhs, None)
+
+
+# M = 8, 17, 1000: not multiples of 16. cuBLASLt's FP8 alignment rule is on the leading dims of the stored operands
+# (K for both, N for the output); M is not one, so these must run. K and N stay multiples of 16 (the wrapper's rule).
+GPU_FP8_SHAPES = [(8, 32, 16), (17, 64, 48), (1000, 1024, 768), (1, 16, 16), (16, 16, 16), (256, 4096, 512)]
+
+
+def check_gpu_fp8(pair, out_dtype, with_bias, fast_accum, mkn, gpu):
+  m, k, n = mkn
+  lhs = fp8_operand((m,), k, FP8_PAIRS[pair][0], seed=35)
+  rhs = fp8_operand((n,), k, FP8_PAIRS[pair][1], seed=36)
+  bias = random_bias(n, seed=37) if with_bias else None
+  ours = cuda_gemm(lhs, rhs, bias, out_dtype, gpu, fast_accum=fast_accum)
+  assert ours.shape == (m, n) and ours.dtype == out_dtype
+  base = gpu_reference(lhs, rhs, bias, out_dtype, gpu)
+  assert_gemm_close(ours, base, lhs, rhs, bias64_of(bias, out_dtype), accum_u=FP8_ACCUM_U)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", FP8_PAIRS)
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["", "fast"])
+def test_gpu_fp8(pair, out, with_bias, fast_accum, gpu):
+  check_gpu_fp8(pair, OUT_DTYPES[out], with_bias, fast_accum, (17, 64, 48), gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", FP8_PAIRS)
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["", "fast"])
+@pytest.mark.parametrize("mkn", GPU_FP8_SHAPES, ids=str)
+def test_gpu_fp8_shapes(pair, fast_accum, mkn, gpu):
+  check_gpu_fp8(pair, jnp.bfloat16, True, fast_accum, mkn, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "e4m3xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["", "fast"])
+def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
+  """4096^3: values against float64 on every 16th row (the float64 GEMM on the host is the slow part), and two
+  calls of the same compiled GEMM give the same bits."""
+  m = k = n = 4096
+  if kind == "bf16":
+    lhs = hp_operand((m,), k, ml_dtypes.bfloat16, False, seed=38)
+    rhs = hp_operand((n,), k, ml_dtypes.bfloat16, False, seed=39)
+    accum_u = F32_U
+  else:
+    lhs = fp8_operand((m,), k, FP8_PAIRS[kind][0], seed=38)
+    rhs = fp8_operand((n,), k, FP8_PAIRS[kind][1], seed=39)
+    accum_u = FP8_ACCUM_U
+  bias = random_bias(n, seed=40)
+  put = functools.partial(jax.device_put, device=gpu)
+  scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": put(lhs.scale_inv), "rhs_scale_inv": put(rhs.scale_inv)}
+  f = jax.jit(lambda a, b, s, bias: te_jax.gemm(a, b, bias=bias, out_dtype=jnp.bfloat16, fast_accum=fast_accum, **s))
+  args = (put(lhs.array), put(rhs.array), scales, put(bias))
+  compiled = f.lower(*args).compile()
+  assert_calls_cublas(compiled.as_text())
+  first = np.asarray(compiled(*args))
+  second = np.asarray(compiled(*args))
+  np.testing.assert_array_equal(first.view(np.uint16), second.view(np.uint16), err_msg="not deterministic")
+  base = gpu_reference(lhs, rhs, bias, jnp.bfloat16, gpu)
+  assert_gemm_close(first, base, lhs, rhs, bias64_of(bias, jnp.bfloat16), accum_u=accum_u, rows=slice(None, None, 16))
