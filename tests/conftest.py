@@ -34,6 +34,22 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+def pytest_addoption(parser):
+  parser.addoption("--failures-now", action="store_true",
+                   help="print each failure's traceback as soon as it happens (for time-limited GPU runs)")
+
+
+def pytest_runtest_logreport(report):
+  if report.failed and getattr(report, "_failures_now", False):
+    print(f"\nFAILED {report.nodeid}\n{report.longreprtext[-3000:]}\n", flush=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  outcome.get_result()._failures_now = item.config.getoption("--failures-now")
+
+
 @pytest.fixture
 def gpu():
   """The first GPU device (gpu tests are skipped before this runs when there is none)."""

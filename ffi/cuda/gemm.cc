@@ -9,8 +9,9 @@
 // Optional bias epilogue (bias in the output dtype). Fast accumulation is a per-call attribute: Transformer
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
-// cuBLASLt plans (descriptors, layouts, the heuristic's algorithm) are built once per device and problem and
-// cached; a call only looks its plan up. The workspace is an extra result buffer, allocated by XLA.
+// cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
+// call of a problem also times the heuristic's best few algorithms on it and keeps the fastest. Later calls only
+// look their plan up. The workspace is an extra result buffer, allocated by XLA.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "te_jax/cuda_check.h"
 #include "xla/ffi/api/ffi.h"
@@ -28,6 +30,11 @@ namespace ffi = xla::ffi;
 
 namespace te_jax {
 namespace {
+
+// The heuristic's first choice is not always the fastest: the first call of each problem times this many of its
+// candidates on the real operands and keeps the fastest (once per process, tens of milliseconds).
+constexpr int kCandidates = 8;
+constexpr int kTimedRuns = 3;
 
 // 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
 // allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py).
@@ -63,6 +70,7 @@ using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's best few, until the first call times them
   cublasLtMatmulAlgo_t algo;
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -149,10 +157,10 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
-  cublasLtMatmulHeuristicResult_t result;
+  cublasLtMatmulHeuristicResult_t results[kCandidates];
   int found = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d,
+                                                               pref, kCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   TE_JAX_CUBLAS_RETURN_IF_ERROR(status, "algorithm heuristic");
   if (found == 0) {
@@ -160,10 +168,44 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
                                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                                        " with these types/layout");
   }
-  plan->algo = result.algo;
+  plan->algo = results[0].algo;
+  if (found > 1) {
+    for (int i = 0; i < found; ++i) plan->candidates.push_back(results[i].algo);
+  }
   Plan* raw = plan.get();
   cache.plans.emplace(key, std::move(plan));
   return raw;
+}
+
+// Times each candidate (one warm-up, then kTimedRuns runs between two events on the stream) and returns the fastest.
+// Candidates that fail to run are skipped. Synchronizes with the stream, which is why the handler is not declared
+// CUDA-graph compatible.
+template <typename Run>
+ffi::ErrorOr<cublasLtMatmulAlgo_t> FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, Run&& run,
+                                                    cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start), "event");
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop), "event");
+  float best_ms = -1.0f;
+  cublasLtMatmulAlgo_t best = candidates[0];
+  for (const auto& algo : candidates) {
+    if (run(algo) != CUBLAS_STATUS_SUCCESS) continue;
+    cudaEventRecord(start, stream);
+    bool ok = true;
+    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(algo) == CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(stop, stream);
+    if (cudaEventSynchronize(stop) != cudaSuccess || !ok) continue;
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (best_ms < 0.0f || ms < best_ms) {
+      best_ms = ms;
+      best = algo;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  (void)cudaGetLastError();  // a candidate that failed to launch must not fail the call
+  return best;
 }
 
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
@@ -243,11 +285,18 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                   "BIAS_POINTER");
   }
   const float alpha = 1.0f, beta = 0.0f;
-  TE_JAX_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b, &beta,
-                     out->untyped_data(), plan->d, out->untyped_data(), plan->d, &plan->algo,
-                     workspace->untyped_data(), kWorkspaceBytes, stream),
-      "matmul");
+  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
+                          &beta, out->untyped_data(), plan->d, out->untyped_data(), plan->d, &algo,
+                          workspace->untyped_data(), kWorkspaceBytes, stream);
+  };
+  if (!plan->candidates.empty()) {
+    auto tuned = FastestAlgorithm(plan->candidates, run, stream);
+    if (tuned.has_error()) return tuned.error();
+    plan->algo = *tuned;
+    plan->candidates.clear();
+  }
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo), "matmul");
   return LastCudaError("gemm");
 }
 

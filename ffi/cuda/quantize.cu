@@ -80,6 +80,9 @@ __device__ __forceinline__ uint32_t Cvt4(float a, float b, float c, float d) {
   return lo | (hi << 16);
 }
 
+// 8 output bytes; the kernel never reads them back.
+__device__ __forceinline__ void StoreOut(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }
+
 // Reduces amax bits over the block and folds them into *amax with one atomic.
 __device__ __forceinline__ void BlockAmax(uint32_t bits, unsigned* amax, uint32_t* scratch) {
   bits = __reduce_max_sync(0xffffffffu, bits);
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias>())
     packed.y = Cvt4<kFmt>(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale);
     const int lr = rsub + i * kRowsPerPass;
     const int64_t r = row0 + lr;
-    if (col_ok && r < rows) *reinterpret_cast<uint2*>(qb + r * cols + col) = packed;
+    if (col_ok && r < rows) StoreOut(qb + r * cols + col, packed);
     if constexpr (kTranspose) tile[lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
   }
 
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias>())
           o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
           o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
         }
-        *reinterpret_cast<uint2*>(qtb + (c_base + j) * rows + qr) = o;
+        StoreOut(qtb + (c_base + j) * rows + qr, o);
       }
     }
   }
