@@ -54,6 +54,7 @@ COLUMNS = (
     ("ms (1 sync call)", "ms_sync"),
     ("GB/s", "gbps"),
     ("% copy BW", "pct_copy"),
+    ("% copy BW (loop)", "pct_copy_loop"),
     ("vs XLA", "speedup_vs_xla"),
     ("handler", "handler"),
     ("ok", "ok"),
@@ -120,6 +121,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
         "timing": t.as_dict(),
         "gbps": rate,
         "pct_copy": 100.0 * rate / ctx.copy_gbps,
+        "pct_copy_loop": 100.0 * harness.gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
         "handler": te_handler if impl == "te_jax" else "xla fusion",
         "note": case.note,
     })
@@ -140,7 +142,8 @@ def run(ctx: harness.Context) -> list[dict]:
     case_rows = bench_case(ctx, case, jax.random.key(i))
     te_row = case_rows[0]
     print(f"quantize {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {case_rows[1]['ms']:.4f} ms, "
-          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW, {te_row['handler']}"
+          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
+          f"in a loop), {te_row['handler']}"
           + (f" [{te_row['note']}]" if not te_row["ok"] else ""), file=sys.stderr, flush=True)
     rows += case_rows
   return rows

@@ -35,7 +35,9 @@ class Context:
     gpu: whether the default backend is a GPU.
     platform: the lowering platform of the default backend, "cuda" or "cpu" (FFI target names end with it).
     shrink: divide every benchmark dimension by this (1 on a GPU; larger for a quick smoke run on a CPU).
-    copy_gbps: the measured device copy bandwidth (bytes read + written), the ceiling for memory-bound ops.
+    copy_gbps: the measured device copy bandwidth (bytes read + written), the ceiling for memory-bound ops, with
+      per-call timing.
+    copy_loop_gbps: the same ceiling inside a jitted loop (the in-program view, without per-call overhead).
     runs: measurements per timing (the median is reported).
     batch: calls per measurement in ``time_calls`` for the main (device-bound) time.
     inner: iterations of the shorter loop in ``time_loop``.
@@ -45,6 +47,7 @@ class Context:
   platform: str
   shrink: int
   copy_gbps: float
+  copy_loop_gbps: float
   runs: int = 20
   batch: int = 10
   inner: int = 100
@@ -163,6 +166,19 @@ def copy_bandwidth(nbytes: int, *, runs: int = 20, batch: int = 10) -> dict[str,
   t = time_calls(copy, x, runs=runs, batch=batch)
   moved = 2 * x.nbytes
   return {"bytes": moved, "ms": t.ms, "gbps": gbps(moved, t.ms), "hlo_copies": copies}
+
+
+def copy_bandwidth_loop(nbytes: int, *, inner: int = 50, runs: int = 20) -> dict[str, float]:
+  """The copy ceiling measured like ``time_loop`` measures an op: ``x * s`` (``s`` = 1 at run time, so nothing
+  folds away) reads and writes ``nbytes`` per iteration of a jitted loop.
+
+  Returns:
+    ``{"bytes": read + written, "ms": per iteration, "gbps": GB/s read + written}``.
+  """
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  t = time_loop(lambda x, s: x * s, (x, jnp.float32(1.0)), inner=inner, runs=runs)
+  moved = 2 * x.nbytes
+  return {"bytes": moved, "ms": t.ms, "gbps": gbps(moved, t.ms)}
 
 
 def gbps(nbytes: int, ms: float) -> float:

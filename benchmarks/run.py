@@ -45,7 +45,9 @@ def _header(result: dict) -> str:
   return (f"# te_jax benchmarks: {dev['name']}\n\n"
           f"{result['date']}; {versions}.\n"
           f"Copy bandwidth (read + write, jitted jnp.copy of {copy['bytes'] // 2 >> 20} MiB): "
-          f"{copy['gbps']:,.0f} GB/s.\n"
+          f"{copy['gbps']:,.0f} GB/s per call; {result['copy_bandwidth_loop']['gbps']:,.0f} GB/s in a jitted loop "
+          f"(x * s, {result['copy_bandwidth_loop']['bytes'] // 2 >> 20} MiB). % copy BW: ms against the first; "
+          f"% copy BW (loop): ms (loop) against the second.\n"
           f"ms: median per call over {result['runs']} measurements, calls dispatched back to back (for small inputs, "
           f"per iteration of a jitted loop); ms (loop): per iteration of a jitted loop; ms (1 sync call): one "
           f"host-timed call, dispatch included. Bandwidths count bytes read + written.\n")
@@ -67,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
   print(f"copy bandwidth: {copy['gbps']:,.0f} GB/s (read + write)"
         + ("" if copy["hlo_copies"] else "; WARNING: the compiled copy holds no copy op, so this is no ceiling"),
         file=sys.stderr, flush=True)
+  copy_loop = harness.copy_bandwidth_loop(1 << 29 if gpu else 1 << 22, inner=inner, runs=runs)
+  print(f"copy bandwidth in a jitted loop: {copy_loop['gbps']:,.0f} GB/s (read + write)", file=sys.stderr, flush=True)
   ctx = harness.Context(gpu=gpu, platform="cuda" if gpu else "cpu", shrink=shrink, copy_gbps=copy["gbps"],
-                        runs=runs, inner=inner)
+                        copy_loop_gbps=copy_loop["gbps"], runs=runs, inner=inner)
 
   rows, tables, failures = [], [], {}
   for name in args.only or BENCHMARKS:
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
       "reference_forced": info["reference_forced"],
       "runs": runs,
       "copy_bandwidth": copy,
+      "copy_bandwidth_loop": copy_loop,
       "rows": rows,
       "failures": failures,
   }

@@ -2,7 +2,8 @@
 # The one script for the GPU machine. GPU time is scarce, so one run does everything: build, doctor, GPU tests,
 # benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
 #
-#   bash scripts/gpu_check.sh      # logs in build/gpu_check/; with OUT=<dir>, logs and results are copied there too
+#   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
+#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
 # nanobind, scikit-build-core, cmake, ninja, nvcc and cuBLASLt: so no venv, and an in-place build without build
@@ -85,11 +86,14 @@ gpu_tests() {
 
 export LOGS
 export -f build doctor gpu_tests
-step "build (CUDA sm_90a)" 300 build.log 12 build
-step "doctor" 60 doctor.log 40 doctor
-step "tests -m gpu" 240 tests_gpu.log 25 gpu_tests
-step "benchmarks" 240 bench.log 60 'python3 benchmarks/run.py'
-step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
+# Steps to run, in this order: the arguments, or all of them (build first: the others need it).
+WANT=" ${*:-build doctor tests bench demo} "
+want() { [[ $WANT == *" $1 "* ]]; }
+want build && step "build (CUDA sm_90a)" 300 build.log 12 build
+want doctor && step "doctor" 60 doctor.log 40 doctor
+want bench && step "benchmarks" 240 bench.log 60 'python3 benchmarks/run.py'
+want tests && step "tests -m gpu" 240 tests_gpu.log 25 gpu_tests
+want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
 fi

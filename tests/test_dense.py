@@ -541,8 +541,11 @@ def test_gpu_dense_matches_reference_path(rec, shape, gpu):
   meta = make_meta(scales if isinstance(r, DelayedScaling) else [1.0] * 3, [np.ones(HISTORY, np.float32)] * 3)
 
   with te_jax.autocast(enabled=True, recipe=r):
-    f = jax.jit(lambda x, k, b, m, g: jax.vjp(lambda x, k, b, m: te_jax.dense(x, k, b, axis=axis, fp8_meta=m),
-                                              x, k, b, m)[1](g))
+    def fwd_bwd(x, k, b, m, g):  # the output too: a vjp alone would let XLA drop the forward GEMM
+      out, vjp = jax.vjp(lambda x, k, b, m: te_jax.dense(x, k, b, axis=axis, fp8_meta=m), x, k, b, m)
+      return out, vjp(g)
+
+    f = jax.jit(fwd_bwd)
     args = jax.device_put((x, kernel, bias, meta, g), gpu)
     assert_cuda_dense_hlo(f.lower(*args).compile().as_text())
   ours_gpu, dmeta_gpu = dense_vjp(x, kernel, bias, g, meta, r, axis, device=gpu)

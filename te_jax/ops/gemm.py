@@ -199,6 +199,20 @@ def _check_operand(x, name: str, scale_inv):
   return False
 
 
+def _native_output(in_dtype, out_dtype, fp8: bool) -> tuple[jnp.dtype, bool]:
+  """The output dtype to run cuBLASLt with, and whether the bias can go in its epilogue.
+
+  cuBLASLt (compute and scale type float32) takes 16-bit operands to their own type or to float32, float32 operands
+  to float32, and FP8 operands to bfloat16, float16 or float32, the bias epilogue of the last only with a 16-bit
+  bias. Any other output dtype comes from a float32 GEMM and one XLA cast, with the same numerics: the float32
+  accumulator plus the bias, rounded once.
+  """
+  f32 = jnp.dtype(jnp.float32)
+  if fp8:
+    return out_dtype, out_dtype != f32
+  return (out_dtype if out_dtype in (in_dtype, f32) else f32), True
+
+
 def gemm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -253,14 +267,19 @@ def gemm(
     raise ValueError(f"contracting dims differ: lhs {lhs.shape} has K={k}, rhs {rhs.shape} has K={k_b}")
   if lhs_fp8 and (k % _FP8_ALIGN or n % _FP8_ALIGN):
     raise ValueError(f"FP8 GEMM needs K and N to be multiples of {_FP8_ALIGN}, got K={k}, N={n}")
-  config = GemmConfig(out_dtype, bool(transpose_lhs), bool(transpose_rhs), bias is not None, bool(fast_accum))
+  if bias is not None and bias.shape != (n,):
+    raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+  gemm_dtype, fuse_bias = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
+  fuse_bias = fuse_bias and bias is not None
+  config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum))
   one = jnp.ones((), jnp.float32)
   operands = [a, b, lhs_scale_inv if lhs_fp8 else one, rhs_scale_inv if rhs_fp8 else one]
-  if bias is not None:
-    if bias.shape != (n,):
-      raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-    operands.append(bias.astype(out_dtype))
+  if fuse_bias:  # the bias is rounded to out_dtype first in every path
+    operands.append(bias.astype(out_dtype).astype(gemm_dtype))
   (out,) = _GEMM.bind(*operands, config=config)
+  if bias is not None and not fuse_bias:  # added in float32, as the epilogue would, then cast once
+    out = out.astype(jnp.float32) + bias.astype(out_dtype).astype(jnp.float32)
+  out = out.astype(out_dtype)
   lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:-1]
   rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:-1]
   assert math.prod(lhs_rows) == m and math.prod(rhs_rows) == n
