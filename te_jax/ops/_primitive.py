@@ -28,7 +28,22 @@ from jax.interpreters import batching, mlir
 
 from te_jax import _native
 
-__all__ = ["NativeSignature", "Op", "define_op", "output_aval", "sequential_batcher"]
+__all__ = ["NativeSignature", "Op", "define_op", "full_spec", "mesh_axes", "output_aval", "sequential_batcher"]
+
+
+def full_spec(sharding, ndim: int) -> tuple:
+  """The PartitionSpec entries of ``sharding`` padded to ``ndim`` (all None when it is not a NamedSharding)."""
+  spec = tuple(sharding.spec) if isinstance(sharding, jax.sharding.NamedSharding) else ()
+  return spec + (None,) * (ndim - len(spec))
+
+
+def mesh_axes(*entries) -> tuple[str, ...]:
+  """The mesh axis names in PartitionSpec entries (None, a name, or a tuple of names), in order."""
+  axes = []
+  for e in entries:
+    if e is not None:
+      axes.extend(e if isinstance(e, tuple) else (e,))
+  return tuple(axes)
 
 
 def output_aval(like: jax.core.ShapedArray, shape, dtype) -> jax.core.ShapedArray:

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, output_aval
+from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["gemm", "gemm_ref", "GemmConfig"]
@@ -105,19 +105,8 @@ def _attributes(config: GemmConfig) -> dict:
   }
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _entry(axes: tuple[str, ...]):
   return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-
-def _spec2(sharding) -> tuple:
-  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-  return spec + (None,) * (2 - len(spec))
 
 
 def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
@@ -126,12 +115,12 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match; a mesh axis used twice
   (say M and N both on 'model') is kept on M only.
   """
-  lhs_spec, rhs_spec = _spec2(arg_shapes[0].sharding), _spec2(arg_shapes[1].sharding)
+  lhs_spec, rhs_spec = full_spec(arg_shapes[0].sharding, 2), full_spec(arg_shapes[1].sharding, 2)
   m_l, k_l = (lhs_spec[1], lhs_spec[0]) if config.transpose_lhs else lhs_spec
   n_r, k_r = (rhs_spec[1], rhs_spec[0]) if config.transpose_rhs else rhs_spec
-  k_axes = _mesh_axes(k_l) or _mesh_axes(k_r)
-  m_axes = tuple(a for a in _mesh_axes(m_l) if a not in k_axes)
-  n_axes = tuple(a for a in _mesh_axes(n_r) if a not in k_axes and a not in m_axes)
+  k_axes = mesh_axes(k_l) or mesh_axes(k_r)
+  m_axes = tuple(a for a in mesh_axes(m_l) if a not in k_axes)
+  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes)
   m, k, n = _entry(m_axes), _entry(k_axes), _entry(n_axes)
   lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
   rhs_sharding = NamedSharding(mesh, P(k, n) if config.transpose_rhs else P(n, k))
@@ -140,8 +129,8 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   if config.has_bias:
     arg_shardings.append(NamedSharding(mesh, P(n)))
   # Sequence parallelism: when the output is wanted with M sharded over the K axes, reduce-scatter instead.
-  out_m = _spec2(result_shape[0].sharding)[0]
-  scatter = bool(k_axes) and not m_axes and _mesh_axes(out_m) == k_axes
+  out_m = full_spec(result_shape[0].sharding, 2)[0]
+  scatter = bool(k_axes) and not m_axes and mesh_axes(out_m) == k_axes
   out_sharding = NamedSharding(mesh, P(k if scatter else m, n))
   local_config = dataclasses.replace(config, has_bias=config.has_bias and not k_axes)
 

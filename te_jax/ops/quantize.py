@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, output_aval, sequential_batcher
+from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 
 __all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "FP8_DTYPES"]
 
@@ -135,25 +135,11 @@ def _native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out
   return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
 
-def _spec(sharding, ndim: int) -> tuple:
-  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-  return spec + (None,) * (ndim - len(spec))
-
-
-def _mesh_axes(entries) -> tuple[str, ...]:
-  axes = []
-  for e in entries:
-    if e is None:
-      continue
-    axes.extend(e if isinstance(e, tuple) else (e,))
-  return tuple(axes)
-
-
 def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
   """Every dim of x may stay sharded: the cast is elementwise and the transpose a permutation of dims."""
   del result_shape
   ndim = len(arg_shapes[0].shape)
-  spec = _spec(arg_shapes[0].sharding, ndim)
+  spec = full_spec(arg_shapes[0].sharding, ndim)
   x_sharding = NamedSharding(mesh, P(*spec))
   replicated = NamedSharding(mesh, P())
   out_shardings = [x_sharding]
@@ -162,8 +148,8 @@ def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
   out_shardings.append(replicated)
   if config.dbias:
     out_shardings.append(NamedSharding(mesh, P(spec[-1])))
-  amax_axes = _mesh_axes(spec)
-  sum_axes = _mesh_axes(spec[:-1])
+  amax_axes = mesh_axes(*spec)
+  sum_axes = mesh_axes(*spec[:-1])
 
   def lower_fn(x, scale):
     outs = list(_QUANTIZE.inner.bind(x, scale, config=config))
