@@ -15,7 +15,6 @@ returned as ``fp8_meta``'s gradient, so a train step that differentiates with re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -25,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import scaling
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd
 from te_jax.autocast import get_autocast_state
-from te_jax.ops.gemm import gemm
-from te_jax.ops.quantize import amax, quantize
+from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["DenseFp8Meta", "dense"]
@@ -49,68 +48,29 @@ class DenseFp8Meta(NamedTuple):
     return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fp8Config:
-  recipe: Recipe
-  out_dtype: jnp.dtype  # the compute dtype: x's dtype
-  kernel_dtype: jnp.dtype  # the weight gradient's dtype
-  bias_dtype: jnp.dtype | None  # None: no bias
-
-  @property
-  def has_bias(self) -> bool:
-    return self.bias_dtype is not None
-
-  @property
-  def fwd_dtype(self):
-    return self.recipe.fp8_format.fwd_dtype
-
-  @property
-  def bwd_dtype(self):
-    return self.recipe.fp8_format.bwd_dtype
-
-  def scale(self, state: scaling.ScaleState | None, x: jax.Array, dtype) -> jax.Array:
-    """The scale to cast ``x`` with: the delayed state's, or one from ``x``'s own amax (current scaling)."""
-    if isinstance(self.recipe, DelayedScaling):
-      return state.scale
-    return scaling.compute_scale(amax(x), jnp.float32(1.0), scaling.fp8_max(dtype))
-
-  def update(self, state: scaling.ScaleState | None, new_amax: jax.Array, dtype) -> scaling.ScaleState | None:
-    if not isinstance(self.recipe, DelayedScaling):
-      return state
-    return scaling.update_scale_state(
-        state, new_amax, dtype, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
-    )
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense_fp8(cfg: _Fp8Config, x, kernel, bias, meta):
+def _dense_fp8(cfg: Fp8Config, x, kernel, bias, meta):
   return _dense_fp8_fwd(cfg, x, kernel, bias, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: _Fp8Config, x, kernel, bias, meta):
+def _dense_fp8_fwd(cfg: Fp8Config, x, kernel, bias, meta):
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
-  sw = cfg.scale(meta and meta.kernel, kernel, cfg.fwd_dtype)
   qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
-  qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
-  sx_inv, sw_inv = 1.0 / sx, 1.0 / sw
-  out = gemm(qx.data, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, out_dtype=cfg.out_dtype,
-             fast_accum=True)
-  return out, (qx.data_t, qw.data, sx_inv, sw_inv, qx.amax, qw.amax, meta)
+  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias)
+  return out, (res, qx.amax, meta)
 
 
-def _dense_fp8_bwd(cfg: _Fp8Config, residuals, g):
-  x_t, w, sx_inv, sw_inv, amax_x, amax_w, meta = residuals
+def _dense_fp8_bwd(cfg: Fp8Config, residuals, g):
+  res, amax_x, meta = residuals
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
   qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)  # (M, N) and (N, M)
-  sg_inv = 1.0 / sg
-  dx = gemm(qg.data, w, lhs_scale_inv=sg_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype)  # (M, K)
-  dw = gemm(x_t, qg.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype)  # (K, N)
+  dx, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
     new_meta = DenseFp8Meta(
         cfg.update(meta.x, amax_x, cfg.fwd_dtype),
-        cfg.update(meta.kernel, amax_w, cfg.fwd_dtype),
+        cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
         cfg.update(meta.grad, qg.amax, cfg.bwd_dtype),
     )
   return dx, dw, dbias, new_meta
@@ -193,7 +153,7 @@ def dense(
   if pad:  # zero rows leave amax, dbias and the weight gradient unchanged
     x2d = jnp.pad(x2d, ((0, pad), (0, 0)))
   b = None if bias is None else bias.reshape(n)
-  cfg = _Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   y = _dense_fp8(cfg, x2d, kernel.reshape(k, n), b, meta)
   if pad:

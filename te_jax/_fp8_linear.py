@@ -1,0 +1,92 @@
+"""The FP8 GEMM pieces every fused layer shares: scales from the recipe, the forward GEMM with its residuals, and
+the dgrad/wgrad GEMMs of the backward pass.
+
+A layer's forward produces its FP8 input (and the transposed copy the weight gradient needs) in whatever kernel
+comes before the GEMM (a quantize, a norm, an activation), then calls ``linear_fwd``; its backward produces the FP8
+output gradient (and its transposed copy) the same way, then calls ``linear_bwd``. Only FP8 tensors are kept for the
+backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import scaling
+from te_jax.ops.gemm import gemm
+from te_jax.ops.quantize import amax, quantize
+from te_jax.recipe import DelayedScaling, Recipe
+
+__all__ = ["Fp8Config", "LinearResiduals", "linear_fwd", "linear_bwd"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """Static facts of one FP8 GEMM: the recipe and the dtypes around it."""
+
+  recipe: Recipe
+  out_dtype: jnp.dtype  # the compute dtype: the layer input's dtype
+  kernel_dtype: jnp.dtype  # the weight gradient's dtype
+  bias_dtype: jnp.dtype | None  # None: no bias
+
+  @property
+  def has_bias(self) -> bool:
+    return self.bias_dtype is not None
+
+  @property
+  def delayed(self) -> bool:
+    return isinstance(self.recipe, DelayedScaling)
+
+  @property
+  def fwd_dtype(self):
+    return self.recipe.fp8_format.fwd_dtype
+
+  @property
+  def bwd_dtype(self):
+    return self.recipe.fp8_format.bwd_dtype
+
+  def scale(self, state: scaling.ScaleState | None, x: jax.Array | None, dtype) -> jax.Array:
+    """The scale to cast ``x`` with: the delayed state's, or one from ``x``'s own amax (current scaling)."""
+    if self.delayed:
+      return state.scale
+    return scaling.compute_scale(amax(x), jnp.float32(1.0), scaling.fp8_max(dtype))
+
+  def update(self, state: scaling.ScaleState | None, new_amax: jax.Array, dtype) -> scaling.ScaleState | None:
+    """The next step's state after a step whose tensor had ``new_amax`` (unchanged for stateless recipes)."""
+    if not self.delayed:
+      return state
+    return scaling.update_scale_state(
+        state, new_amax, dtype, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
+    )
+
+
+class LinearResiduals(NamedTuple):
+  """What the backward GEMMs need from the forward: FP8 tensors and scalars only."""
+
+  x_t: jax.Array  # the FP8 input, transposed: (K, M)
+  w: jax.Array  # the FP8 kernel: (K, N)
+  sx_inv: jax.Array
+  sw_inv: jax.Array
+  amax_w: jax.Array
+
+
+def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias) -> tuple[jax.Array, LinearResiduals]:
+  """``x @ kernel + bias`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its transposed copy,
+  the K-major operand of this GEMM) and runs the forward GEMM with fast accumulation and the bias epilogue."""
+  sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
+  qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
+  sw_inv = 1.0 / sw
+  out = gemm(x_q, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, out_dtype=cfg.out_dtype,
+             fast_accum=True)
+  return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
+
+
+def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv) -> tuple[jax.Array, jax.Array]:
+  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M), with
+  full-precision accumulation. Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``."""
+  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, out_dtype=cfg.out_dtype)
+  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype)
+  return dx, dw
