@@ -11,7 +11,11 @@ from te_jax.autocast import autocast as autocast
 from te_jax.autocast import get_autocast_state as get_autocast_state
 from te_jax.dense import DenseFp8Meta as DenseFp8Meta
 from te_jax.dense import dense as dense
+from te_jax.layernorm import layernorm as layernorm
 from te_jax.ops.gemm import gemm as gemm
+from te_jax.ops.norm import NormOutput as NormOutput
+from te_jax.ops.norm import norm_bwd as norm_bwd
+from te_jax.ops.norm import norm_fwd as norm_fwd
 from te_jax.ops.quantize import Quantized as Quantized
 from te_jax.ops.quantize import amax as amax
 from te_jax.ops.quantize import dequantize as dequantize

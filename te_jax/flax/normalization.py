@@ -1,0 +1,84 @@
+"""Flax linen LayerNorm/RMSNorm over the last dim, one fused kernel each way (``te_jax.layernorm``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_jax.layernorm import layernorm
+from te_jax.ops.norm import NORM_TYPES
+
+Initializer = Callable[..., jax.Array]
+
+
+def _logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
+  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any."""
+  return nn.with_logical_partitioning(init, axes) if axes else init
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm or RMSNorm over the last dim, in float32 whatever the input and parameter dtypes.
+
+  Flax's conventions: the parameters are ``scale`` and (LayerNorm only) ``bias``, shaped ``(hidden,)`` like those of
+  ``flax.linen.LayerNorm`` / ``flax.linen.RMSNorm``, so checkpoints move between them (add 1 to ``scale`` when
+  ``zero_centered_gamma`` is on here and not there); ``dtype`` is the output dtype, by default the promotion of the
+  input's and the parameters' dtypes, as Flax's. Logical axis names make the parameters shardable.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
+  >>> layer = te_flax.LayerNorm(layernorm_type="rmsnorm", dtype=jnp.bfloat16)
+  >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+  >>> jax.tree.map(jnp.shape, variables["params"])
+  {'scale': (8,)}
+  >>> layer.apply(variables, jnp.ones((2, 8))).dtype
+  dtype(bfloat16)
+
+  Attributes:
+    epsilon: added to the variance before the reciprocal square root.
+    layernorm_type: "layernorm" (``(x - mean) * rsigma * scale + bias``) or "rmsnorm" (``x * rsigma * scale``).
+    zero_centered_gamma: store ``scale - 1``: the layer multiplies by ``scale + 1``, so the default initializer
+      becomes zeros.
+    scale_init: initializer of ``scale`` (default: ones, or zeros under ``zero_centered_gamma``).
+    scale_axes: logical axis names of ``scale``.
+    bias_init: initializer of ``bias`` (LayerNorm only).
+    bias_axes: logical axis names of ``bias``.
+    dtype: the output dtype (None: the promotion of the input's and ``param_dtype``).
+    param_dtype: the dtype of the parameters.
+  """
+
+  epsilon: float = 1e-6
+  layernorm_type: str = "layernorm"
+  zero_centered_gamma: bool = False
+  scale_init: Initializer | None = None
+  scale_axes: tuple[str | None, ...] = ()
+  bias_init: Initializer = nn.initializers.zeros_init()
+  bias_axes: tuple[str | None, ...] = ()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Normalizes ``x`` over its last dim.
+
+    Args:
+      x: float32, bfloat16 or float16, rank >= 1.
+
+    Returns:
+      ``x``'s shape, in ``dtype``.
+    """
+    if self.layernorm_type not in NORM_TYPES:
+      raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {self.layernorm_type!r}")
+    hidden = (x.shape[-1],)
+    scale_init = self.scale_init
+    if scale_init is None:
+      scale_init = nn.initializers.zeros_init() if self.zero_centered_gamma else nn.initializers.ones_init()
+    scale = self.param("scale", _logical(scale_init, self.scale_axes), hidden, self.param_dtype)
+    bias = None
+    if self.layernorm_type == "layernorm":
+      bias = self.param("bias", _logical(self.bias_init, self.bias_axes), hidden, self.param_dtype)
+    dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
+    return layernorm(x, scale, bias, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                     zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)

@@ -1,0 +1,523 @@
+"""LayerNorm and RMSNorm over the last dim: forward (high-precision or FP8 output) and backward.
+
+Forward, per row of ``x`` (every dim but the last is a row dim), in float32:
+
+- statistics: LayerNorm ``mean = sum(x) / n``, ``var = sum((x - mean)^2) / n``; RMSNorm ``var = sum(x^2) / n``;
+  ``rsigma = rsqrt(var + epsilon)``;
+- the normalized row: ``g = gamma + 1`` under ``zero_centered_gamma`` (gamma stored as gamma - 1), else ``gamma``;
+  LayerNorm ``y = fma((x - mean) * rsigma, g, beta)``, RMSNorm ``y = (x * rsigma) * g``;
+- the output: ``y`` rounded to bfloat16/float16/float32, or FP8 exactly as ``te_jax.quantize`` casts ``y``:
+  ``y * scale`` cast saturating, ``amax = max|y|`` of the float32 ``y`` (not of a rounded copy), and optionally the
+  transposed FP8 copy ``(hidden, *rows)`` that the weight-gradient GEMM of a following dense layer reads;
+- ``mean`` (LayerNorm only) and ``rsigma``, float32 per row, for the backward pass.
+
+Backward, with ``xhat = (x - mean) * rsigma`` (RMSNorm ``x * rsigma``) and ``dy = dz * g``:
+``dx = ((dy - mean(dy)) - xhat * mean(dy * xhat)) * rsigma`` (RMSNorm without the ``mean(dy)`` term),
+``dgamma = sum over rows of dz * xhat``, ``dbeta = sum over rows of dz``, float32. The CUDA kernel sums dgamma and
+dbeta in a fixed order (per-row-block partials, then a column sum), so every run gives the same bits.
+
+The statistics and the backward reductions are sums whose order the reference leaves to XLA: the kernels agree with
+it within float32 summation error. Given the statistics, the rest is elementwise and bitwise the same everywhere:
+``y`` (with the one fused multiply-add above, which is what XLA compiles ``t * g + beta`` to), its cast, amax and
+the transposed copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
+
+__all__ = ["NORM_TYPES", "NormConfig", "NormOutput", "norm_fwd", "norm_bwd", "norm_fwd_ref", "norm_bwd_ref"]
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+_HP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_F32 = jnp.dtype(jnp.float32)
+# The CUDA backward kernel's workers: each sums dgamma/dbeta over a block of consecutive rows into its own partial
+# row of the workspace; at least this many, and _BWD_PARTIAL_ELEMS / hidden when more (short rows need more workers
+# to fill the GPU). Mirrored in norm.cu.
+_BWD_MIN_PARTIALS = 256
+_BWD_PARTIAL_ELEMS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+  """Static parameters of one normalization call.
+
+  Attributes:
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: added to the variance before the reciprocal square root (forward only).
+    zero_centered_gamma: gamma is stored as gamma - 1; the op multiplies by gamma + 1.
+    out_dtype: the forward output dtype: float32, bfloat16, float16, float8_e4m3fn or float8_e5m2.
+    transpose: the forward also returns the transposed FP8 copy, shape ``(hidden, *rows)`` (FP8 outputs only).
+  """
+
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  out_dtype: np.dtype = _F32
+  transpose: bool = False
+
+  @property
+  def rms(self) -> bool:
+    return self.norm_type == "rmsnorm"
+
+  @property
+  def fp8(self) -> bool:
+    return jnp.dtype(self.out_dtype) in FP8_DTYPES
+
+
+class NormOutput(NamedTuple):
+  """What ``norm_fwd`` returns; fields that do not apply are None.
+
+  Attributes:
+    out: the normalized tensor, ``x``'s shape, in the output dtype.
+    out_t: the transposed FP8 copy ``(hidden, *rows)``, when asked for.
+    amax: ``max|y|`` of the float32 normalized tensor, FP8 outputs only.
+    mean: the float32 row means, shape ``x.shape[:-1]``, LayerNorm only.
+    rsigma: the float32 reciprocal standard deviations (RMSNorm: reciprocal root mean squares), ``x.shape[:-1]``.
+  """
+
+  out: jax.Array
+  out_t: jax.Array | None
+  amax: jax.Array | None
+  mean: jax.Array | None
+  rsigma: jax.Array
+
+
+# ---- reference ---------------------------------------------------------------------------------------------------
+
+
+def _effective_gamma(gamma: jax.Array, config: NormConfig) -> jax.Array:
+  g = gamma.astype(jnp.float32)
+  return g + 1.0 if config.zero_centered_gamma else g
+
+
+def norm_stats_ref(x: jax.Array, *, config: NormConfig) -> tuple[jax.Array | None, jax.Array]:
+  """``(mean, rsigma)`` of each row in float32; mean is None for RMSNorm."""
+  xf = x.astype(jnp.float32)
+  if config.rms:
+    return None, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + jnp.float32(config.epsilon))
+  mean = jnp.mean(xf, axis=-1)
+  d = xf - mean[..., None]
+  return mean, jax.lax.rsqrt(jnp.mean(d * d, axis=-1) + jnp.float32(config.epsilon))
+
+
+def norm_apply_ref(x, mean, rsigma, gamma, beta, *, config: NormConfig) -> jax.Array:
+  """The float32 normalized tensor ``y`` from given statistics: the elementwise part, bitwise what the kernels do.
+
+  LayerNorm's ``t * g + beta`` compiles to one fused multiply-add on XLA's CPU and GPU backends (they contract it),
+  and the kernels compute exactly that, ``fma(t, g, beta)``; tests check the contraction against an exact one.
+  """
+  xf = x.astype(jnp.float32)
+  g = _effective_gamma(gamma, config)
+  if config.rms:
+    return (xf * rsigma[..., None]) * g
+  return ((xf - mean[..., None]) * rsigma[..., None]) * g + beta.astype(jnp.float32)
+
+
+def norm_fwd_ref(x, gamma, scale, *beta, config: NormConfig) -> list[jax.Array]:
+  """The pure-jnp forward: ``[out, (out_t, amax if FP8), (mean if LayerNorm), rsigma]``.
+
+  ``scale`` multiplies ``y`` before an FP8 cast (``quantize_ref``'s semantics exactly); it is unused for
+  high-precision outputs. ``beta`` is given for LayerNorm only.
+  """
+  mean, rsigma = norm_stats_ref(x, config=config)
+  y = norm_apply_ref(x, mean, rsigma, gamma, beta[0] if beta else None, config=config)
+  if config.fp8:
+    outs = quantize_ref(y, scale, config=QuantizeConfig(out_dtype=config.out_dtype, transpose=config.transpose))
+  else:
+    outs = [y.astype(config.out_dtype)]
+  return outs + ([] if config.rms else [mean]) + [rsigma]
+
+
+def norm_bwd_ref(dz, x, rsigma, gamma, *mean, config: NormConfig) -> list[jax.Array]:
+  """The pure-jnp backward: ``[dx (x's dtype), dgamma (float32), dbeta (float32, LayerNorm only)]``.
+
+  ``mean`` is given for LayerNorm only.
+  """
+  xf, dzf = x.astype(jnp.float32), dz.astype(jnp.float32)
+  r = rsigma[..., None]
+  xhat = xf * r if config.rms else (xf - mean[0][..., None]) * r
+  dy = dzf * _effective_gamma(gamma, config)
+  c2 = jnp.mean(dy * xhat, axis=-1, keepdims=True)
+  if config.rms:
+    dx = (dy - xhat * c2) * r
+  else:
+    dx = ((dy - jnp.mean(dy, axis=-1, keepdims=True)) - xhat * c2) * r
+  rows = tuple(range(x.ndim - 1))
+  outs = [dx.astype(x.dtype), jnp.sum(dzf * xhat, axis=rows)]
+  return outs if config.rms else outs + [jnp.sum(dzf, axis=rows)]
+
+
+# ---- helpers shared by the primitives ----------------------------------------------------------------------------
+
+
+def _attributes(config: NormConfig) -> dict:
+  return {
+      "rmsnorm": np.bool_(config.rms),
+      "epsilon": np.float32(config.epsilon),
+      "zero_centered_gamma": np.bool_(config.zero_centered_gamma),
+  }
+
+
+def _bwd_attributes(config: NormConfig) -> dict:
+  return {"rmsnorm": np.bool_(config.rms), "zero_centered_gamma": np.bool_(config.zero_centered_gamma)}
+
+
+def _empty(dtype) -> jax.core.ShapedArray:
+  return jax.core.ShapedArray((0,), dtype)
+
+
+def _row_dims(ndim: int) -> list[str]:
+  return [f"r{i}" for i in range(ndim - 1)]
+
+
+# ---- forward primitive -------------------------------------------------------------------------------------------
+
+
+def _fwd_abstract_eval(x, gamma, scale, *beta, config: NormConfig):
+  del gamma, scale, beta
+  rows = x.shape[:-1]
+  outs = [output_aval(x, x.shape, config.out_dtype)]
+  if config.transpose:
+    outs.append(output_aval(x, (x.shape[-1], *rows), config.out_dtype))
+  if config.fp8:
+    outs.append(output_aval(x, (), jnp.float32))
+  if not config.rms:
+    outs.append(output_aval(x, rows, jnp.float32))
+  outs.append(output_aval(x, rows, jnp.float32))
+  return outs
+
+
+def _fwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out) -> NativeSignature:
+  """The handlers take (x, gamma, scale, beta) and return (out, out_t, amax, mean, rsigma), those that do not apply
+  empty: RMSNorm gets an empty beta and returns an empty mean."""
+  del platform, avals_in
+  rest = list(avals_out)
+  out = rest.pop(0)
+  out_t = rest.pop(0) if config.transpose else _empty(config.out_dtype)
+  amax = rest.pop(0) if config.fp8 else _empty(jnp.float32)
+  mean = _empty(jnp.float32) if config.rms else rest.pop(0)
+  rsigma = rest.pop(0)
+  keep = [0] + ([1] if config.transpose else []) + ([2] if config.fp8 else []) + ([] if config.rms else [3]) + [4]
+  extra = (np.zeros((0,), np.float32),) if config.rms else ()
+  return NativeSignature(extra_operands=extra, result_avals=[out, out_t, amax, mean, rsigma], keep=keep)
+
+
+def _fwd_partition(config: NormConfig, mesh, arg_shapes, result_shape):
+  """Rows stay sharded as given; the hidden dim is gathered (statistics need whole rows); amax is max-reduced."""
+  del result_shape
+  ndim = len(arg_shapes[0].shape)
+  row_spec = full_spec(arg_shapes[0].sharding, ndim)[:-1]
+  x_sharding = NamedSharding(mesh, P(*row_spec, None))
+  rows = NamedSharding(mesh, P(*row_spec))
+  replicated = NamedSharding(mesh, P())
+  out_shardings = [x_sharding]
+  if config.transpose:
+    out_shardings.append(NamedSharding(mesh, P(None, *row_spec)))
+  if config.fp8:
+    out_shardings.append(replicated)
+  out_shardings += [rows] * (1 if config.rms else 2)
+  arg_shardings = [x_sharding, replicated, replicated] + ([] if config.rms else [replicated])
+  row_axes = mesh_axes(*row_spec)
+
+  def lower_fn(x, gamma, scale, *beta):
+    outs = list(_NORM_FWD.inner.bind(x, gamma, scale, *beta, config=config))
+    if config.fp8 and row_axes:  # every shard must use the same scale next step
+      i_amax = 2 if config.transpose else 1
+      outs[i_amax] = jax.lax.pmax(outs[i_amax], row_axes)
+    return tuple(outs)
+
+  return mesh, lower_fn, tuple(out_shardings), tuple(arg_shardings)
+
+
+def _fwd_sharding_rule(config: NormConfig, mesh, value_types, result_types):
+  del mesh, result_types
+  rows = _row_dims(len(value_types[0].shape))
+  x = " ".join([*rows, "h"])
+  operands = [x, "h", ""] + ([] if config.rms else ["h"])
+  results = [x]
+  if config.transpose:
+    results.append(" ".join(["h", *rows]))
+  if config.fp8:
+    results.append("")
+  results += [" ".join(rows)] * (1 if config.rms else 2)
+  return f"{', '.join(operands)} -> {', '.join(results)}", {"need_replication_factors": ("h",)}
+
+
+def _fwd_batcher(args, dims, *, config: NormConfig):
+  """vmap: a batched ``x`` is more rows, so one call over the stacked input when the parameters are shared.
+
+  FP8 outputs run once per element instead: amax is per element, and the transposed copy would put the batch dim
+  after the hidden dim.
+  """
+  x_dim, *param_dims = dims
+  if config.fp8 or x_dim is None or any(d is not None for d in param_dims):
+    return sequential_batcher(_NORM_FWD)(args, dims, config=config)
+  x = jnp.moveaxis(args[0], x_dim, 0)
+  outs = list(_NORM_FWD.bind(x, *args[1:], config=config))
+  return outs, [0] * len(outs)
+
+
+_NORM_FWD = define_op(
+    "norm_fwd",
+    abstract_eval=_fwd_abstract_eval,
+    reference=norm_fwd_ref,
+    native_targets={
+        "cpu": lambda config: "te_norm_fwd_cpu",
+        "cuda": lambda config: "te_norm_fwd_cuda",
+    },
+    ffi_attributes=_attributes,
+    native_signature=_fwd_native_signature,
+    partition=_fwd_partition,
+    sharding_rule=_fwd_sharding_rule,
+    batcher=_fwd_batcher,
+)
+
+
+# ---- backward primitive ------------------------------------------------------------------------------------------
+
+
+def _bwd_abstract_eval(dz, x, rsigma, gamma, *mean, config: NormConfig):
+  del dz, rsigma, mean
+  outs = [output_aval(x, x.shape, x.dtype), output_aval(x, gamma.shape, jnp.float32)]
+  return outs if config.rms else outs + [output_aval(x, gamma.shape, jnp.float32)]
+
+
+def _bwd_partial_rows(rows: int, hidden: int) -> int:
+  """The workspace rows (per parameter) of the CUDA backward kernel: one per worker (see norm.cu)."""
+  return min(rows, max(_BWD_MIN_PARTIALS, _BWD_PARTIAL_ELEMS // hidden))
+
+
+def _bwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out) -> NativeSignature:
+  """The handlers take (dz, x, rsigma, gamma, mean) and return (dx, dgamma, dbeta), RMSNorm's mean and dbeta empty;
+  the CUDA one also returns its workspace: the float32 dgamma (and dbeta) partials of each row block."""
+  x = avals_in[1]
+  results = list(avals_out) + ([_empty(jnp.float32)] if config.rms else [])
+  if platform == "cuda":
+    per_param = _bwd_partial_rows(math.prod(x.shape[:-1]), x.shape[-1]) * x.shape[-1]
+    results.append(jax.core.ShapedArray((per_param * (1 if config.rms else 2),), jnp.float32))
+  extra = (np.zeros((0,), np.float32),) if config.rms else ()
+  keep = [0, 1] if config.rms else [0, 1, 2]
+  return NativeSignature(extra_operands=extra, result_avals=results, keep=keep)
+
+
+def _bwd_partition(config: NormConfig, mesh, arg_shapes, result_shape):
+  """Rows stay sharded as dz's are; the hidden dim is gathered; dgamma and dbeta are summed over the row shards."""
+  del result_shape
+  ndim = len(arg_shapes[0].shape)
+  row_spec = full_spec(arg_shapes[0].sharding, ndim)[:-1]
+  x_sharding = NamedSharding(mesh, P(*row_spec, None))
+  rows = NamedSharding(mesh, P(*row_spec))
+  replicated = NamedSharding(mesh, P())
+  arg_shardings = [x_sharding, x_sharding, rows, replicated] + ([] if config.rms else [rows])
+  out_shardings = [x_sharding] + [replicated] * (1 if config.rms else 2)
+  row_axes = mesh_axes(*row_spec)
+
+  def lower_fn(dz, x, rsigma, gamma, *mean):
+    dx, *params = _NORM_BWD.inner.bind(dz, x, rsigma, gamma, *mean, config=config)
+    if row_axes:  # one all-reduce for both parameter gradients
+      params = jax.lax.psum(tuple(params), row_axes)
+    return (dx, *params)
+
+  return mesh, lower_fn, tuple(out_shardings), tuple(arg_shardings)
+
+
+def _bwd_sharding_rule(config: NormConfig, mesh, value_types, result_types):
+  del mesh, result_types
+  rows = _row_dims(len(value_types[0].shape))
+  x = " ".join([*rows, "h"])
+  r = " ".join(rows)
+  operands = [x, x, r, "h"] + ([] if config.rms else [r])
+  results = [x, "h"] + ([] if config.rms else ["h"])
+  return f"{', '.join(operands)} -> {', '.join(results)}", {"need_replication_factors": ("h",)}
+
+
+_NORM_BWD = define_op(
+    "norm_bwd",
+    abstract_eval=_bwd_abstract_eval,
+    reference=norm_bwd_ref,
+    native_targets={
+        "cpu": lambda config: "te_norm_bwd_cpu",
+        "cuda": lambda config: "te_norm_bwd_cuda",
+    },
+    ffi_attributes=_bwd_attributes,
+    native_signature=_bwd_native_signature,
+    partition=_bwd_partition,
+    sharding_rule=_bwd_sharding_rule,
+)  # vmap: sequential (the default), since dgamma and dbeta are per-element sums over rows
+
+
+# ---- public API --------------------------------------------------------------------------------------------------
+
+
+def _check_x(x, name: str) -> jax.Array:
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    x = jnp.asarray(x)
+  if jnp.dtype(x.dtype) not in _HP_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype).name}")
+  if x.ndim == 0 or x.shape[-1] == 0:
+    raise ValueError(f"{name} must have rank >= 1 and a non-empty last dim, got shape {x.shape}")
+  return x
+
+
+def _check_param(p, name: str, hidden: int) -> jax.Array:
+  if not hasattr(p, "dtype") or not hasattr(p, "shape"):
+    p = jnp.asarray(p)
+  if not jnp.issubdtype(p.dtype, jnp.floating) or jnp.dtype(p.dtype) in FP8_DTYPES:
+    raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {jnp.dtype(p.dtype).name}")
+  if p.shape != (hidden,):
+    raise ValueError(f"{name} must have shape ({hidden},) (x's last dim), got {p.shape}")
+  return p
+
+
+def _check_stats(s, name: str, rows: tuple[int, ...]) -> jax.Array:
+  if not hasattr(s, "dtype") or jnp.dtype(s.dtype) != _F32 or tuple(s.shape) != rows:
+    raise TypeError(f"{name} must be float32 with shape {rows} (x.shape[:-1]), got "
+                    f"{getattr(s, 'dtype', type(s).__name__)} {getattr(s, 'shape', '')}")
+  return s
+
+
+def check_norm_args(norm_type: str, epsilon) -> None:
+  if norm_type not in NORM_TYPES:
+    raise ValueError(f"norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
+  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating)) or not epsilon >= 0:
+    raise ValueError(f"epsilon must be a non-negative Python float, got {epsilon!r}")
+
+
+def _check_beta(beta, norm_type: str, hidden: int):
+  if norm_type == "rmsnorm":
+    if beta is not None:
+      raise ValueError("beta must be None for norm_type='rmsnorm' (RMSNorm has no bias)")
+    return ()
+  if beta is None:
+    raise ValueError("norm_type='layernorm' needs beta (pass zeros for no bias)")
+  return (_check_param(beta, "beta", hidden).astype(jnp.float32),)
+
+
+def norm_fwd(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    *,
+    norm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    out_dtype=None,
+    scale: jax.Array | float | None = None,
+    transpose: bool = False,
+) -> NormOutput:
+  """Normalizes each row of ``x`` (its last dim) and returns the output with the statistics for the backward pass.
+
+  With an FP8 ``out_dtype`` the output is cast as ``te_jax.quantize`` would cast the float32 normalized tensor
+  ``y`` (``y * scale``, saturating), with ``amax = max|y|``, all in the same pass over ``x``.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]], jnp.bfloat16)
+  >>> out = te_jax.norm_fwd(x, jnp.ones(4), jnp.zeros(4), out_dtype=jnp.float8_e4m3fn, scale=1.0)
+  >>> out.out.astype(jnp.float32).tolist(), float(out.mean[0]), round(float(out.amax), 3)
+  ([[-1.125, -0.5625, 0.0, 1.625]], 3.0, 1.604)
+
+  Args:
+    x: float32, bfloat16 or float16, rank >= 1; the last dim is normalized.
+    gamma: ``(hidden,)`` scale (gamma - 1 under ``zero_centered_gamma``), any float dtype; used in float32.
+    beta: ``(hidden,)`` bias for LayerNorm (required), None for RMSNorm; used in float32.
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: added to the variance before the reciprocal square root.
+    zero_centered_gamma: the op multiplies by ``gamma + 1``.
+    out_dtype: float32, bfloat16, float16 (default: ``x``'s dtype), or float8_e4m3fn / float8_e5m2.
+    scale: float32 scalar multiplying ``y`` before an FP8 cast; required for FP8 outputs and only for them.
+    transpose: also return the transposed FP8 copy ``(hidden, *rows)`` (FP8 outputs, rank >= 2).
+
+  Returns:
+    ``NormOutput(out, out_t, amax, mean, rsigma)``.
+  """
+  x = _check_x(x, "x")
+  hidden = x.shape[-1]
+  check_norm_args(norm_type, epsilon)
+  gamma = _check_param(gamma, "gamma", hidden).astype(jnp.float32)
+  beta = _check_beta(beta, norm_type, hidden)
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  fp8 = out_dtype in FP8_DTYPES
+  if not fp8 and out_dtype not in _HP_DTYPES:
+    raise ValueError(f"out_dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {out_dtype}")
+  if fp8:
+    if scale is None:
+      raise ValueError(f"out_dtype {out_dtype.name} needs scale (the float32 scale of the FP8 cast)")
+    if isinstance(scale, float):
+      scale = jnp.float32(scale)
+    if not hasattr(scale, "dtype") or jnp.dtype(scale.dtype) != _F32 or jnp.shape(scale) != ():
+      raise TypeError(f"scale must be a float32 scalar, got {getattr(scale, 'dtype', type(scale).__name__)}")
+  elif scale is not None:
+    raise ValueError(f"scale applies to FP8 outputs only; out_dtype is {out_dtype.name}")
+  if transpose and (not fp8 or x.ndim < 2):
+    raise ValueError(f"transpose=True needs an FP8 out_dtype and x of rank >= 2, got {out_dtype.name}, {x.shape}")
+  config = NormConfig(norm_type, float(epsilon), bool(zero_centered_gamma), out_dtype, bool(transpose))
+  scale = scale if fp8 else jnp.float32(1.0)  # the handlers take a scale operand; only FP8 casts read it
+  outs = list(_NORM_FWD.bind(x, gamma, scale, *beta, config=config))
+  out = outs.pop(0)
+  out_t = outs.pop(0) if transpose else None
+  amax = outs.pop(0) if fp8 else None
+  mean = None if config.rms else outs.pop(0)
+  return NormOutput(out, out_t, amax, mean, outs.pop(0))
+
+
+def norm_bwd(
+    dz: jax.Array,
+    x: jax.Array,
+    mean: jax.Array | None,
+    rsigma: jax.Array,
+    gamma: jax.Array,
+    *,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """The gradients of ``norm_fwd``'s output with respect to ``x``, gamma and beta, given its statistics.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]])
+  >>> fwd = te_jax.norm_fwd(x, jnp.ones(4), jnp.zeros(4))
+  >>> dx, dgamma, dbeta = te_jax.norm_bwd(jnp.ones_like(x), x, fwd.mean, fwd.rsigma, jnp.ones(4))
+  >>> [round(float(v), 5) for v in dx[0]], dbeta.tolist()
+  ([0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])
+
+  Args:
+    dz: the output gradient, ``x``'s shape, in ``x``'s dtype or float32 (a wider output's gradient loses nothing).
+    x: the forward input.
+    mean: the forward's row means (LayerNorm), None for RMSNorm.
+    rsigma: the forward's reciprocal standard deviations.
+    gamma: the forward's gamma (gamma - 1 under ``zero_centered_gamma``).
+    norm_type: "layernorm" or "rmsnorm".
+    zero_centered_gamma: as in the forward.
+
+  Returns:
+    ``(dx, dgamma, dbeta)``: dx in ``x``'s dtype; dgamma and dbeta float32 ``(hidden,)``; dbeta None for RMSNorm.
+  """
+  x = _check_x(x, "x")
+  dz = _check_x(dz, "dz")
+  if dz.shape != x.shape or dz.dtype not in (x.dtype, _F32):
+    raise TypeError(f"dz must have x's shape {x.shape} and x's dtype ({x.dtype}) or float32, got {dz.shape} "
+                    f"{dz.dtype}")
+  check_norm_args(norm_type, 0.0)
+  config = NormConfig(norm_type, zero_centered_gamma=bool(zero_centered_gamma))
+  rows = tuple(x.shape[:-1])
+  rsigma = _check_stats(rsigma, "rsigma", rows)
+  gamma = _check_param(gamma, "gamma", x.shape[-1]).astype(jnp.float32)
+  if config.rms:
+    if mean is not None:
+      raise ValueError("mean must be None for norm_type='rmsnorm'")
+    extra = ()
+  else:
+    extra = (_check_stats(mean, "mean", rows),)
+  outs = list(_NORM_BWD.bind(dz, x, rsigma, gamma, *extra, config=config))
+  return outs[0], outs[1], None if config.rms else outs[2]
