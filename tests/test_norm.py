@@ -82,10 +82,11 @@ def higham(n: int) -> float:
   return n * F32_U / (1 - n * F32_U)
 
 
-def assert_rule(ours, ref32, truth, scale, what: str, noise: float = 2 * F32_U):
+def assert_rule(ours, ref32, truth, scale, what: str, noise: float):
   """DESIGN.md's rule on errors normalized by ``scale`` (broadcastable): err(ours) <= 2 err(ref32) + noise.
 
-  noise: two float32 roundings of the normalized value, for cases where the float32 reference happens to be exact.
+  noise: the float32 roundings after the sums, which both sides pay but not in the same places (a few units of
+  F32_U); it matters where the float32 reference happens to be nearly exact.
   """
   truth = np.asarray(truth, np.float64)
   err = lambda v: np.max(np.abs(np.asarray(v).astype(np.float64) - truth) / scale, initial=0.0)  # noqa: E731
@@ -200,11 +201,12 @@ def check_fwd_many(cases, *, device=CPU):
     if kw["norm_type"] == "layernorm":
       spread = np.mean(np.abs(np.asarray(x).astype(np.float64)), axis=-1)  # the scale of the sum's error
       assert_rule(np.asarray(out.mean)[finite], np.asarray(ref_mean)[finite], mean64[finite], spread[finite] + 1e-30,
-                  f"mean, {what}")
+                  f"mean, {what}", noise=2 * F32_U)  # the division by n and the result's rounding
     else:
       assert out.mean is None
+    # The division by n, + epsilon, the reciprocal square root and the result's rounding.
     assert_rule(np.asarray(out.rsigma)[finite], np.asarray(ref_rsigma)[finite], rsigma64[finite],
-                np.maximum(rsigma64[finite], 1e-30), f"rsigma (relative), {what}")
+                np.maximum(rsigma64[finite], 1e-30), f"rsigma (relative), {what}", noise=4 * F32_U)
     assert_same_bits(out.out, e_out, f"out, {what}")
     if e_amax is None:
       assert out.amax is None and out.out_t is None
@@ -274,7 +276,8 @@ def check_bwd_many(cases, *, device=CPU):
     what = f"{np.shape(x)} {np.asarray(x).dtype} {kw}"
     dx64, dg64, db64, dg_mag, db_mag, dx_scale = bwd64(dz, x, mean, rsigma, gamma, kw)
     assert dx.dtype == np.asarray(x).dtype and dx.shape == np.shape(x)
-    assert_rule(dx, ref[0], dx64, dx_scale + 1e-30, f"dx, {what}")
+    # The divisions by n, the two subtractions, the products and the result's rounding, relative to max|dy| rsigma.
+    assert_rule(dx, ref[0], dx64, dx_scale + 1e-30, f"dx, {what}", noise=4 * F32_U)
     # dgamma: n terms each from 3 roundings (x - mean, * rsigma, * dz) summed in any order.
     n = math.prod(np.shape(x)[:-1])
     for name, got, exact, mag, k in (("dgamma", dgamma, dg64, dg_mag, 3), ("dbeta", dbeta, db64, db_mag, 0)):
@@ -692,12 +695,14 @@ def test_shard_map_outputs_keep_varying_axes():
 
 # ---- CUDA handlers -------------------------------------------------------------------------------------------------
 
-# The fast kernels (hidden % 8 == 0) with 2 and 4 chunks per thread, sub-warp rows (hidden 16..128), multi-warp rows
-# up to 512 threads, several rows per block with a partial last block, the transposed copy staged over several
-# passes (rows a multiple of 16 for its vector stores, and not); the generic kernels (hidden % 8 != 0, or beyond the
-# fast kernels: 16-bit hidden > 16384); and 1-element rows.
+# The fast kernels (hidden % 8 == 0) with 1, 2 and 4 chunks per thread, sub-warp rows (hidden 8..128), multi-warp
+# rows up to 512 threads, several rows per block with a partial last block, the transposed copy staged over several
+# passes (rows a multiple of 16 for its vector stores, and not); backward workers with several rows each and idle
+# workers in the last block ((600, 4096), (5000, 512)); the generic kernels (hidden % 8 != 0, or beyond the fast
+# kernels: 16-bit hidden > 16384, float32 backward > 8192); and 1-element rows.
 GPU_SHAPES = [(1, 128), (3, 136), (5, 16), (301, 64), (7, 1000), (2, 3, 768), (32, 1024), (17, 4096), (48, 5120),
-              (9, 8192), (5, 12288), (3, 16384), (4, 1001), (3, 7), (2, 20000), (6, 1), (1000, 8), (64, 2048)]
+              (9, 8192), (5, 12288), (3, 16384), (4, 1001), (3, 7), (2, 20000), (6, 1), (1000, 8), (64, 2048),
+              (600, 4096), (5000, 512)]
 
 
 def assert_cuda_targets():
@@ -750,12 +755,12 @@ def test_gpu_bwd(dtype, dz_dtype, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_gpu_large_and_deterministic(norm_type, gpu):
-  """The benchmark's shape class (many rows, hidden 8192) forward and backward, and the backward's dgamma/dbeta
-  the same bits on every run (fixed-order sums)."""
+  """The benchmark's shape class (many rows, hidden 8192: 8 rows per backward worker) forward and backward, and the
+  backward's outputs the same bits on every run (fixed-order sums)."""
   assert_cuda_targets()
-  x, g, b = make_case((4096, 8192), BF16, seed=17)
+  x, g, b = make_case((2048, 8192), BF16, seed=17)
   check_fwd_many([(x, g, b, fwd_kwargs(norm_type, E4M3, transpose=True))], device=gpu)
-  case = bwd_case((4096, 8192), BF16, norm_type, seed=18)
+  case = bwd_case((2048, 8192), BF16, norm_type, seed=18)
   first = check_bwd_many([case], device=gpu)[0]
   args = [None if a is None else jax.device_put(a, gpu) for a in case[:5]]
   f = jax.jit(lambda *a: te_jax.norm_bwd(*a, **case[5]))
