@@ -39,52 +39,46 @@ uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(rounded >> 13);
 }
 
-// Reads element i of a float32/bfloat16/float16 buffer as float32.
-class Reader {
- public:
-  Reader(const ffi::AnyBuffer& b) : type_(b.element_type()), data_(b.untyped_data()) {}
-  bool ok() const { return type_ == ffi::DataType::F32 || type_ == ffi::DataType::BF16 || type_ == ffi::DataType::F16; }
-  float operator()(int64_t i) const {
-    switch (type_) {
-      case ffi::DataType::F32: return static_cast<const float*>(data_)[i];
-      case ffi::DataType::BF16: return Bf16ToFloat(static_cast<const uint16_t*>(data_)[i]);
-      default: return F16ToFloat(static_cast<const uint16_t*>(data_)[i]);
-    }
+// Calls f with a reader `float(int64_t i)` for x's element type (f32, bf16, f16); false for any other type. The
+// per-type lambdas let each loop below compile without a type switch per element.
+template <typename F>
+bool WithReader(const ffi::AnyBuffer& b, F&& f) {
+  const void* p = b.untyped_data();
+  switch (b.element_type()) {
+    case ffi::DataType::F32: f([p](int64_t i) { return static_cast<const float*>(p)[i]; }); return true;
+    case ffi::DataType::BF16: f([p](int64_t i) { return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]); }); return true;
+    case ffi::DataType::F16: f([p](int64_t i) { return F16ToFloat(static_cast<const uint16_t*>(p)[i]); }); return true;
+    default: return false;
   }
+}
 
- private:
-  ffi::DataType type_;
-  const void* data_;
-};
+bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
-// Writes float32 values to a float32/bfloat16/float16/FP8 buffer; FP8 gets value * scale, saturating.
-class Writer {
- public:
-  Writer(ffi::Result<ffi::AnyBuffer>& b, float scale)
-      : type_(b->element_type()), data_(b->untyped_data()), scale_(scale) {}
-  bool ok() const {
-    return type_ == ffi::DataType::F32 || type_ == ffi::DataType::BF16 || type_ == ffi::DataType::F16 || fp8();
+// Calls f with a writer `uint8_t(int64_t i, float v)` for the buffer's element type (f32, bf16, f16, or FP8 with
+// v * scale cast saturating, returning the FP8 byte for the transposed copy); false for any other type.
+template <typename F>
+bool WithWriter(ffi::Result<ffi::AnyBuffer>& b, float scale, F&& f) {
+  void* p = b->untyped_data();
+  switch (b->element_type()) {
+    case ffi::DataType::F32:
+      f([p](int64_t i, float v) { return static_cast<float*>(p)[i] = v, uint8_t{0}; });
+      return true;
+    case ffi::DataType::BF16:
+      f([p](int64_t i, float v) { return static_cast<uint16_t*>(p)[i] = FloatToBf16(v), uint8_t{0}; });
+      return true;
+    case ffi::DataType::F16:
+      f([p](int64_t i, float v) { return static_cast<uint16_t*>(p)[i] = FloatToF16(v), uint8_t{0}; });
+      return true;
+    case ffi::DataType::F8E4M3FN:
+      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = FloatToFp8(v * scale, kE4M3); });
+      return true;
+    case ffi::DataType::F8E5M2:
+      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = FloatToFp8(v * scale, kE5M2); });
+      return true;
+    default:
+      return false;
   }
-  bool fp8() const { return type_ == ffi::DataType::F8E4M3FN || type_ == ffi::DataType::F8E5M2; }
-  // Stores v at i; for FP8 returns the byte written (for the transposed copy).
-  uint8_t operator()(int64_t i, float v) const {
-    switch (type_) {
-      case ffi::DataType::F32: static_cast<float*>(data_)[i] = v; return 0;
-      case ffi::DataType::BF16: static_cast<uint16_t*>(data_)[i] = FloatToBf16(v); return 0;
-      case ffi::DataType::F16: static_cast<uint16_t*>(data_)[i] = FloatToF16(v); return 0;
-      default: {
-        const uint8_t q = FloatToFp8(v * scale_, type_ == ffi::DataType::F8E4M3FN ? kE4M3 : kE5M2);
-        static_cast<uint8_t*>(data_)[i] = q;
-        return q;
-      }
-    }
-  }
-
- private:
-  ffi::DataType type_;
-  void* data_;
-  float scale_;
-};
+}
 
 int64_t Cols(const ffi::AnyBuffer& x) {
   auto dims = x.dimensions();
@@ -97,103 +91,152 @@ int64_t Count(const B& b) {
   return static_cast<int64_t>(b.element_count());
 }
 
+// sum(v - shift) or sum((v - shift)^2) in double, over 8 interleaved partial sums: independent additions run in
+// parallel instead of waiting on one another (a single chain costs ~4 cycles per element).
+double RowSum(const float* v, int64_t n, double shift, bool squares) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const double d = v[c + k] - shift;
+      acc[k] += squares ? d * d : d;
+    }
+  }
+  for (; c < n; ++c) {
+    const double d = v[c] - shift;
+    acc[c % 8] += squares ? d * d : d;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+struct FwdRows {
+  int64_t rows, cols;
+  bool rmsnorm;
+  float epsilon;
+  const float* g;  // gamma, + 1 under zero_centered_gamma
+  const float* beta;
+  float* mean;     // LayerNorm only
+  float* rsigma;
+  uint8_t* qt;     // the transposed FP8 copy, or null
+};
+
+// Returns the amax bits of y (meaningful for FP8 outputs).
+template <typename Load, typename Store>
+uint32_t NormFwdLoop(const FwdRows& a, Load load, Store store) {
+  std::vector<float> row(a.cols);
+  // amax over the bit patterns of |y|, as quantize does: a NaN anywhere gives a NaN amax.
+  uint32_t amax_bits = 0;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t c = 0; c < a.cols; ++c) row[c] = load(r * a.cols + c);
+    const double mu = a.rmsnorm ? 0.0 : RowSum(row.data(), a.cols, 0.0, false) / static_cast<double>(a.cols);
+    const double var = RowSum(row.data(), a.cols, mu, true) / static_cast<double>(a.cols);
+    const float m = static_cast<float>(mu);
+    const float rs = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(a.epsilon)));
+    if (!a.rmsnorm) a.mean[r] = m;
+    a.rsigma[r] = rs;
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float y = a.rmsnorm ? (row[c] * rs) * a.g[c] : std::fma((row[c] - m) * rs, a.g[c], a.beta[c]);
+      amax_bits = std::max(amax_bits, FloatToBits(y) & 0x7FFFFFFFu);
+      const uint8_t q = store(r * a.cols + c, y);
+      if (a.qt != nullptr) a.qt[c * a.rows + r] = q;
+    }
+  }
+  return amax_bits;
+}
+
 ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma, ffi::BufferR0<ffi::F32> scale,
                       ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_t,
                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> mean,
                       ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm, float epsilon, bool zero_centered_gamma) {
-  const Reader load(x);
-  const Writer store(out, *scale.typed_data());
   const int64_t cols = Cols(x);
-  if (!load.ok() || cols < 1) return ffi::Error::InvalidArgument("norm_fwd: x must be f32/bf16/f16, last dim >= 1");
-  if (!store.ok()) return ffi::Error::InvalidArgument("norm_fwd: out must be f32/bf16/f16/f8e4m3fn/f8e5m2");
+  if (cols < 1) return ffi::Error::InvalidArgument("norm_fwd: x's last dim must be >= 1");
   const int64_t rows = Count(x) / cols;
+  const bool fp8 = IsFp8(out->element_type());
   const bool want_t = Count(*out_t) > 0;
-  if (Count(*out) != Count(x) || Count(gamma) != cols ||
-      Count(beta) != (rmsnorm ? 0 : cols) || Count(*rsigma) != rows ||
-      Count(*mean) != (rmsnorm ? 0 : rows) || Count(*amax) != (store.fp8() ? 1 : 0) ||
-      (want_t && (!store.fp8() || Count(*out_t) != Count(x)))) {
+  if (Count(*out) != Count(x) || Count(gamma) != cols || Count(beta) != (rmsnorm ? 0 : cols) ||
+      Count(*rsigma) != rows || Count(*mean) != (rmsnorm ? 0 : rows) || Count(*amax) != (fp8 ? 1 : 0) ||
+      (want_t && (!fp8 || Count(*out_t) != Count(x)))) {
     return ffi::Error::InvalidArgument("norm_fwd: operand or result sizes do not match x");
   }
-  const float* g_in = gamma.typed_data();
-  const float* b_in = beta.typed_data();
-  auto* mean_out = static_cast<float*>(mean->untyped_data());
-  auto* rsigma_out = static_cast<float*>(rsigma->untyped_data());
-  auto* qt = static_cast<uint8_t*>(out_t->untyped_data());
-  std::vector<float> g(cols), row(cols);
-  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? g_in[c] + 1.0f : g_in[c];
-  // amax over the bit patterns of |y|, as quantize does: a NaN anywhere gives a NaN amax.
+  std::vector<float> g(cols);
+  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
+  const FwdRows a{rows, cols, rmsnorm, epsilon, g.data(), beta.typed_data(),
+                  static_cast<float*>(mean->untyped_data()), static_cast<float*>(rsigma->untyped_data()),
+                  want_t ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr};
   uint32_t amax_bits = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) row[c] = load(r * cols + c);
-    double mu = 0.0;
-    if (!rmsnorm) {
-      for (int64_t c = 0; c < cols; ++c) mu += row[c];
-      mu /= static_cast<double>(cols);
-    }
-    double var = 0.0;
-    for (int64_t c = 0; c < cols; ++c) var += (row[c] - mu) * (row[c] - mu);
-    var /= static_cast<double>(cols);
-    const float m = static_cast<float>(mu);
-    const float rs = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(epsilon)));
-    if (!rmsnorm) mean_out[r] = m;
-    rsigma_out[r] = rs;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float y = rmsnorm ? (row[c] * rs) * g[c] : std::fma((row[c] - m) * rs, g[c], b_in[c]);
-      amax_bits = std::max(amax_bits, FloatToBits(y) & 0x7FFFFFFFu);
-      const uint8_t q = store(r * cols + c, y);
-      if (want_t) qt[c * rows + r] = q;
-    }
-  }
-  if (store.fp8()) *static_cast<float*>(amax->untyped_data()) = BitsToFloat(amax_bits);
+  bool out_ok = true;
+  const bool x_ok = WithReader(x, [&](auto load) {
+    out_ok = WithWriter(out, *scale.typed_data(), [&](auto store) { amax_bits = NormFwdLoop(a, load, store); });
+  });
+  if (!x_ok) return ffi::Error::InvalidArgument("norm_fwd: x must be float32, bfloat16 or float16");
+  if (!out_ok) return ffi::Error::InvalidArgument("norm_fwd: out must be f32/bf16/f16/f8e4m3fn/f8e5m2");
+  if (fp8) *static_cast<float*>(amax->untyped_data()) = BitsToFloat(amax_bits);
   return ffi::Error::Success();
 }
 
-ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma, ffi::BufferR1<ffi::F32> gamma,
-                      ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::BufferR1<ffi::F32>> dgamma,
-                      ffi::Result<ffi::BufferR1<ffi::F32>> dbeta, bool rmsnorm, bool zero_centered_gamma) {
-  const Reader load_x(x), load_dz(dz);
-  const Writer store_dx(dx, 1.0f);
-  const int64_t cols = Cols(x);
-  if (!load_x.ok() || cols < 1 || dx->element_type() != x.element_type() ||
-      (dz.element_type() != x.element_type() && dz.element_type() != ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("norm_bwd: x and dx f32/bf16/f16 (last dim >= 1), dz like x or f32");
-  }
-  const int64_t rows = Count(x) / cols;
-  if (Count(dz) != Count(x) || Count(*dx) != Count(x) ||
-      rsigma.element_type() != ffi::DataType::F32 || Count(rsigma) != rows ||
-      mean.element_type() != ffi::DataType::F32 || Count(mean) != (rmsnorm ? 0 : rows) ||
-      Count(gamma) != cols || Count(*dgamma) != cols ||
-      Count(*dbeta) != (rmsnorm ? 0 : cols)) {
-    return ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
-  }
-  const float* rs_in = static_cast<const float*>(rsigma.untyped_data());
-  const float* mean_in = static_cast<const float*>(mean.untyped_data());
-  std::vector<float> g(cols), xhat(cols), dy(cols);
-  std::vector<double> dg(cols, 0.0), db(cols, 0.0);
-  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
-  const double n = static_cast<double>(cols);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float rs = rs_in[r];
-    const float m = rmsnorm ? 0.0f : mean_in[r];
+struct BwdRows {
+  int64_t rows, cols;
+  bool rmsnorm;
+  const float* g;  // gamma, + 1 under zero_centered_gamma
+  const float* mean;
+  const float* rsigma;
+  float* dgamma;
+  float* dbeta;
+};
+
+template <typename LoadX, typename LoadDz, typename Store>
+void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, Store store) {
+  std::vector<float> xhat(a.cols), dy(a.cols);
+  std::vector<double> dg(a.cols, 0.0), db(a.cols, 0.0);
+  const double n = static_cast<double>(a.cols);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float rs = a.rsigma[r];
+    const float m = a.rmsnorm ? 0.0f : a.mean[r];
     double s1 = 0.0, s2 = 0.0;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float d = load_dz(r * cols + c);
-      xhat[c] = rmsnorm ? load_x(r * cols + c) * rs : (load_x(r * cols + c) - m) * rs;
-      dy[c] = d * g[c];
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float d = load_dz(r * a.cols + c);
+      const float xv = load_x(r * a.cols + c);
+      xhat[c] = a.rmsnorm ? xv * rs : (xv - m) * rs;
+      dy[c] = d * a.g[c];
       s1 += dy[c];
       s2 += static_cast<double>(dy[c]) * xhat[c];
       db[c] += d;
       dg[c] += static_cast<double>(d) * xhat[c];
     }
-    const float c1 = rmsnorm ? 0.0f : static_cast<float>(s1 / n);
+    const float c1 = a.rmsnorm ? 0.0f : static_cast<float>(s1 / n);
     const float c2 = static_cast<float>(s2 / n);
-    for (int64_t c = 0; c < cols; ++c) store_dx(r * cols + c, ((dy[c] - c1) - xhat[c] * c2) * rs);
+    for (int64_t c = 0; c < a.cols; ++c) store(r * a.cols + c, ((dy[c] - c1) - xhat[c] * c2) * rs);
   }
-  for (int64_t c = 0; c < cols; ++c) dgamma->typed_data()[c] = static_cast<float>(dg[c]);
-  if (!rmsnorm) {
-    for (int64_t c = 0; c < cols; ++c) dbeta->typed_data()[c] = static_cast<float>(db[c]);
+  for (int64_t c = 0; c < a.cols; ++c) a.dgamma[c] = static_cast<float>(dg[c]);
+  if (!a.rmsnorm) {
+    for (int64_t c = 0; c < a.cols; ++c) a.dbeta[c] = static_cast<float>(db[c]);
   }
-  return ffi::Error::Success();
+}
+
+ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma, ffi::BufferR1<ffi::F32> gamma,
+                      ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::BufferR1<ffi::F32>> dgamma,
+                      ffi::Result<ffi::BufferR1<ffi::F32>> dbeta, bool rmsnorm, bool zero_centered_gamma) {
+  const int64_t cols = Cols(x);
+  if (cols < 1 || dx->element_type() != x.element_type() ||
+      (dz.element_type() != x.element_type() && dz.element_type() != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("norm_bwd: dx must be x's type, dz x's type or f32, x's last dim >= 1");
+  }
+  const int64_t rows = Count(x) / cols;
+  if (Count(dz) != Count(x) || Count(*dx) != Count(x) || rsigma.element_type() != ffi::DataType::F32 ||
+      Count(rsigma) != rows || mean.element_type() != ffi::DataType::F32 || Count(mean) != (rmsnorm ? 0 : rows) ||
+      Count(gamma) != cols || Count(*dgamma) != cols || Count(*dbeta) != (rmsnorm ? 0 : cols)) {
+    return ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
+  }
+  std::vector<float> g(cols);
+  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
+  const BwdRows a{rows, cols, rmsnorm, g.data(), static_cast<const float*>(mean.untyped_data()),
+                  static_cast<const float*>(rsigma.untyped_data()), dgamma->typed_data(), dbeta->typed_data()};
+  bool ok = WithReader(x, [&](auto load_x) {
+    WithReader(dz, [&](auto load_dz) {
+      WithWriter(dx, 1.0f, [&](auto store) { NormBwdLoop(a, load_x, load_dz, store); });
+    });
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument("norm_bwd: x must be float32, bfloat16 or float16");
 }
 
 }  // namespace
