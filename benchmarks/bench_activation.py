@@ -75,11 +75,21 @@ COLUMNS = (
 _LOOP_BELOW = 1 << 22
 
 
-def _outputs_agree(got: tuple, want: tuple, dx_f32: jax.Array | None) -> bool:
-  """FP8 data, transposed data and amax bitwise; dbias to float32 summation-order error (1e-5 of sum |dx|)."""
+def _outputs_agree(got: tuple, want: tuple, dx_f32: jax.Array | None, bitwise: bool) -> bool:
+  """FP8 data, transposed data and amax bitwise (``bitwise``), else at most 0.1% of the FP8 bytes one code off and
+  amax within 1e-5; dbias to float32 summation-order error (1e-5 of sum |dx|)."""
   n_exact = len(got) - (1 if dx_f32 is not None else 0)
-  if not all(harness.bitwise_equal(a, b) for a, b in zip(got[:n_exact], want[:n_exact], strict=True)):
-    return False
+  for a, b in zip(got[:n_exact], want[:n_exact], strict=True):
+    if bitwise:
+      if not harness.bitwise_equal(a, b):
+        return False
+    elif a.ndim == 0:
+      if not bool(jnp.abs(a - b) <= 1e-5 * jnp.abs(b)):
+        return False
+    else:
+      steps = jnp.abs(harness.bits(a).astype(jnp.int32) - harness.bits(b).astype(jnp.int32))
+      if not bool((jnp.max(steps) <= 1) & (jnp.mean((steps > 0).astype(jnp.float32)) <= 1e-3)):
+        return False
   if dx_f32 is not None:
     flat = dx_f32.reshape(-1, got[-1].size)
     bound = 1e-5 * jnp.sum(jnp.abs(flat), axis=0).reshape(got[-1].shape)
@@ -124,7 +134,10 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   native = expected in targets
   te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
   dx_f32 = te_jax.activation_bwd(g, x, case.act, dtype=jnp.float32).data if case.backward else None
-  agree = _outputs_agree(te_fn(*args), xla_fn(*args), dx_f32)
+  # On a GPU XLA computes the reference's float32 operations exactly as the kernels do; on a CPU its exp differs from
+  # the handler's by an ulp here and there (see te_jax/ops/activation.py), which moves an FP8 rounding now and then.
+  bitwise = ctx.gpu or case.act[0] in ("relu", "squared_relu")
+  agree = _outputs_agree(te_fn(*args), xla_fn(*args), dx_f32, bitwise)
 
   n_out = math.prod(x_shape) if case.backward else math.prod(shape)
   moved = sum(a.nbytes for a in args[:-1]) + (2 if case.transpose else 1) * n_out
