@@ -5,6 +5,7 @@ The public API, in one place. Everything not re-exported here is private.
 
 from te_jax import recipe as recipe
 from te_jax import scaling as scaling
+from te_jax.activation import activation as activation
 from te_jax.autocast import AutocastState as AutocastState
 from te_jax.autocast import MeshResource as MeshResource
 from te_jax.autocast import autocast as autocast
@@ -12,6 +13,10 @@ from te_jax.autocast import get_autocast_state as get_autocast_state
 from te_jax.dense import DenseFp8Meta as DenseFp8Meta
 from te_jax.dense import dense as dense
 from te_jax.layernorm import layernorm as layernorm
+from te_jax.layernorm_dense import layernorm_dense as layernorm_dense
+from te_jax.layernorm_mlp import layernorm_mlp as layernorm_mlp
+from te_jax.ops.activation import activation_bwd as activation_bwd
+from te_jax.ops.activation import activation_fwd as activation_fwd
 from te_jax.ops.gemm import gemm as gemm
 from te_jax.ops.norm import NormOutput as NormOutput
 from te_jax.ops.norm import norm_bwd as norm_bwd

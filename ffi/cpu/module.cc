@@ -7,6 +7,8 @@ namespace nb = nanobind;
 
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCpuHandler);
 }
@@ -15,6 +17,8 @@ NB_MODULE(_te_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["te_quantize_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::QuantizeCpuHandler));
+    d["te_act_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::ActFwdCpuHandler));
+    d["te_act_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::ActBwdCpuHandler));
     d["te_norm_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::NormFwdCpuHandler));
     d["te_norm_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::NormBwdCpuHandler));
     return d;

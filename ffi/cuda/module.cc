@@ -10,6 +10,8 @@ namespace nb = nanobind;
 
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
@@ -26,6 +28,8 @@ NB_MODULE(_te_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
+    d["te_act_fwd_cuda"] = Capsule(te_jax::ActFwdCudaHandler);
+    d["te_act_bwd_cuda"] = Capsule(te_jax::ActBwdCudaHandler);
     d["te_norm_fwd_cuda"] = Capsule(te_jax::NormFwdCudaHandler);
     d["te_norm_bwd_cuda"] = Capsule(te_jax::NormBwdCudaHandler);
     d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);

@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/fp8_tile.cuh"
 #include "te_jax/quantize_view.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -73,37 +74,8 @@ struct Chunk {
   }
 };
 
-template <__nv_fp8_interpretation_t kFmt>
-__device__ __forceinline__ uint32_t Cvt4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
-  return lo | (hi << 16);
-}
-
 // 8 output bytes; the kernel never reads them back.
 __device__ __forceinline__ void StoreOut(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }
-
-// Reduces amax bits over the block and folds them into *amax with one atomic.
-__device__ __forceinline__ void BlockAmax(uint32_t bits, unsigned* amax, uint32_t* scratch) {
-  bits = __reduce_max_sync(0xffffffffu, bits);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) scratch[warp] = bits;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t m = scratch[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
-    if (m != 0) atomicMax(amax, m);
-  }
-}
-
-// Byte j of each of a, b, c, d, packed in that order.
-__device__ __forceinline__ uint32_t GatherByte(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t j) {
-  const uint32_t sel = j | ((j + 4) << 4);
-  const uint32_t ab = __byte_perm(a, b, sel);
-  const uint32_t cd = __byte_perm(c, d, sel);
-  return __byte_perm(ab, cd, 0x5410);
-}
 
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias>
 __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias>())
@@ -264,16 +236,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   BlockAmax(amax_bits, amax, amax_scratch);
-}
-
-// dbias[c] = sum over partial rows, in a fixed order.
-__global__ void ColumnSumKernel(const float* __restrict__ partial, float* __restrict__ out, int64_t n_partial,
-                                int64_t cols) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float s = 0.0f;
-  for (int64_t p = 0; p < n_partial; ++p) s += partial[p * cols + c];
-  out[c] = s;
 }
 
 template <typename F>

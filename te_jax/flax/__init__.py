@@ -4,3 +4,5 @@ from te_jax.flax._fp8_state import FP8_COLLECTION as FP8_COLLECTION
 from te_jax.flax.dense import DenseGeneral as DenseGeneral
 from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
 from te_jax.flax.normalization import LayerNorm as LayerNorm
+from te_jax.flax.fused import LayerNormDenseGeneral as LayerNormDenseGeneral
+from te_jax.flax.fused import LayerNormMLP as LayerNormMLP

@@ -1,0 +1,479 @@
+// CUDA handlers for te_act_fwd / te_act_bwd: the activation (forward) or g * act'(x) (backward) in float32, and in
+// the same pass either te_quantize's FP8 outputs (saturating cast of y * scale, amax on bit patterns, the transposed
+// copy, dbias) or a plain float32/bfloat16/float16 result. The formulas are activation_math.h's, compiled with
+// -fmad=false so that every float32 operation rounds once, as in XLA's code for the reference.
+//
+// One kernel shape for every case: a 256-thread block per 128x128 tile of the output (per half of a gated pair).
+// Each thread owns 8 consecutive columns of 8 rows (rows rsub + 16 i), loads them with 16-byte accesses where the
+// row length allows (cols % 8 == 0; scalar, bounds-checked accesses otherwise and at ragged tile edges), four rows
+// in flight at a time, and stores its results with 8-byte (FP8) or 16-byte (16-bit) accesses. For the transposed
+// copy, the FP8 bytes are parked in shared memory (XOR-swizzled by row group: no bank conflicts on either side) and
+// written out as 8x8 byte blocks transposed in registers, as quantize.cu does. amax is one atomicMax per block on
+// bit patterns; dbias is deterministic: per-tile column partials in an XLA-allocated workspace, then a fixed-order
+// column sum.
+//
+// Template parameters are the activation, gated, forward/backward, the input dtype and FP8-or-not: 120 kernels.
+// The FP8 format, the high-precision output dtype, the transposed copy and dbias are uniform run-time branches,
+// which cost a few instructions per 8 elements and keep the build small.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "te_jax/activation_math.h"
+#include "te_jax/activation_view.h"
+#include "te_jax/cuda_check.h"
+#include "te_jax/fp8_tile.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_jax {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 128;                              // tile rows = tile columns (per half)
+constexpr int kVec = 8;                                 // columns per thread
+constexpr int kChunksPerRow = kTile / kVec;             // 16
+constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 16
+constexpr int kRowsPerThread = kTile / kRowsPerPass;    // 8
+// 3 resident blocks per SM (24 warps, at most 80 registers per thread): the activation math keeps more values live
+// than quantize's cast, and 24 warps with 4 rows of loads in flight each cover the memory latency.
+constexpr int kBlocksPerSm = 3;
+
+enum class HpType : int { kF32, kBf16, kF16 };
+
+struct Params {
+  const void* x;        // (batch, rows, halves, cols)
+  const void* g;        // (batch, rows, cols), backward only
+  const float* scale;
+  void* out;            // (batch, rows, halves_out, cols)
+  uint8_t* out_t;       // (batch, halves_out * cols, rows), or null
+  unsigned* amax;       // FP8 only
+  float* dbias_partial; // (batch * tiles_m, halves_out * cols), or null
+  int64_t rows, cols, tiles_m, tiles_n;
+  bool vec;             // cols % 8 == 0 and 16-byte aligned bases: vector accesses for whole chunks
+  bool rows_vec;        // rows % 8 == 0 and an 8-byte aligned out_t: 8-byte stores of the transposed copy
+  bool e5m2;            // FP8 format
+  HpType hp;            // high-precision output dtype
+};
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+// 8 consecutive elements of one row, kept as loaded (16-bit types stay packed: half the registers of float32 while
+// the loads are in flight) and converted to float32 on use.
+template <typename T>
+struct Chunk {
+  static constexpr int kWords = sizeof(T) * kVec / 16;
+  uint4 raw[kWords];
+
+  // One or two 16-byte loads for a whole chunk of a vector-accessible row; bounds-checked scalar loads otherwise.
+  // Elements outside the array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
+  __device__ __forceinline__ void Load(const T* row, int64_t col, int64_t cols, bool in_row, bool vec) {
+    if (in_row && vec && col + kVec <= cols) {
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(row + col) + w);
+    } else {
+      T* e = reinterpret_cast<T*>(raw);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = in_row && col + j < cols ? row[col + j] : T(0.0f);
+    }
+  }
+
+  __device__ __forceinline__ float Get(int j) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // bf16 is the top half of a float32: integer ops, no conversion instructions.
+      const uint32_t w = reinterpret_cast<const uint32_t*>(raw)[j / 2];
+      return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+    } else {
+      return ToFloat(reinterpret_cast<const T*>(raw)[j]);
+    }
+  }
+};
+
+// Rows whose loads are issued before the first use: as many as keep the loaded data within ~24 registers per thread
+// (4 for a plain 16-bit forward, 1 for a float32 gated backward), so that the kernel fits its 80-register budget.
+template <typename T, int kInputsPerRow>
+constexpr int RowsInFlight() {
+  constexpr int regs = kInputsPerRow * 2 * static_cast<int>(sizeof(T));
+  return regs <= 6 ? 4 : regs <= 12 ? 2 : 1;
+}
+
+__device__ __forceinline__ uint2 PackFp8(const float (&y)[8], float scale, bool e5m2) {
+  uint2 p;
+  if (e5m2) {
+    p.x = Cvt4<__NV_E5M2>(y[0] * scale, y[1] * scale, y[2] * scale, y[3] * scale);
+    p.y = Cvt4<__NV_E5M2>(y[4] * scale, y[5] * scale, y[6] * scale, y[7] * scale);
+  } else {
+    p.x = Cvt4<__NV_E4M3>(y[0] * scale, y[1] * scale, y[2] * scale, y[3] * scale);
+    p.y = Cvt4<__NV_E4M3>(y[4] * scale, y[5] * scale, y[6] * scale, y[7] * scale);
+  }
+  return p;
+}
+
+__device__ __forceinline__ void StoreFp8(uint8_t* row, int64_t col, int64_t cols, bool vec, uint2 p) {
+  if (vec && col + kVec <= cols) {
+    *reinterpret_cast<uint2*>(row + col) = p;
+  } else {
+    for (int j = 0; j < kVec && col + j < cols; ++j) row[col + j] = (j < 4 ? p.x >> (8 * j) : p.y >> (8 * (j - 4))) & 0xFF;
+  }
+}
+
+template <typename H>
+__device__ __forceinline__ H FromFloat(float v) {
+  if constexpr (std::is_same_v<H, float>) return v;
+  if constexpr (std::is_same_v<H, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  if constexpr (std::is_same_v<H, __half>) return __float2half_rn(v);
+}
+
+template <typename H>
+__device__ __forceinline__ void StoreHpAs(void* base, int64_t offset, int64_t col, int64_t cols, bool vec,
+                                          const float (&y)[8]) {
+  H* row = static_cast<H*>(base) + offset;
+  if (vec && col + kVec <= cols) {
+    H h[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) h[j] = FromFloat<H>(y[j]);
+#pragma unroll
+    for (int w = 0; w < static_cast<int>(sizeof(H)) * kVec / 16; ++w) {
+      reinterpret_cast<uint4*>(row + col)[w] = reinterpret_cast<const uint4*>(h)[w];
+    }
+  } else {
+    for (int j = 0; j < kVec && col + j < cols; ++j) row[col + j] = FromFloat<H>(y[j]);
+  }
+}
+
+__device__ __forceinline__ void StoreHp(const Params& p, int64_t offset, int64_t col, const float (&y)[8]) {
+  switch (p.hp) {
+    case HpType::kF32: StoreHpAs<float>(p.out, offset, col, p.cols, p.vec, y); break;
+    case HpType::kBf16: StoreHpAs<__nv_bfloat16>(p.out, offset, col, p.cols, p.vec, y); break;
+    case HpType::kF16: StoreHpAs<__half>(p.out, offset, col, p.cols, p.vec, y); break;
+  }
+}
+
+template <Act A, bool kGated, bool kBwd, typename T, bool kFp8>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const Params p) {
+  // Halves of the output: a gated gradient has two (dx_a, dx_b); everything else one.
+  constexpr int kOutHalves = kGated && kBwd ? 2 : 1;
+  constexpr int kInHalves = kGated ? 2 : 1;
+  __shared__ uint2 tile[kFp8 ? kOutHalves : 1][kFp8 ? kTile : 1][kChunksPerRow];
+  __shared__ float col_sums[kBwd ? kWarps : 1][kBwd ? kOutHalves * kTile : 1];
+  __shared__ uint32_t amax_scratch[kWarps];
+
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (p.tiles_m * p.tiles_n);
+  const int64_t tm = (t / p.tiles_n) % p.tiles_m;
+  const int64_t tn = t % p.tiles_n;
+  const int64_t row0 = tm * kTile;
+  const int64_t col0 = tn * kTile;
+  const int chunk = threadIdx.x % kChunksPerRow;
+  const int rsub = threadIdx.x / kChunksPerRow;
+  const int64_t col = col0 + chunk * kVec;
+  const int64_t rows = p.rows, cols = p.cols;
+  const T* x = static_cast<const T*>(p.x) + b * rows * kInHalves * cols;
+  const T* g = kBwd ? static_cast<const T*>(p.g) + b * rows * cols : nullptr;
+  const int64_t out_base = b * rows * kOutHalves * cols;
+  const float scale = kFp8 ? *p.scale : 1.0f;
+  const bool want_t = kFp8 && p.out_t != nullptr;
+  const bool want_dbias = kBwd && p.dbias_partial != nullptr;
+
+  uint32_t amax_bits = 0;
+  float dsum[kOutHalves][kVec];
+#pragma unroll
+  for (int h = 0; h < kOutHalves; ++h) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dsum[h][j] = 0.0f;
+  }
+
+  constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
+#pragma unroll 1
+  for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
+    Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
+      const bool in_row = r < rows;
+      const int64_t rr = in_row ? r : 0;
+      xa[i].Load(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
+      if constexpr (kGated) xb[i].Load(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
+      if constexpr (kBwd) gv[i].Load(g + rr * cols, col, cols, in_row, p.vec);
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      const int lr = rsub + (i0 + i) * kRowsPerPass;
+      const int64_t r = row0 + lr;
+      float y[kOutHalves][kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float linear = 0.0f;  // the gated pair's second half
+        if constexpr (kGated) linear = xb[i].Get(j);
+        if constexpr (kBwd) {
+          float db = 0.0f;
+          Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db);
+          if constexpr (kOutHalves == 2) y[1][j] = db;
+        } else {
+          y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kOutHalves; ++h) {
+        const int64_t offset = out_base + (r * kOutHalves + h) * cols;
+        if (want_dbias) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
+        }
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
+          const uint2 packed = PackFp8(y[h], scale, p.e5m2);
+          if (r < rows) StoreFp8(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
+          if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
+        } else {
+          if (r < rows) StoreHp(p, offset, col, y[h]);
+        }
+      }
+    }
+  }
+
+  if constexpr (kFp8) {
+    if (want_t) {
+      __syncthreads();
+      const int gq = threadIdx.x % kChunksPerRow;  // tile rows 8 gq .. 8 gq + 7
+      const int hq = threadIdx.x / kChunksPerRow;  // tile columns 8 hq .. 8 hq + 7
+      const int64_t qr = row0 + 8 * gq;            // position along a row of out_t
+      const int64_t c_base = col0 + 8 * hq;
+#pragma unroll
+      for (int h = 0; h < kOutHalves; ++h) {
+        uint2 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = tile[h][8 * gq + i][hq ^ gq];
+        if (qr >= rows || c_base >= cols) continue;
+        uint8_t* qt = p.out_t + (b * kOutHalves + h) * cols * rows;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint2 o;
+          if (j < 4) {
+            o.x = GatherByte(v[0].x, v[1].x, v[2].x, v[3].x, j);
+            o.y = GatherByte(v[4].x, v[5].x, v[6].x, v[7].x, j);
+          } else {
+            o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
+            o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
+          }
+          const int64_t c = c_base + j;
+          if (c >= cols) break;
+          uint8_t* dst = qt + c * rows + qr;
+          if (p.rows_vec) {
+            *reinterpret_cast<uint2*>(dst) = o;
+          } else {
+            for (int k = 0; k < 8 && qr + k < rows; ++k) dst[k] = (k < 4 ? o.x >> (8 * k) : o.y >> (8 * (k - 4))) & 0xFF;
+          }
+        }
+      }
+    }
+  }
+
+  if constexpr (kBwd) {
+    if (want_dbias) {
+      // Lanes l and l + 16 of a warp hold the same columns; then the 8 warps are summed in a fixed order.
+      const int warp = threadIdx.x / 32;
+#pragma unroll
+      for (int h = 0; h < kOutHalves; ++h) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) dsum[h][j] += __shfl_xor_sync(0xffffffffu, dsum[h][j], 16);
+        if (threadIdx.x % 32 < 16) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) col_sums[warp][h * kTile + chunk * kVec + j] = dsum[h][j];
+        }
+      }
+      __syncthreads();
+      // Thread t sums column t % 128 of half t / 128.
+      const int h = threadIdx.x / kTile;
+      const int64_t c = col0 + threadIdx.x % kTile;
+      if (h < kOutHalves && c < cols) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
+        p.dbias_partial[(b * p.tiles_m + tm) * kOutHalves * cols + h * cols + c] = s;
+      }
+    }
+  }
+  if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
+}
+
+template <typename F>
+ffi::Error Dispatch(int64_t act, bool gated, F&& f) {
+  auto with_gated = [&](auto a) -> ffi::Error {
+    if (gated) return f(a, std::true_type{});
+    return f(a, std::false_type{});
+  };
+  switch (act) {
+    case 0: return with_gated(std::integral_constant<Act, Act::kGelu>{});
+    case 1: return with_gated(std::integral_constant<Act, Act::kRelu>{});
+    case 2: return with_gated(std::integral_constant<Act, Act::kSilu>{});
+    case 3: return with_gated(std::integral_constant<Act, Act::kQuickGelu>{});
+    case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
+    default: return ffi::Error::InvalidArgument("activation: unknown activation code");
+  }
+}
+
+bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
+
+// Launches the kernel for x's dtype and the output kind, then the dbias column sum.
+template <bool kBwd>
+ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in_type, ffi::DataType out_type,
+                  int64_t act, Params p, float* dbias) {
+  const int64_t out_cols = (kBwd && v.gated ? 2 : 1) * v.cols;
+  p.rows = v.rows;
+  p.cols = v.cols;
+  p.tiles_m = (v.rows + kTile - 1) / kTile;
+  p.tiles_n = (v.cols + kTile - 1) / kTile;
+  p.e5m2 = out_type == ffi::DataType::F8E5M2;
+  p.hp = out_type == ffi::DataType::F32 ? HpType::kF32 : out_type == ffi::DataType::BF16 ? HpType::kBf16 : HpType::kF16;
+  p.vec = v.cols % kVec == 0 && Aligned(p.x, 16) && (!kBwd || Aligned(p.g, 16)) && Aligned(p.out, 16);
+  p.rows_vec = v.rows % 8 == 0 && (p.out_t == nullptr || Aligned(p.out_t, 8));
+  const int64_t blocks = v.batch * p.tiles_m * p.tiles_n;
+  const bool fp8 = IsFp8(out_type);
+  auto launch = [&](auto dtype_tag) -> ffi::Error {
+    using T = decltype(dtype_tag);
+    return Dispatch(act, v.gated, [&](auto a, auto gt) -> ffi::Error {
+      constexpr Act kAct = decltype(a)::value;
+      constexpr bool kGated = decltype(gt)::value;
+      auto kernel = fp8 ? ActivationKernel<kAct, kGated, kBwd, T, true> : ActivationKernel<kAct, kGated, kBwd, T, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(p);
+      return CudaError(cudaGetLastError(), "activation kernel launch");
+    });
+  };
+  ffi::Error err = ffi::Error::Success();
+  switch (in_type) {
+    case ffi::DataType::F32: err = launch(float{}); break;
+    case ffi::DataType::BF16: err = launch(__nv_bfloat16{}); break;
+    case ffi::DataType::F16: err = launch(__half{}); break;
+    default: return ffi::Error::InvalidArgument("activation: inputs must be float32, bfloat16 or float16");
+  }
+  if (err.failure()) return err;
+  if (dbias != nullptr) {
+    const int threads = 256;
+    ColumnSumKernel<<<(out_cols + threads - 1) / threads, threads, 0, stream>>>(p.dbias_partial, dbias,
+                                                                              v.batch * p.tiles_m, out_cols);
+    TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "dbias column-sum launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckOut(const ffi::Result<ffi::AnyBuffer>& out, const ffi::Result<ffi::AnyBuffer>& out_t, int64_t n) {
+  const ffi::DataType t = out->element_type();
+  const bool valid = IsFp8(t) || t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+  if (!valid || static_cast<int64_t>(out->element_count()) != n) {
+    return ffi::Error::InvalidArgument("activation: out must be FP8, f32, bf16 or f16 with the result's size");
+  }
+  if (out_t->element_count() != 0 && (!IsFp8(t) || static_cast<int64_t>(out_t->element_count()) != n)) {
+    return ffi::Error::InvalidArgument("activation: out_t must be empty, or an FP8 array of the result's size");
+  }
+  return ffi::Error::Success();
+}
+
+// Zeroes amax, which the kernel folds block maxima into (and which stays 0 for an empty input).
+ffi::Error Prologue(cudaStream_t stream, ffi::Result<ffi::BufferR0<ffi::F32>>& amax) {
+  return CudaError(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float), stream), "amax memset");
+}
+
+ffi::Error ActFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_t,
+                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, int64_t act, bool gated, int64_t batch_ndim) {
+  auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
+  if (view.has_error()) return view.error();
+  if (auto err = CheckOut(out, out_t, view->out_elements()); err.failure()) return err;
+  if (auto err = Prologue(stream, amax); err.failure()) return err;
+  if (view->out_elements() == 0) return ffi::Error::Success();
+  Params p{};
+  p.x = x.untyped_data();
+  p.scale = scale.typed_data();
+  p.out = out->untyped_data();
+  p.out_t = out_t->element_count() > 0 ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr;
+  p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
+  return Launch<false>(stream, *view, x.element_type(), out->element_type(), act, p, nullptr);
+}
+
+ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
+                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
+                      ffi::Result<ffi::AnyBuffer> workspace, int64_t act, bool gated, int64_t batch_ndim) {
+  auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
+  if (view.has_error()) return view.error();
+  const ActivationView v = *view;
+  if (static_cast<int64_t>(g.element_count()) != v.out_elements() || g.element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("activation: g must have x's dtype and the forward output's size");
+  }
+  if (auto err = CheckOut(dx, dx_t, v.in_elements()); err.failure()) return err;
+  const int64_t out_cols = v.halves() * v.cols;
+  const bool want_dbias = dbias->element_count() > 0;
+  if (want_dbias && (dbias->element_type() != ffi::DataType::F32 ||
+                     static_cast<int64_t>(dbias->element_count()) != out_cols)) {
+    return ffi::Error::InvalidArgument("activation: dbias must be empty or f32 of the feature dims' size");
+  }
+  const int64_t partial_rows = v.batch * ((v.rows + kTile - 1) / kTile);
+  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
+                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols)) {
+    return ffi::Error::InvalidArgument("activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols]");
+  }
+  if (auto err = Prologue(stream, amax); err.failure()) return err;
+  if (v.in_elements() == 0) {
+    if (want_dbias) {
+      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream),
+                                  "dbias memset");
+    }
+    return ffi::Error::Success();
+  }
+  Params p{};
+  p.x = x.untyped_data();
+  p.g = g.untyped_data();
+  p.scale = scale.typed_data();
+  p.out = dx->untyped_data();
+  p.out_t = dx_t->element_count() > 0 ? static_cast<uint8_t*>(dx_t->untyped_data()) : nullptr;
+  p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
+  p.dbias_partial = want_dbias ? static_cast<float*>(workspace->untyped_data()) : nullptr;
+  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p,
+                      want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
+}
+
+}  // namespace
+
+// Both allocate nothing (the dbias partials go to a workspace result): XLA may capture them into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCudaHandler, ActFwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, (..., [2,] N)
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies y before an FP8 cast
+                                  .Ret<ffi::AnyBuffer>()                     // out: FP8 or f32/bf16/f16, (..., N)
+                                  .Ret<ffi::AnyBuffer>()                     // out_t: FP8 transposed copy, or empty
+                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |y| (FP8 outputs)
+                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
+                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
+                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by out_t
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // g: the output gradient, x's dtype
+                                  .Arg<ffi::AnyBuffer>()                     // x: the forward input
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies dx before an FP8 cast
+                                  .Ret<ffi::AnyBuffer>()                     // dx: FP8 or f32/bf16/f16, x's shape
+                                  .Ret<ffi::AnyBuffer>()                     // dx_t: FP8 transposed copy, or empty
+                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |dx| (FP8 outputs)
+                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
+                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
+                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
+                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by dx_t
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace te_jax

@@ -1,0 +1,114 @@
+// The activation formulas of te_jax.ops.activation, shared by the CPU and CUDA handlers: float32 operations in the
+// order of activation_fwd_ref / activation_bwd_ref, each rounded once. Compile with FMA contraction off
+// (-ffp-contract=off, nvcc -fmad=false): XLA computes a * b + c with two roundings, and so must the handlers.
+//
+// The two primitives that are not plain IEEE operations are the ones XLA uses on each platform's GPU: exp is
+// libdevice's expf (XLA's GPU exp), 1 / d is rcp.approx.f32 (what XLA's NVPTX backend emits for a float32 1 / d at
+// its division precision, div.full). On the host they are the C library's expf and IEEE division.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define TE_JAX_HD __host__ __device__ __forceinline__
+#else
+#define TE_JAX_HD inline
+#endif
+
+namespace te_jax {
+
+// The integer codes of te_jax.ops.activation.ACTIVATIONS.
+enum class Act : int { kGelu = 0, kRelu = 1, kSilu = 2, kQuickGelu = 3, kSquaredRelu = 4 };
+inline constexpr int kNumActs = 5;
+
+// gelu: z = x * (C1 + C2 * x^2), z' = C1 + C3 * x^2, with C1 = 2 sqrt(2/pi), C2 = C1 * 0.044715, C3 = 3 * C2
+// (float32, the bits of the reference's np.float32 constants).
+inline constexpr float kGeluC1 = 0x1.988454p+0f;
+inline constexpr float kGeluC2 = 0x1.2444f2p-4f;
+inline constexpr float kGeluC3 = 0x1.b6676cp-3f;
+inline constexpr float kQuickGeluK = 0x1.b3b646p+0f;  // 1.702
+
+TE_JAX_HD float ActExp(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+TE_JAX_HD float ActRecip(float d) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+#else
+  return 1.0f / d;
+#endif
+}
+
+TE_JAX_HD float Sigmoid(float z) { return ActRecip(1.0f + ActExp(-z)); }
+
+TE_JAX_HD float Relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN stays NaN, -0 becomes +0
+
+// act(x); `s` receives the sigmoid that TimesDerivative reuses (unset for relu and squared_relu).
+template <Act A>
+TE_JAX_HD float Activate(float x, float& s) {
+  if constexpr (A == Act::kGelu) {
+    s = Sigmoid(x * (kGeluC1 + kGeluC2 * (x * x)));
+    return x * s;
+  } else if constexpr (A == Act::kSilu) {
+    s = Sigmoid(x);
+    return x * s;
+  } else if constexpr (A == Act::kQuickGelu) {
+    s = Sigmoid(kQuickGeluK * x);
+    return x * s;
+  } else if constexpr (A == Act::kRelu) {
+    return Relu(x);
+  } else {
+    const float r = Relu(x);
+    return r * r;
+  }
+}
+
+// gg * act'(x), given the `s` Activate returned for the same x. relu's is a select: +0 where x <= 0, whatever gg.
+template <Act A>
+TE_JAX_HD float TimesDerivative(float gg, float x, float s) {
+  if constexpr (A == Act::kRelu) {
+    return x > 0.0f ? gg : 0.0f;
+  } else if constexpr (A == Act::kSquaredRelu) {
+    const float r = Relu(x);
+    return gg * (r + r);
+  } else {
+    float t = x * (s * (1.0f - s));
+    if constexpr (A == Act::kGelu) t = t * (kGeluC1 + kGeluC3 * (x * x));
+    if constexpr (A == Act::kQuickGelu) t = t * kQuickGeluK;
+    return gg * (s + t);
+  }
+}
+
+// Forward: y = act(x), or act(a) * b for a gated pair.
+template <Act A, bool kGated>
+TE_JAX_HD float Forward(float a, float b) {
+  float s = 0.0f;  // unused by relu and squared_relu
+  const float y = Activate<A>(a, s);
+  if constexpr (kGated) {
+    return y * b;
+  } else {
+    return y;
+  }
+}
+
+// Backward: da = g * act'(a), or, for a gated pair, da = (g * b) * act'(a) and db = g * act(a).
+template <Act A, bool kGated>
+TE_JAX_HD void Backward(float g, float a, float b, float& da, float& db) {
+  float s = 0.0f;  // unused by relu and squared_relu
+  const float y = Activate<A>(a, s);
+  if constexpr (kGated) {
+    da = TimesDerivative<A>(g * b, a, s);
+    db = g * y;
+  } else {
+    da = TimesDerivative<A>(g, a, s);
+  }
+}
+
+}  // namespace te_jax

@@ -1,0 +1,174 @@
+"""``layernorm_mlp``: norm -> fc1 -> activation -> fc2, with every GEMM in FP8 and the casts fused into the kernels
+that produce each GEMM's input.
+
+Forward under delayed scaling: the norm writes fc1's FP8 input (+ transposed copy + amax); fc1 runs with its bias
+in the epilogue; the activation kernel reads fc1's output and writes fc2's FP8 input (+ transposed copy + amax); fc2
+runs with its bias. Saved for backward: the FP8 GEMM inputs (transposed) and kernels, fc1's output (the activation's
+derivative needs it exactly), the norm's statistics. Backward: the output gradient's FP8 cast (+ fc2's bias
+gradient), fc2's dgrad and wgrad, one activation-backward kernel that writes the FP8 gradient of fc1's output (+
+transposed copy + fc1's bias gradient), fc1's dgrad and wgrad, then the norm's backward kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd
+from te_jax.activation import activation
+from te_jax.dense import DenseFp8Meta, dense
+from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
+from te_jax.ops.activation import activation_bwd, activation_fwd, parse_activation_type
+from te_jax.ops.quantize import quantize
+from te_jax.recipe import DelayedScaling, Recipe
+
+__all__ = ["layernorm_mlp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _MlpConfig:
+  fc1: Fp8Config
+  fc2: Fp8Config
+  norm: NormSpec
+  activation_type: tuple[str, ...]
+  gated: bool
+  intermediate: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ln_mlp_fp8(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2):
+  return _ln_mlp_fp8_fwd(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2)[0]
+
+
+def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2):
+  fc1, fc2 = cfg.fc1, cfg.fc2
+  z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x, gamma, beta, keep_hp=False)
+  h, res_1 = linear_fwd(fc1, z.data, z.data_t, z.sx_inv, kernel_1, meta_1 and meta_1.kernel, bias_1)
+  if cfg.gated:
+    h = h.reshape(h.shape[0], 2, cfg.intermediate)  # the activated half first, as kernel_1's (H, 2, F) lays it out
+  if fc2.delayed:
+    s2 = meta_2.x.scale
+    a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
+  else:  # current scaling needs the activation's amax before its cast: a second pass
+    a_hp = activation_fwd(h, cfg.activation_type).data
+    s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
+    a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
+  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2)
+  residuals = (x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1, meta_2)
+  return y, residuals
+
+
+def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residuals, g):
+  x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1, meta_2 = residuals
+  fc1, fc2 = cfg.fc1, cfg.fc2
+  sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
+  qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, dbias=fc2.has_bias)
+  da, dk2 = linear_bwd(fc2, res_2, qg.data, qg.data_t, 1.0 / sg2)
+  if fc1.delayed:
+    sg1 = meta_1.grad.scale
+    dh = activation_bwd(da, h, cfg.activation_type, dtype=fc1.bwd_dtype, scale=sg1, transpose=True,
+                        transpose_batch_dims=0, dbias=fc1.has_bias)
+  else:
+    dh_hp = activation_bwd(da, h, cfg.activation_type).data
+    sg1 = fc1.scale(None, dh_hp, fc1.bwd_dtype)
+    dh = quantize(dh_hp.reshape(dh_hp.shape[0], -1), sg1, fc1.bwd_dtype, transpose=True, dbias=fc1.has_bias)
+  m = h.shape[0]
+  dh_q, dh_t = dh.data.reshape(m, -1), dh.data_t.reshape(-1, m)  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
+  dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1)
+  dx, dgamma, dbeta = cfg.norm.bwd(dz, x, mean, rsigma, gamma)
+  db1 = dh.dbias.reshape(-1).astype(fc1.bias_dtype) if fc1.has_bias else None
+  db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
+  new_1 = new_2 = None
+  if meta_1 is not None:
+    new_1 = DenseFp8Meta(fc1.update(meta_1.x, amax_z, fc1.fwd_dtype),
+                         fc1.update(meta_1.kernel, res_1.amax_w, fc1.fwd_dtype),
+                         fc1.update(meta_1.grad, dh.amax, fc1.bwd_dtype))
+    new_2 = DenseFp8Meta(fc2.update(meta_2.x, amax_a, fc2.fwd_dtype),
+                         fc2.update(meta_2.kernel, res_2.amax_w, fc2.fwd_dtype),
+                         fc2.update(meta_2.grad, qg.amax, fc2.bwd_dtype))
+  dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
+  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, new_1, new_2
+
+
+_ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd)
+
+
+def layernorm_mlp(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None,
+    kernel_1: jax.Array,
+    kernel_2: jax.Array,
+    bias_1: jax.Array | None = None,
+    bias_2: jax.Array | None = None,
+    *,
+    norm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    activation_type=("gelu",),
+    fp8_meta_1: DenseFp8Meta | None = None,
+    fp8_meta_2: DenseFp8Meta | None = None,
+    recipe: Recipe | None = None,
+) -> jax.Array:
+  """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> x = jnp.ones((4, 32), jnp.bfloat16)
+  >>> k1, k2 = jnp.ones((32, 2, 64)) / 32, jnp.ones((64, 32)) / 64
+  >>> te_jax.layernorm_mlp(x, jnp.ones(32), jnp.zeros(32), k1, k2, activation_type=("silu", "linear")).shape
+  (4, 32)
+
+  Args:
+    x: ``(..., H)`` in the compute dtype.
+    gamma, beta: the norm's ``(H,)`` parameters (no beta for RMSNorm).
+    kernel_1: ``(H, n, F)`` with ``n`` = 2 for a gated activation (the activated half first), else 1.
+    kernel_2: ``(F, H)``.
+    bias_1: optional ``(n, F)``; bias_2: optional ``(H,)``.
+    norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
+    activation_type: ``(act,)`` or ``(act, "linear")``: ``("gelu",)``, ``("silu", "linear")`` for SwiGLU, ...
+    fp8_meta_1, fp8_meta_2: the delayed-scaling states of fc1 and fc2; required under ``DelayedScaling``.
+    recipe: overrides the autocast recipe.
+
+  Returns:
+    ``x``'s shape and dtype.
+  """
+  names = parse_activation_type(activation_type)
+  gated = names[1]
+  act = (names[0], "linear") if gated else (names[0],)
+  norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
+  h_dim = x.shape[-1]
+  n_act = 2 if gated else 1
+  if kernel_1.ndim != 3 or kernel_1.shape[:2] != (h_dim, n_act):
+    raise ValueError(f"kernel_1 must be (H={h_dim}, {n_act}, F) for activation_type={act}, got {kernel_1.shape}")
+  f_dim = kernel_1.shape[2]
+  if kernel_2.shape != (f_dim, h_dim):
+    raise ValueError(f"kernel_2 must be (F={f_dim}, H={h_dim}), got {kernel_2.shape}")
+  if bias_1 is not None and bias_1.shape != (n_act, f_dim):
+    raise ValueError(f"bias_1 must be ({n_act}, {f_dim}), got {bias_1.shape}")
+  if bias_2 is not None and bias_2.shape != (h_dim,):
+    raise ValueError(f"bias_2 must be ({h_dim},), got {bias_2.shape}")
+  recipe = resolve_fp8(recipe, fp8_meta_1, "fp8_meta_1")
+  if isinstance(recipe, DelayedScaling) and fp8_meta_2 is None:
+    raise ValueError("DelayedScaling needs fp8_meta_2 (a DenseFp8Meta) with fc2's scaling state")
+  k1 = kernel_1.reshape(h_dim, n_act * f_dim)
+  b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
+  if recipe is None:
+    z = norm.plain(x, gamma, beta)
+    h = dense(z, k1, b1, recipe=None)
+    if gated:
+      h = h.reshape(*h.shape[:-1], 2, f_dim)
+    return dense(activation(h, act), kernel_2, bias_2, recipe=None)
+  check_fp8_dims(hidden=h_dim, intermediate=f_dim)
+  x2d, pad = pad_rows(x.reshape(-1, h_dim))
+
+  def fp8_config(kernel, bias):
+    return Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+
+  cfg = _MlpConfig(fp8_config(kernel_1, bias_1), fp8_config(kernel_2, bias_2), norm, act, gated, f_dim)
+  delayed = isinstance(recipe, DelayedScaling)
+  y = _ln_mlp_fp8(cfg, x2d, gamma, beta, k1, kernel_2, b1, bias_2, fp8_meta_1 if delayed else None,
+                  fp8_meta_2 if delayed else None)
+  return y[: x2d.shape[0] - pad].reshape(x.shape)

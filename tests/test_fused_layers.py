@@ -1,0 +1,174 @@
+"""layernorm_dense, layernorm_mlp and their Flax modules: values and gradients against the unfused composition,
+the FP8 state updates, the kernels in the compiled program, and argument errors."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import te_jax
+import te_jax.flax as te_flax
+from te_jax.recipe import DelayedScaling, Float8CurrentScaling
+
+RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
+ACTS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
+
+
+def _inputs(gated: bool, seed: int = 0, rows=(3, 7), hidden=64, inter=128):
+  k = jax.random.split(jax.random.key(seed), 7)
+  n = 2 if gated else 1
+  x = jax.random.normal(k[0], (*rows, hidden), jnp.float32).astype(jnp.bfloat16)
+  gamma = 1 + 0.1 * jax.random.normal(k[1], (hidden,))
+  beta = 0.1 * jax.random.normal(k[2], (hidden,))
+  k1 = jax.random.normal(k[3], (hidden, n, inter)) / np.sqrt(hidden)
+  k2 = jax.random.normal(k[4], (inter, hidden)) / np.sqrt(inter)
+  b1 = 0.1 * jax.random.normal(k[5], (n, inter))
+  b2 = 0.1 * jax.random.normal(k[6], (hidden,))
+  return x, gamma, beta, k1, k2, b1, b2
+
+
+def _mlp_ref(x, gamma, beta, k1, k2, b1, b2, act):
+  """The same block in float32 jnp (flax.linen.LayerNorm's math, epsilon 1e-6)."""
+  xf = x.astype(jnp.float32)
+  mean = xf.mean(-1, keepdims=True)
+  z = (xf - mean) * jax.lax.rsqrt(((xf - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * gamma + beta
+  h = jnp.einsum("...h,hnf->...nf", z, k1) + b1
+  a = jax.nn.gelu(h[..., 0, :]) if act == ("gelu",) else jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+  return a @ k2 + b2
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _loss(fn):
+  return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("act", list(ACTS.values()), ids=list(ACTS))
+def test_mlp_high_precision_matches_reference(act):
+  args = _inputs(len(act) == 2)
+  x = args[0].astype(jnp.float32)
+  ours = te_jax.layernorm_mlp(x, *args[1:], activation_type=act)
+  ref = _mlp_ref(x, *args[1:], act)
+  assert _rel(ours, ref) < 1e-5  # float32 throughout; only summation order differs
+  g_ours = jax.grad(_loss(lambda *a: te_jax.layernorm_mlp(*a, activation_type=act)), argnums=tuple(range(7)))(x,
+                                                                                                           *args[1:])
+  g_ref = jax.grad(_loss(lambda *a: _mlp_ref(*a, act)), argnums=tuple(range(7)))(x, *args[1:])
+  for a, b in zip(g_ours, g_ref):
+    assert _rel(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("rec", list(RECIPES), ids=list(RECIPES))
+@pytest.mark.parametrize("act", list(ACTS.values()), ids=list(ACTS))
+def test_mlp_fp8_close_to_high_precision_and_updates_state(act, rec):
+  args = _inputs(len(act) == 2, seed=1)
+  r = RECIPES[rec]
+  metas = (te_jax.DenseFp8Meta.create(4), te_jax.DenseFp8Meta.create(4))
+
+  def f(x, g, b, k1, k2, b1, b2, m1, m2, recipe):
+    return _loss(lambda *a: te_jax.layernorm_mlp(*a, activation_type=act, fp8_meta_1=m1, fp8_meta_2=m2,
+                                                 recipe=recipe))(x, g, b, k1, k2, b1, b2)
+
+  grad = jax.jit(jax.value_and_grad(f, argnums=tuple(range(9))), static_argnums=9)
+  ref_loss, ref_grads = grad(*args, *metas, None)
+  loss, grads = grad(*args, *metas, r)
+  if isinstance(r, DelayedScaling):  # the first step ran at scale 1; the second uses the updated state
+    new_metas = grads[7:9]
+    amaxes = [float(s.amax_history[0]) for m in new_metas for s in m]
+    assert all(a > 0 for a in amaxes), amaxes
+    x_amax = float(new_metas[0].x.amax_history[0])
+    ln = te_jax.norm_fwd(args[0], args[1], args[2], out_dtype=jnp.float32)
+    np.testing.assert_allclose(x_amax, float(jnp.max(jnp.abs(ln.out))), rtol=1e-6)  # fc1's input: the norm output
+    loss, grads = grad(*args, *new_metas, r)
+  # FP8 E4M3 forward / E5M2 backward over a 64/128-wide block: a few percent (a wrong scale or layout is >> 10%).
+  assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 0.03
+  for a, b in zip(grads[:7], ref_grads[:7]):
+    assert _rel(a, b) < 0.15
+
+
+def test_mlp_fp8_program_runs_the_fused_kernels_and_saves_fp8():
+  args = _inputs(True, seed=2)
+  metas = (te_jax.DenseFp8Meta.create(4), te_jax.DenseFp8Meta.create(4))
+  f = lambda *a: te_jax.layernorm_mlp(*a, activation_type=("silu", "linear"), recipe=DelayedScaling(  # noqa: E731
+      amax_history_len=4), fp8_meta_1=metas[0], fp8_meta_2=metas[1])
+  hlo = jax.jit(jax.grad(_loss(f), argnums=(0, 3, 4))).lower(*args).compile().as_text()
+  targets = re.findall(r'custom_call_target="(te_\w+)"', hlo)
+  for t in ("te_norm_fwd_cpu", "te_act_fwd_cpu", "te_act_bwd_cpu", "te_norm_bwd_cpu", "te_quantize_cpu"):
+    assert t in targets, (t, sorted(set(targets)))
+  _, vjp = jax.vjp(f, *args)
+  kept = {(jnp.dtype(r.dtype).name, r.shape) for r in jax.tree.leaves(vjp) if r.size >= 32 * 64}
+  # The FP8 GEMM inputs (transposed, for the weight gradients) and FP8 kernels; in high precision only x (the norm's
+  # backward reads it) and fc1's output (the activation's derivative needs it exactly). Rows are padded 21 -> 32.
+  assert kept == {("float8_e4m3fn", (64, 32)), ("float8_e4m3fn", (64, 256)), ("float8_e4m3fn", (128, 32)),
+                  ("float8_e4m3fn", (128, 64)), ("bfloat16", (32, 64)), ("bfloat16", (32, 2, 128))}, kept
+
+
+@pytest.mark.parametrize("rec", list(RECIPES), ids=list(RECIPES))
+def test_layernorm_dense_fp8_with_layernorm_output(rec):
+  x, gamma, beta, k1, *_ = _inputs(False, seed=3)
+  kernel = k1[:, 0, :]
+  meta = te_jax.DenseFp8Meta.create(4)
+
+  def f(x, g, b, k, recipe):
+    y, z = te_jax.layernorm_dense(x, g, b, k, return_layernorm_output=True, fp8_meta=meta, recipe=recipe)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(z.astype(jnp.float32) * 3.0)
+
+  ref = jax.grad(f, argnums=(0, 1, 2, 3))(x, gamma, beta, kernel, None)
+  ours = jax.grad(f, argnums=(0, 1, 2, 3))(x, gamma, beta, kernel, Float8CurrentScaling() if rec == "current" else
+                                            DelayedScaling(amax_history_len=4))
+  for a, b in zip(ours, ref):
+    assert _rel(a, b) < 0.15 if rec == "current" else np.all(np.isfinite(np.asarray(a, np.float32)))
+
+
+def test_argument_errors():
+  x, gamma, beta, k1, k2, b1, b2 = _inputs(False)
+  with pytest.raises(ValueError, match="kernel_1 must be"):
+    te_jax.layernorm_mlp(x, gamma, beta, k1[:, :, :64].reshape(64, 64), k2)
+  with pytest.raises(ValueError, match="kernel_2 must be"):
+    te_jax.layernorm_mlp(x, gamma, beta, k1, k2.T)
+  with pytest.raises(ValueError, match="fp8_meta_2"):
+    te_jax.layernorm_mlp(x, gamma, beta, k1, k2, recipe=DelayedScaling(), fp8_meta_1=te_jax.DenseFp8Meta.create(4))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    te_jax.layernorm_dense(x[..., :40], gamma[:40], beta[:40], k1[:40, 0, :], recipe=Float8CurrentScaling())
+
+
+@pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
+def test_layernorm_mlp_module_trains_and_keeps_fp8_state(act):
+  model = te_flax.LayerNormMLP(intermediate_dim=128, activations=act, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), (64, 64), jnp.float32).astype(jnp.bfloat16)
+  y = jax.random.normal(jax.random.key(1), (64, 64), jnp.float32)
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    variables = model.init(jax.random.key(2), x)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-2))
+
+    @jax.jit
+    def step(state):
+      loss_fn = lambda v: jnp.mean((state.apply_fn(v, x).astype(jnp.float32) - y) ** 2)  # noqa: E731
+      loss, grads = jax.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), loss
+
+    losses = []
+    for _ in range(20):
+      state, loss = step(state)
+      losses.append(float(loss))
+  fp8 = state.params[te_jax.FP8_COLLECTION]
+  assert sorted(fp8) == sorted(f"{p}{r}_{k}" for p in ("wi_", "wo_") for r in ("x", "kernel", "grad")
+                               for k in ("amax_history", "scale"))
+  assert all(float(v) != 1.0 for k, v in fp8.items() if k.endswith("_scale"))  # every scale moved off its init
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_layernorm_dense_general_module_matches_parts():
+  x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
+  layer = te_flax.LayerNormDenseGeneral(features=48, dtype=jnp.float32)
+  v = layer.init(jax.random.key(1), x)
+  p = v["params"]
+  z = nn.LayerNorm(epsilon=1e-6).apply({"params": {"scale": p["scale"], "bias": p["ln_bias"]}}, x)
+  np.testing.assert_allclose(layer.apply(v, x), z @ p["kernel"] + p["bias"], rtol=1e-5, atol=1e-5)
