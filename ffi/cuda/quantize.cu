@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/vec_load.cuh"
 #include "te_jax/fp8_tile.cuh"
 #include "te_jax/quantize_view.h"
 #include "xla/ffi/api/ffi.h"
@@ -44,35 +45,6 @@ constexpr int FastBlocksPerSm() {
 }
 // Generic path geometry.
 constexpr int kSmallTile = 32;
-
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
-
-// 8 consecutive input elements, loaded with 16-byte accesses.
-template <typename T>
-struct Chunk {
-  static constexpr int kWords = sizeof(T) * kVec / 16;
-  uint4 raw[kWords];
-
-  __device__ __forceinline__ void Load(const T* p) {
-#pragma unroll
-    for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
-  }
-  __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
-  }
-  __device__ __forceinline__ float Get(int i) const {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // bf16 is the top half of a float32: two integer ops per pair, no conversion instructions.
-      const uint32_t w = reinterpret_cast<const uint32_t*>(raw)[i / 2];
-      return __uint_as_float(i % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
-    } else {
-      return ToFloat(reinterpret_cast<const T*>(raw)[i]);
-    }
-  }
-};
 
 // 8 output bytes; the kernel never reads them back.
 __device__ __forceinline__ void StoreOut(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }

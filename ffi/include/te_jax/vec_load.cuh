@@ -1,0 +1,43 @@
+// 16-byte vector loads of 8 consecutive float32/bfloat16/float16 elements, read as float32: the input side of the
+// memory-bound kernels (quantize, norm).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace te_jax {
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+// 8 consecutive input elements, loaded with 16-byte accesses (two for float32).
+template <typename T>
+struct Chunk {
+  static constexpr int kElems = 8;
+  static constexpr int kWords = sizeof(T) * kElems / 16;
+  uint4 raw[kWords];
+
+  __device__ __forceinline__ void Load(const T* p) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ float Get(int i) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // bf16 is the top half of a float32: one integer op per element, no conversion instructions.
+      const uint32_t w = reinterpret_cast<const uint32_t*>(raw)[i / 2];
+      return __uint_as_float(i % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+    } else {
+      return ToFloat(reinterpret_cast<const T*>(raw)[i]);
+    }
+  }
+};
+
+}  // namespace te_jax
