@@ -9,15 +9,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from te_jax.flax.dense import _logical
 from te_jax.layernorm import layernorm
 from te_jax.ops.norm import NORM_TYPES
 
 Initializer = Callable[..., jax.Array]
-
-
-def _logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
-  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any."""
-  return nn.with_logical_partitioning(init, axes) if axes else init
 
 
 class LayerNorm(nn.Module):

@@ -51,7 +51,7 @@ from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, output_aval
+from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax.ops.quantize import FP8_DTYPES, Quantized, _amax_f32
 
 __all__ = ["ACTIVATIONS", "ActivationConfig", "activation_bwd", "activation_bwd_ref", "activation_fwd",
@@ -252,20 +252,6 @@ def _attributes(config: ActivationConfig) -> dict:
 # ---- sharding ----------------------------------------------------------------------------------------------------
 
 
-def _spec(sharding, ndim: int) -> tuple:
-  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-  return spec + (None,) * (ndim - len(spec))
-
-
-def _mesh_axes(entries) -> tuple[str, ...]:
-  axes = []
-  for e in entries:
-    if e is None:
-      continue
-    axes.extend(e if isinstance(e, tuple) else (e,))
-  return tuple(axes)
-
-
 def _cast_shardings(mesh, out_spec, feature_ndim: int, config: ActivationConfig, dbias: bool) -> list:
   out = [NamedSharding(mesh, P(*out_spec))]
   if config.fp8:
@@ -282,11 +268,11 @@ def _reduce(outs: list, config: ActivationConfig, spec, feature_ndim: int, dbias
   """amax max-reduced over every sharded dim (every shard must use the same scale next step); dbias summed over the
   sharded leading dims."""
   outs = list(outs)
-  amax_axes = _mesh_axes(spec)
+  amax_axes = mesh_axes(*spec)
   if config.fp8 and amax_axes:
     i = 2 if config.transpose else 1
     outs[i] = jax.lax.pmax(outs[i], amax_axes)
-  sum_axes = _mesh_axes(spec[:len(spec) - feature_ndim])
+  sum_axes = mesh_axes(*spec[:len(spec) - feature_ndim])
   if dbias and sum_axes:
     outs[-1] = jax.lax.psum(outs[-1], sum_axes)
   return tuple(outs)
@@ -296,7 +282,7 @@ def _fwd_partition(config: ActivationConfig, mesh, arg_shapes, result_shape):
   """Elementwise: every dim of x may stay sharded except the gate dim of (..., 2, N), which pairs the halves."""
   del result_shape
   ndim = len(arg_shapes[0].shape)
-  spec = _spec(arg_shapes[0].sharding, ndim)
+  spec = full_spec(arg_shapes[0].sharding, ndim)
   if config.gated:
     spec = spec[:-2] + (None, spec[-1])
   out_spec = spec[:-2] + spec[-1:] if config.gated else spec
@@ -314,7 +300,7 @@ def _bwd_partition(config: ActivationConfig, mesh, arg_shapes, result_shape):
   """x's sharding (gate dim replicated) decides; g follows it."""
   del result_shape
   ndim = len(arg_shapes[1].shape)
-  spec = _spec(arg_shapes[1].sharding, ndim)
+  spec = full_spec(arg_shapes[1].sharding, ndim)
   if config.gated:
     spec = spec[:-2] + (None, spec[-1])
   g_spec = spec[:-2] + spec[-1:] if config.gated else spec
