@@ -20,7 +20,18 @@ from te_jax.ops.gemm import gemm
 from te_jax.ops.quantize import amax, quantize
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["Fp8Config", "LinearResiduals", "linear_fwd", "linear_bwd"]
+__all__ = ["Fp8Config", "LinearResiduals", "linear_fwd", "linear_bwd", "state_as_float32", "state_like"]
+
+
+def state_as_float32(tree):
+  """The FP8 state with float32 leaves. Modules hand it over in Flax's max-combining ``fp32_max_grad`` dtype (so
+  that several applications of one module combine their updates by max); the math runs in float32."""
+  return jax.tree.map(lambda v: v if v.dtype == jnp.float32 else jax.lax.convert_element_type(v, jnp.float32), tree)
+
+
+def state_like(tree, ref):
+  """``tree`` (float32 state) in the leaf dtypes of ``ref``: the updated state goes back as the input's gradient."""
+  return jax.tree.map(lambda v, r: v if r.dtype == v.dtype else jax.lax.convert_element_type(v, r.dtype), tree, ref)
 
 
 @dataclasses.dataclass(frozen=True)

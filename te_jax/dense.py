@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import scaling
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
 from te_jax.autocast import get_autocast_state
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
@@ -53,26 +53,28 @@ def _dense_fp8(cfg: Fp8Config, x, kernel, bias, meta):
   return _dense_fp8_fwd(cfg, x, kernel, bias, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: Fp8Config, x, kernel, bias, meta):
+def _dense_fp8_fwd(cfg: Fp8Config, x, kernel, bias, meta_in):
+  meta = state_as_float32(meta_in)
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
   qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
   out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias)
-  return out, (res, qx.amax, meta)
+  return out, (res, qx.amax, meta_in)
 
 
 def _dense_fp8_bwd(cfg: Fp8Config, residuals, g):
-  res, amax_x, meta = residuals
+  res, amax_x, meta_in = residuals
+  meta = state_as_float32(meta_in)
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
   qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)  # (M, N) and (N, M)
   dx, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = DenseFp8Meta(
+    new_meta = state_like(DenseFp8Meta(
         cfg.update(meta.x, amax_x, cfg.fwd_dtype),
         cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
         cfg.update(meta.grad, qg.amax, cfg.bwd_dtype),
-    )
+    ), meta_in)
   return dx, dw, dbias, new_meta
 
 

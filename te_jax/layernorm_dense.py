@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
 from te_jax.autocast import get_autocast_state
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm import layernorm
@@ -84,14 +84,16 @@ def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, x, gamma, beta,
   return _ln_dense_fp8_fwd(cfg, norm, keep_hp, x, gamma, beta, kernel, bias, meta)[0]
 
 
-def _ln_dense_fp8_fwd(cfg, norm, keep_hp, x, gamma, beta, kernel, bias, meta):
+def _ln_dense_fp8_fwd(cfg, norm, keep_hp, x, gamma, beta, kernel, bias, meta_in):
+  meta = state_as_float32(meta_in)
   z = norm_to_fp8(cfg, norm, meta and meta.x, x, gamma, beta, keep_hp=keep_hp)
   out, res = linear_fwd(cfg, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias)
-  return (out, z.hp), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta)
+  return (out, z.hp), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
 
 
 def _ln_dense_fp8_bwd(cfg, norm, keep_hp, residuals, cotangents):
-  x, gamma, beta, mean, rsigma, res, amax_z, meta = residuals
+  x, gamma, beta, mean, rsigma, res, amax_z, meta_in = residuals
+  meta = state_as_float32(meta_in)
   g, g_hp = cotangents
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
   qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)
@@ -102,9 +104,9 @@ def _ln_dense_fp8_bwd(cfg, norm, keep_hp, residuals, cotangents):
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = DenseFp8Meta(cfg.update(meta.x, amax_z, cfg.fwd_dtype),
-                            cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
-                            cfg.update(meta.grad, qg.amax, cfg.bwd_dtype))
+    new_meta = state_like(DenseFp8Meta(cfg.update(meta.x, amax_z, cfg.fwd_dtype),
+                                       cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
+                                       cfg.update(meta.grad, qg.amax, cfg.bwd_dtype)), meta_in)
   return dx, dgamma.astype(gamma.dtype), None if dbeta is None else dbeta.astype(beta.dtype), dw, dbias, new_meta
 
 

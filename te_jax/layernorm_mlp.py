@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
 from te_jax.activation import activation
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
@@ -43,7 +43,8 @@ def _ln_mlp_fp8(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bia
   return _ln_mlp_fp8_fwd(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2)[0]
 
 
-def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2):
+def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1_in, meta_2_in):
+  meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
   z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x, gamma, beta, keep_hp=False)
   h, res_1 = linear_fwd(fc1, z.data, z.data_t, z.sx_inv, kernel_1, meta_1 and meta_1.kernel, bias_1)
@@ -57,12 +58,13 @@ def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1,
     s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
     a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
   y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2)
-  residuals = (x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1, meta_2)
+  residuals = (x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
   return y, residuals
 
 
 def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residuals, g):
-  x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1, meta_2 = residuals
+  x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1_in, meta_2_in = residuals
+  meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
   sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
   qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, dbias=fc2.has_bias)
@@ -89,6 +91,7 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residuals, g):
     new_2 = DenseFp8Meta(fc2.update(meta_2.x, amax_a, fc2.fwd_dtype),
                          fc2.update(meta_2.kernel, res_2.amax_w, fc2.fwd_dtype),
                          fc2.update(meta_2.grad, qg.amax, fc2.bwd_dtype))
+    new_1, new_2 = state_like((new_1, new_2), (meta_1_in, meta_2_in))
   dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
   return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, new_1, new_2
 

@@ -8,7 +8,10 @@ instead of passing them to the optimizer, so the state follows the train step wi
 
 from __future__ import annotations
 
+import weakref
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
@@ -46,5 +49,34 @@ def dense_fp8_meta(module: nn.Module, recipe: Recipe | None, prefix: str = "") -
           f"{module.name}: {prefix}{role}_amax_history has shape {history.value.shape}, but the recipe's "
           f"amax_history_len is {recipe.amax_history_len}"
       )
-    states.append(scaling.ScaleState(history.value, scale.value))
+    states.append(scaling.ScaleState(_max_grad_view(module, history.value), _max_grad_view(module, scale.value)))
   return DenseFp8Meta(*states)
+
+
+# Outside jit, autodiff adds cotangents through a per-array-type table that has no entry for extended-dtype arrays
+# (jax 0.11); under jit the dtype's own add (max) is used. The entry below runs that same jitted add eagerly. Private
+# jax internals: without them only the eager differentiation of a module applied twice is lost, never an import.
+try:
+  from jax._src import ad_util as _ad_util
+  from jax._src import earray as _earray
+
+  _ad_util.raw_jaxval_adders.setdefault(_earray.EArray, jax.jit(_ad_util.add_jaxvals))
+except (ImportError, AttributeError):  # pragma: no cover - depends on jax's internals
+  pass
+
+# Per apply (keyed by the root scope): each FP8 state value converted once to Flax's fp32_max_grad dtype.
+_MAX_GRAD_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _max_grad_view(module: nn.Module, value):
+  """``value`` in ``fp8_ops.fp32_max_grad``, a float32 whose gradients combine by max instead of sum.
+
+  The conversion is made once per state value and apply, so that every application of a module (shared weights,
+  a module called twice) uses the same converted value: autodiff then accumulates their state updates in the
+  max-combining dtype, and the one conversion hands the result back as float32.
+  """
+  views = _MAX_GRAD_VIEWS.setdefault(module.scope.root, {})
+  key = id(value)
+  if key not in views:
+    views[key] = (value, jax.lax.convert_element_type(value, fp8_ops.fp32_max_grad))
+  return views[key][1]
