@@ -57,22 +57,7 @@ CASES = (
     Case(("gelu",), (16384, 16384), backward=True, note="acceptance shape"),
     Case(("silu", "linear"), (16384, 8192), backward=True, note="acceptance shape"),
 )
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("ms (loop)", "ms_loop"),
-    ("ms (1 sync call)", "ms_sync"),
-    ("GB/s", "gbps"),
-    ("% copy BW", "pct_copy"),
-    ("% copy BW (loop)", "pct_copy_loop"),
-    ("vs XLA", "speedup_vs_xla"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
-# Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
-_LOOP_BELOW = 1 << 22
+COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _outputs_agree(got: tuple, want: tuple, dx_f32: jax.Array | None, bitwise: bool) -> bool:
@@ -144,12 +129,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   if case.backward:
     moved += 4 * math.prod(x_shape[1:])
   rows = []
-  n_elems = math.prod(x_shape)
   for impl, fn, plain in (("te_jax", te_fn, ours), ("xla (jnp)", xla_fn, xla)):
-    t_loop = harness.time_loop(plain, args, inner=ctx.inner, runs=ctx.runs)
-    t_sync = harness.time_calls(fn, *args, runs=ctx.runs)
-    t = t_loop if n_elems < _LOOP_BELOW else harness.time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
-    rate = harness.gbps(moved, t.ms)
     rows.append({
         "bench": "activation",
         "case": case.name(shape),
@@ -161,25 +141,11 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
         "out_dtype": out_dtype.name,
         "transpose": case.transpose,
         "dbias": case.backward,
-        "bytes": moved,
-        "ms": t.ms,
-        "ms_loop": t_loop.ms,
-        "ms_sync": t_sync.ms,
-        "timing": t.as_dict(),
-        "gbps": rate,
-        "pct_copy": 100.0 * rate / ctx.copy_gbps,
-        "pct_copy_loop": 100.0 * harness.gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
+        **harness.memory_bound_timing(ctx, fn, plain, args, moved, math.prod(x_shape)),
         "handler": te_handler if impl == "te_jax" else "xla fusion",
         "note": case.note,
     })
-  te_row, xla_row = rows
-  te_row["speedup_vs_xla"] = xla_row["ms"] / te_row["ms"]
-  xla_row["speedup_vs_xla"] = 1.0
-  problems = ([] if native else [f"NOT NATIVE (expected {expected})"]) + ([] if agree else ["MISMATCH vs XLA"])
-  te_row["ok"] = not problems
-  xla_row["ok"] = True
-  te_row["note"] = "; ".join(filter(None, [case.note, *problems]))
-  return rows
+  return harness.judge_pair(*rows, native=native, expected=expected, agree=agree)
 
 
 def run(ctx: harness.Context) -> list[dict]:
@@ -187,11 +153,7 @@ def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, case in enumerate(CASES):
     case_rows = bench_case(ctx, case, jax.random.key(i))
-    te_row = case_rows[0]
-    print(f"activation {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {case_rows[1]['ms']:.4f} ms, "
-          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
-          f"in a loop), {te_row['handler']}"
-          + (f" [{te_row['note']}]" if not te_row["ok"] else ""), file=sys.stderr, flush=True)
+    harness.print_pair("activation", case_rows)
     rows += case_rows
   return rows
 

@@ -54,22 +54,7 @@ CASES = (
     Case("bwd", note="acceptance shape: bwd >= 70% of copy BW"),
     Case("bwd", "rmsnorm"),
 )
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("ms (loop)", "ms_loop"),
-    ("ms (1 sync call)", "ms_sync"),
-    ("GB/s", "gbps"),
-    ("% copy BW", "pct_copy"),
-    ("% copy BW (loop)", "pct_copy_loop"),
-    ("vs XLA", "speedup_vs_xla"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
-# Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
-_LOOP_BELOW = 1 << 22
+COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _gamma(n: int) -> float:
@@ -124,13 +109,6 @@ def _bwd_agree(dz, x, got, want, xhat_mag, case: Case) -> bool:
 
 
 def _row(ctx, case, shape, impl, fn, plain, args, moved, handler):
-  # Three views of one time: back-to-back calls (the reported one for large inputs), a jitted loop (the reported one
-  # for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call.
-  t_loop = harness.time_loop(plain, args, inner=ctx.inner, runs=ctx.runs)
-  t_sync = harness.time_calls(fn, *args, runs=ctx.runs)
-  big = shape[0] * shape[1] >= _LOOP_BELOW
-  t = harness.time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch) if big else t_loop
-  rate = harness.gbps(moved, t.ms)
   return {
       "bench": "norm",
       "case": case.name(shape),
@@ -141,14 +119,7 @@ def _row(ctx, case, shape, impl, fn, plain, args, moved, handler):
       "dtype": BF16.name,
       "out_dtype": jnp.dtype(case.out_dtype).name if case.direction == "fwd" else BF16.name,
       "transpose": case.transpose,
-      "bytes": moved,
-      "ms": t.ms,
-      "ms_loop": t_loop.ms,
-      "ms_sync": t_sync.ms,
-      "timing": t.as_dict(),
-      "gbps": rate,
-      "pct_copy": 100.0 * rate / ctx.copy_gbps,
-      "pct_copy_loop": 100.0 * harness.gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
+      **harness.memory_bound_timing(ctx, fn, plain, args, moved, shape[0] * shape[1]),
       "handler": handler,
       "note": case.note,
   }
@@ -215,14 +186,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
 
   impls = (("te_jax", te_fn, ours, te_handler), ("xla (jnp)", xla_fn, xla, "xla fusion"))
   rows = [_row(ctx, case, shape, impl, fn, plain, args, moved, handler) for impl, fn, plain, handler in impls]
-  te_row, xla_row = rows
-  te_row["speedup_vs_xla"] = xla_row["ms"] / te_row["ms"]
-  xla_row["speedup_vs_xla"] = 1.0
-  problems = ([] if native else [f"NOT NATIVE (expected {target})"]) + ([] if agree else ["MISMATCH vs XLA"])
-  te_row["ok"] = not problems
-  xla_row["ok"] = True
-  te_row["note"] = "; ".join(filter(None, [case.note, *problems]))
-  return rows
+  return harness.judge_pair(*rows, native=native, expected=target, agree=agree)
 
 
 def run(ctx: harness.Context) -> list[dict]:
@@ -230,11 +194,7 @@ def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, case in enumerate(CASES):
     case_rows = bench_case(ctx, case, jax.random.key(200 + i))
-    te_row = case_rows[0]
-    print(f"norm {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {case_rows[1]['ms']:.4f} ms, "
-          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
-          f"in a loop), {te_row['handler']}" + (f" [{te_row['note']}]" if not te_row["ok"] else ""),
-          file=sys.stderr, flush=True)
+    harness.print_pair("norm", case_rows)
     rows += case_rows
   return rows
 

@@ -46,22 +46,7 @@ CASES = (
     Case((16384, 8192), jnp.float32),
     Case((16384, 8192), jnp.bfloat16, dbias=True),
 )
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("ms (loop)", "ms_loop"),
-    ("ms (1 sync call)", "ms_sync"),
-    ("GB/s", "gbps"),
-    ("% copy BW", "pct_copy"),
-    ("% copy BW (loop)", "pct_copy_loop"),
-    ("vs XLA", "speedup_vs_xla"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
-# Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
-_LOOP_BELOW = 1 << 22
+COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _outputs_agree(x: jax.Array, got: tuple, want: tuple, case: Case) -> bool:
@@ -99,12 +84,6 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   moved = x.nbytes + fp8_copies * x.size + (4 * shape[-1] if case.dbias else 0)
   rows = []
   for impl, fn, plain in (("te_jax", te_fn, ours), ("xla (jnp)", xla_fn, xla)):
-    # Three views of one time: back-to-back calls (the reported one for large inputs), a jitted loop (the reported
-    # one for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call.
-    t_loop = harness.time_loop(plain, (x, scale), inner=ctx.inner, runs=ctx.runs)
-    t_sync = harness.time_calls(fn, x, scale, runs=ctx.runs)
-    t = t_loop if x.size < _LOOP_BELOW else harness.time_calls(fn, x, scale, runs=ctx.runs, batch=ctx.batch)
-    rate = harness.gbps(moved, t.ms)
     rows.append({
         "bench": "quantize",
         "case": case.name(shape),
@@ -114,25 +93,11 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
         "out_dtype": E4M3.name,
         "transpose": case.transpose,
         "dbias": case.dbias,
-        "bytes": moved,
-        "ms": t.ms,
-        "ms_loop": t_loop.ms,
-        "ms_sync": t_sync.ms,
-        "timing": t.as_dict(),
-        "gbps": rate,
-        "pct_copy": 100.0 * rate / ctx.copy_gbps,
-        "pct_copy_loop": 100.0 * harness.gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
+        **harness.memory_bound_timing(ctx, fn, plain, (x, scale), moved, x.size),
         "handler": te_handler if impl == "te_jax" else "xla fusion",
         "note": case.note,
     })
-  te_row, xla_row = rows
-  te_row["speedup_vs_xla"] = xla_row["ms"] / te_row["ms"]
-  xla_row["speedup_vs_xla"] = 1.0
-  problems = ([] if native else [f"NOT NATIVE (expected {expected})"]) + ([] if agree else ["MISMATCH vs XLA"])
-  te_row["ok"] = not problems
-  xla_row["ok"] = True
-  te_row["note"] = "; ".join(filter(None, [case.note, *problems]))
-  return rows
+  return harness.judge_pair(*rows, native=native, expected=expected, agree=agree)
 
 
 def run(ctx: harness.Context) -> list[dict]:
@@ -140,11 +105,7 @@ def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, case in enumerate(CASES):
     case_rows = bench_case(ctx, case, jax.random.key(i))
-    te_row = case_rows[0]
-    print(f"quantize {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {case_rows[1]['ms']:.4f} ms, "
-          f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
-          f"in a loop), {te_row['handler']}"
-          + (f" [{te_row['note']}]" if not te_row["ok"] else ""), file=sys.stderr, flush=True)
+    harness.print_pair("quantize", case_rows)
     rows += case_rows
   return rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,6 +180,78 @@ def copy_bandwidth_loop(nbytes: int, *, inner: int = 50, runs: int = 20) -> dict
   t = time_loop(lambda x, s: x * s, (x, jnp.float32(1.0)), inner=inner, runs=runs)
   moved = 2 * x.nbytes
   return {"bytes": moved, "ms": t.ms, "gbps": gbps(moved, t.ms)}
+
+
+# ---- memory-bound ops against XLA's compilation of their jnp reference -------------------------------------------
+
+# Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
+LOOP_BELOW = 1 << 22
+
+MEMORY_BOUND_COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("ms (loop)", "ms_loop"),
+    ("ms (1 sync call)", "ms_sync"),
+    ("GB/s", "gbps"),
+    ("% copy BW", "pct_copy"),
+    ("% copy BW (loop)", "pct_copy_loop"),
+    ("vs XLA", "speedup_vs_xla"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+
+
+def memory_bound_timing(ctx: Context, jitted: Callable[..., Any], plain: Callable[..., Any], args: Sequence[Any],
+                        moved: int, n_elems: int) -> dict[str, Any]:
+  """The timing fields of a memory-bound op's row (``MEMORY_BOUND_COLUMNS``).
+
+  Three views of one time: back-to-back calls (the reported one for large inputs), a jitted loop (the reported one
+  for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call.
+
+  Args:
+    ctx: the benchmark context.
+    jitted: the jitted op; plain: the same function unjitted (for ``time_loop``); args: its arguments, the last one a
+      float scalar ``time_loop`` may perturb.
+    moved: bytes read + written once each.
+    n_elems: the size that picks loop timing (below ``LOOP_BELOW``) or per-call timing.
+  """
+  t_loop = time_loop(plain, args, inner=ctx.inner, runs=ctx.runs)
+  t_sync = time_calls(jitted, *args, runs=ctx.runs)
+  t = t_loop if n_elems < LOOP_BELOW else time_calls(jitted, *args, runs=ctx.runs, batch=ctx.batch)
+  rate = gbps(moved, t.ms)
+  return {
+      "bytes": moved,
+      "ms": t.ms,
+      "ms_loop": t_loop.ms,
+      "ms_sync": t_sync.ms,
+      "timing": t.as_dict(),
+      "gbps": rate,
+      "pct_copy": 100.0 * rate / ctx.copy_gbps,
+      "pct_copy_loop": 100.0 * gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
+  }
+
+
+def judge_pair(te_row: dict, xla_row: dict, *, native: bool, expected: str, agree: bool) -> list[dict]:
+  """Fills in speed-up, ok and note of a (te_jax, XLA) pair of rows: the te_jax row is ok when its native handler
+  ran and its outputs agree with XLA's."""
+  te_row["speedup_vs_xla"] = xla_row["ms"] / te_row["ms"]
+  xla_row["speedup_vs_xla"] = 1.0
+  problems = ([] if native else [f"NOT NATIVE (expected {expected})"]) + ([] if agree else ["MISMATCH vs XLA"])
+  te_row["ok"] = not problems
+  xla_row["ok"] = True
+  te_row["note"] = "; ".join(filter(None, [te_row.get("note", ""), *problems]))
+  return [te_row, xla_row]
+
+
+def print_pair(bench: str, rows: Sequence[dict]) -> None:
+  """One progress line (stderr) for a (te_jax, XLA) pair of rows."""
+  te_row, xla_row = rows
+  print(f"{bench} {te_row['case']}: te_jax {te_row['ms']:.4f} ms, xla {xla_row['ms']:.4f} ms, "
+        f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
+        f"in a loop), {te_row['handler']}" + (f" [{te_row['note']}]" if not te_row["ok"] else ""),
+        file=sys.stderr, flush=True)
 
 
 def gbps(nbytes: int, ms: float) -> float:
