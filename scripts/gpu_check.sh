@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
 #   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo
+#   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
 # nanobind, scikit-build-core, cmake, ninja, nvcc and cuBLASLt: so no venv, and an in-place build without build
@@ -80,7 +81,7 @@ gpu_tests() {
   set -o pipefail
   # XLA's GEMM autotuning would dominate the compile of every test's reference program: off for the tests only.
   XLA_FLAGS="--xla_gpu_autotune_level=0" python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=short \
-    --failures-now tests | tee "$LOGS/.pytest_gpu" || return
+    --failures-now ${GPU_TESTS:-tests} | tee "$LOGS/.pytest_gpu" || return
   grep -qE "[0-9]+ passed" "$LOGS/.pytest_gpu" || { echo "gpu_check: no GPU test ran"; return 1; }
 }
 
@@ -91,8 +92,8 @@ WANT=" ${*:-build doctor tests bench demo} "
 want() { [[ $WANT == *" $1 "* ]]; }
 want build && step "build (CUDA sm_90a)" 300 build.log 12 build
 want doctor && step "doctor" 60 doctor.log 40 doctor
-want bench && step "benchmarks" 240 bench.log 60 'python3 benchmarks/run.py'
-want tests && step "tests -m gpu" 240 tests_gpu.log 25 gpu_tests
+want bench && step "benchmarks" "${GPU_BENCH_S:-240}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
+want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'

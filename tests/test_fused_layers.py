@@ -172,3 +172,85 @@ def test_layernorm_dense_general_module_matches_parts():
   p = v["params"]
   z = nn.LayerNorm(epsilon=1e-6).apply({"params": {"scale": p["scale"], "bias": p["ln_bias"]}}, x)
   np.testing.assert_allclose(layer.apply(v, x), z @ p["kernel"] + p["bias"], rtol=1e-5, atol=1e-5)
+
+
+# ---- on the GPU: the CUDA path against the CPU path, and the module against plain Flax ---------------------------
+
+
+def _cuda_targets(jitted, *args) -> set[str]:
+  return set(re.findall(r'custom_call_target="(te_\w+)"', jitted.lower(*args).compile().as_text()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rec", list(RECIPES), ids=list(RECIPES))
+@pytest.mark.parametrize("act", list(ACTS.values()), ids=list(ACTS))
+def test_gpu_mlp_matches_cpu_path(act, rec, gpu):
+  """layernorm_mlp on the GPU (CUDA norm, activation, quantize and cuBLASLt GEMM handlers) against the CPU path (CPU
+  handlers and the reference GEMM) with the same FP8 state: the same loss and gradients up to FP8 rounding flips where
+  the norm's float32 sums differ in the last bit, and the same updated amaxes up to that."""
+  cpu = jax.devices("cpu")[0]
+  args = _inputs(len(act) == 2, seed=4, rows=(4, 40), hidden=256, inter=512)
+  r = RECIPES[rec]
+  metas = (te_jax.DenseFp8Meta.create(4), te_jax.DenseFp8Meta.create(4))
+
+  def f(x, g, b, k1, k2, b1, b2, m1, m2):
+    return _loss(lambda *a: te_jax.layernorm_mlp(*a, activation_type=act, fp8_meta_1=m1, fp8_meta_2=m2,
+                                                 recipe=r))(x, g, b, k1, k2, b1, b2)
+
+  grad = jax.jit(jax.value_and_grad(f, argnums=tuple(range(9))))
+  if isinstance(r, DelayedScaling):  # real scales for the compared step: one step on the CPU first
+    _, g0 = grad(*jax.device_put((*args, *metas), cpu))
+    metas = tuple(g0[7:9])
+  on_gpu = jax.device_put((*args, *metas), gpu)
+  targets = _cuda_targets(grad, *on_gpu)
+  for t in ("te_norm_fwd_cuda", "te_norm_bwd_cuda", "te_act_fwd_cuda", "te_act_bwd_cuda", "te_gemm_cuda"):
+    assert t in targets, (t, sorted(targets))
+  loss_gpu, grads_gpu = grad(*on_gpu)
+  loss_cpu, grads_cpu = grad(*jax.device_put((*args, *metas), cpu))
+  assert abs(float(loss_gpu) - float(loss_cpu)) / float(loss_cpu) < 5e-3
+  for i, (a, b) in enumerate(zip(grads_gpu[:7], grads_cpu[:7])):
+    assert _rel(a, b) < 2e-2, (i, _rel(a, b))
+  for a, b in zip(jax.tree.leaves(grads_gpu[7:9]), jax.tree.leaves(grads_cpu[7:9])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2)
+
+
+class _FlaxMLP(nn.Module):
+  """The block written with plain Flax: LayerNorm, Dense, gelu (tanh form), Dense."""
+
+  intermediate: int
+
+  @nn.compact
+  def __call__(self, x):
+    z = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16, name="ln")(x)
+    h = nn.gelu(nn.Dense(self.intermediate, dtype=jnp.bfloat16, name="fc1")(z), approximate=True)
+    return nn.Dense(x.shape[-1], dtype=jnp.bfloat16, name="fc2")(h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_layernorm_mlp_module_matches_plain_flax(fp8, gpu):
+  """te_flax.LayerNormMLP with its parameters copied into the plain Flax block: the same output and parameter
+  gradients on the GPU, within bf16 rounding (BF16) or FP8 quantization (FP8, current scaling)."""
+  hidden, inter = 256, 1024
+  x = jax.device_put(jax.random.normal(jax.random.key(5), (2, 96, hidden), jnp.float32).astype(jnp.bfloat16), gpu)
+  ours = te_flax.LayerNormMLP(intermediate_dim=inter, activations=("gelu",), dtype=jnp.bfloat16,
+                              bias_init=nn.initializers.normal(0.1))
+  rec = Float8CurrentScaling() if fp8 else None
+  with te_jax.autocast(enabled=fp8, recipe=rec):
+    v = ours.init(jax.random.key(6), x)
+  p = v["params"]
+  flax_params = {"ln": {"scale": p["scale"], "bias": p["ln_bias"]},
+                 "fc1": {"kernel": p["wi_kernel"][:, 0, :], "bias": p["wi_bias"][0]},
+                 "fc2": {"kernel": p["wo_kernel"], "bias": p["wo_bias"]}}
+  with te_jax.autocast(enabled=fp8, recipe=rec):
+    y, g = jax.jit(jax.value_and_grad(lambda v: _loss(lambda x: ours.apply(v, x))(x) / x.size))(v)
+  y_ref, g_ref = jax.jit(jax.value_and_grad(lambda p: _loss(lambda x: _FlaxMLP(inter).apply({"params": p}, x))(x)
+                                            / x.size))(flax_params)
+  # bf16 rounds at different points in the two (fused vs per-op); FP8 gradients are E5M2 (2 mantissa bits).
+  assert abs(float(y) - float(y_ref)) / float(y_ref) < (1e-2 if fp8 else 2e-3)
+  tol = 0.15 if fp8 else 2e-2
+  gp = g["params"]
+  pairs = ((gp["wi_kernel"][:, 0, :], g_ref["fc1"]["kernel"]), (gp["wo_kernel"], g_ref["fc2"]["kernel"]),
+           (gp["scale"], g_ref["ln"]["scale"]), (gp["wo_bias"], g_ref["fc2"]["bias"]))
+  for a, b in pairs:
+    assert _rel(a, b) < tol, [_rel(a, b) for a, b in pairs]

@@ -1,0 +1,144 @@
+"""LayerNormMLP fwd+bwd: te_jax.flax.LayerNormMLP (FP8, DelayedScaling) vs the same block built from Flax
+(``nn.LayerNorm`` -> ``nn.Dense`` -> gelu -> ``nn.Dense``), in FP8 (``dot_general_cls=Fp8DirectDotGeneralOp``) and in
+BF16, same shapes, same process.
+
+The timed function is the layer's whole training computation: ``jax.vjp`` of ``apply`` with respect to the variables
+(parameters and FP8 state) and the input, applied to a random output gradient, and the output itself. Parameters are
+float32, inputs and compute bfloat16, biases on both GEMMs, gelu in its tanh form on both sides. Rates count the six
+GEMMs, 6 * tokens * 2 * hidden * intermediate FLOPs. Temp is XLA's compiled scratch memory
+(``memory_analysis().temp_size_in_bytes``): activations saved for the backward pass and the intermediates.
+
+  python benchmarks/bench_layernorm_mlp.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+
+import harness
+import te_jax
+import te_jax.flax as te_flax
+from te_jax import recipe
+
+SHAPES = ((16384, 4096, 16384),)  # (tokens, hidden, intermediate)
+COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("TFLOP/s", "tflops"),
+    ("vs Flax bf16", "speedup_vs_bf16"),
+    ("vs Flax fp8", "speedup_vs_flax_fp8"),
+    ("temp MiB", "temp_mib"),
+    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+
+
+class FlaxMLP(nn.Module):
+  """The block as a Flax user writes it: LayerNorm, Dense, gelu, Dense."""
+
+  hidden: int
+  intermediate: int
+  fp8: bool
+
+  @nn.compact
+  def __call__(self, x):
+    kw = {"dtype": jnp.bfloat16}
+    if self.fp8:
+      kw["dot_general_cls"] = fp8_ops.Fp8DirectDotGeneralOp
+    z = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16)(x)
+    h = nn.gelu(nn.Dense(self.intermediate, **kw)(z), approximate=True)
+    return nn.Dense(self.hidden, **kw)(h)
+
+
+def _fwd_bwd(model, rec):
+  def f(variables, x, dy):
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      out, vjp = jax.vjp(model.apply, variables, x)
+    return out, vjp(dy)
+
+  return jax.jit(f)
+
+
+def bench_shape(ctx: harness.Context, shape, key) -> list[dict]:
+  m, h, f = (d // ctx.shrink for d in shape)
+  kx, kd, ki = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (m, h), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (m, h), jnp.float32).astype(jnp.bfloat16)
+  impls = {
+      "te_jax LayerNormMLP fp8": (te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",),
+                                                       dtype=jnp.bfloat16), recipe.DelayedScaling()),
+      "flax block fp8": (FlaxMLP(h, f, fp8=True), None),
+      "flax block bf16": (FlaxMLP(h, f, fp8=False), None),
+      "te_jax LayerNormMLP bf16": (te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",),
+                                                        dtype=jnp.bfloat16), None),
+  }
+  flops = 6.0 * m * 2 * h * f
+  rows = []
+  for name, (model, rec) in impls.items():
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      variables = model.init(ki, x)
+    fn = _fwd_bwd(model, rec)
+    for _ in range(3):  # a few steps first, so that delayed scaling's amax history holds real values
+      out, (grads, _) = fn(variables, x, dy)
+      if te_jax.FP8_COLLECTION in grads:
+        variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
+    t = harness.time_calls(fn, variables, x, dy, runs=ctx.runs, batch=ctx.batch)
+    compiled = fn.lower(variables, x, dy).compile()
+    targets = harness.custom_call_targets(fn, variables, x, dy)
+    problems = []
+    if ctx.gpu and name.startswith("te_jax"):
+      want = {"te_norm_fwd_cuda", "te_norm_bwd_cuda", "te_act_fwd_cuda", "te_act_bwd_cuda", "te_gemm_cuda"}
+      if "fp8" not in name:
+        want = {"te_norm_fwd_cuda", "te_norm_bwd_cuda"}
+      if missing := want - targets:
+        problems.append(f"missing handlers: {', '.join(sorted(missing))}")
+    if ctx.gpu and name == "flax block fp8" and "__cublas$lt$matmul$f8" not in compiled.as_text():
+      problems.append("no FP8 GEMM in Flax's HLO")
+    if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
+      problems.append("non-finite output")
+    rows.append({
+        "bench": "layernorm_mlp",
+        "case": f"({m}, {h}) -> {f} -> {h} gelu fwd+bwd",
+        "impl": name,
+        "ms": t.ms,
+        "timing": t.as_dict(),
+        "tflops": flops / (t.ms * 1e-3) / 1e12,
+        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas")))) or "xla",
+        "ok": not problems,
+        "note": "; ".join(problems) or ("acceptance: >= 1.1x Flax fp8, temp <= 0.8x" if name.endswith("fp8")
+                                        and name.startswith("te_jax") else ""),
+    })
+  by = {r["impl"]: r for r in rows}
+  for r in rows:
+    r["speedup_vs_bf16"] = by["flax block bf16"]["ms"] / r["ms"]
+    r["speedup_vs_flax_fp8"] = by["flax block fp8"]["ms"] / r["ms"]
+    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax block fp8"]["temp_mib"]
+  return rows
+
+
+def run(ctx: harness.Context) -> list[dict]:
+  rows = []
+  for i, shape in enumerate(SHAPES):
+    shape_rows = bench_shape(ctx, shape, jax.random.key(300 + i))
+    for r in shape_rows:
+      print(f"layernorm_mlp {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
+            f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8, "
+            f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x)"
+            + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
+    rows += shape_rows
+  return rows
+
+
+if __name__ == "__main__":
+  import run as runner  # noqa: PLC0415 - the driver lives beside this file
+
+  sys.exit(runner.main(["--only", "bench_layernorm_mlp", "--no-write"]))
