@@ -186,8 +186,11 @@ def _cuda_targets(jitted, *args) -> set[str]:
 @pytest.mark.parametrize("act", list(ACTS.values()), ids=list(ACTS))
 def test_gpu_mlp_matches_cpu_path(act, rec, gpu):
   """layernorm_mlp on the GPU (CUDA norm, activation, quantize and cuBLASLt GEMM handlers) against the CPU path (CPU
-  handlers and the reference GEMM) with the same FP8 state: the same loss and gradients up to FP8 rounding flips where
-  the norm's float32 sums differ in the last bit, and the same updated amaxes up to that."""
+  handlers and the reference GEMM) with the same FP8 state: the same loss, and gradients up to FP8 rounding flips. The
+  two differ in the last bits of float32 sums (norm statistics, GEMM accumulation), and the output gradient is cast
+  to E5M2 (2 mantissa bits): the ~2^-8 / 2^-2 of its elements that sit at a rounding boundary flip by a quarter of
+  their value, which gives ~3-5% relative differences in dx (measured on the H200); a wrong layout or scale gives
+  O(1)."""
   cpu = jax.devices("cpu")[0]
   args = _inputs(len(act) == 2, seed=4, rows=(4, 40), hidden=256, inter=512)
   r = RECIPES[rec]
@@ -209,9 +212,9 @@ def test_gpu_mlp_matches_cpu_path(act, rec, gpu):
   loss_cpu, grads_cpu = grad(*jax.device_put((*args, *metas), cpu))
   assert abs(float(loss_gpu) - float(loss_cpu)) / float(loss_cpu) < 5e-3
   for i, (a, b) in enumerate(zip(grads_gpu[:7], grads_cpu[:7])):
-    assert _rel(a, b) < 2e-2, (i, _rel(a, b))
+    assert _rel(a, b) < 0.1, (i, _rel(a, b))
   for a, b in zip(jax.tree.leaves(grads_gpu[7:9]), jax.tree.leaves(grads_cpu[7:9])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.1)
 
 
 class _FlaxMLP(nn.Module):
