@@ -1,4 +1,4 @@
-"""``apply_rope``: rotary position embedding (RoPE) of queries or keys, differentiable; ``rope_frequencies``: its angles.
+"""``apply_rope``: rotary position embedding (RoPE) of queries or keys, differentiable; ``rope_frequencies``: angles.
 
 The angle of feature pair ``i`` at position ``p`` is ``p * base ** (-2 i / R)`` (``R`` the rotary dim; Su et al.,
 "RoFormer", 2021). ``apply_rope`` computes ``cos`` and ``sin`` of the angles once with XLA (a ``(S, R/2)`` table,

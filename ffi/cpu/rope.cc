@@ -88,10 +88,12 @@ ffi::Error RopeCpu(ffi::AnyBuffer x, ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi
   const float sin_sign = kBackward ? -1.0f : 1.0f;
   const float* c = static_cast<const float*>(cos.untyped_data());
   const float* s = static_cast<const float*>(sin.untyped_data());
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
   switch (x.element_type()) {
-    case ffi::DataType::F32: RotateAs<F32>(*view, x.untyped_data(), c, s, sin_sign, y->untyped_data(), interleaved); break;
-    case ffi::DataType::BF16: RotateAs<Bf16>(*view, x.untyped_data(), c, s, sin_sign, y->untyped_data(), interleaved); break;
-    case ffi::DataType::F16: RotateAs<F16>(*view, x.untyped_data(), c, s, sin_sign, y->untyped_data(), interleaved); break;
+    case ffi::DataType::F32: RotateAs<F32>(*view, in, c, s, sin_sign, out, interleaved); break;
+    case ffi::DataType::BF16: RotateAs<Bf16>(*view, in, c, s, sin_sign, out, interleaved); break;
+    case ffi::DataType::F16: RotateAs<F16>(*view, in, c, s, sin_sign, out, interleaved); break;
     default: return ffi::Error::InvalidArgument("rope: x must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();

@@ -54,7 +54,9 @@ inline xla::ffi::ErrorOr<RopeView> MakeRopeView(const xla::ffi::AnyBuffer& x, co
   v.batch = sbhd ? xd[1] : xd[0];
   v.heads = xd[2];
   v.dim = xd[3];
-  if (td.size() != 2 && td.size() != 3) return Error::InvalidArgument("rope: the tables must be (S, R/2) or (B, S, R/2)");
+  if (td.size() != 2 && td.size() != 3) {
+    return Error::InvalidArgument("rope: the tables must be (S, R/2) or (B, S, R/2)");
+  }
   v.batched = td.size() == 3;
   v.half = td[td.size() - 1];
   if (td[td.size() - 2] != v.seq || (v.batched && td[0] != v.batch)) {
