@@ -408,9 +408,10 @@ def test_sharded_head_dim_is_gathered_correctly():
 
 # ---- CUDA handlers vs reference on the GPU ---------------------------------------------------------------------------
 
-# The CPU cases (scalar paths: D % 8 != 0, R % 16 != 0) plus vector-path shapes; the benchmark's Llama shape for
-# bfloat16 only (one large case per layout and pairing is enough, and GPU time is scarce).
-GPU_CASES = CASES + [((2, 512, 8, 128), 32, True), ((3, 100, 5, 72), 16, False)]
+# The CPU cases (scalar paths: D % 8 != 0, R % 16 != 0; several tokens per block) plus vector-path shapes, one with
+# more than 256 units per token (two blocks per token); the benchmark's Llama shape for bfloat16 only (one large
+# case per layout and pairing is enough, and GPU time is scarce).
+GPU_CASES = CASES + [((2, 512, 8, 128), 32, True), ((3, 100, 5, 72), 16, False), ((2, 64, 40, 128), 32, False)]
 GPU_LARGE = [((4, 2048, 32, 128), 64, False)]
 
 

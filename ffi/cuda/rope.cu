@@ -3,9 +3,11 @@
 // copied bit for bit. Only multiplies and adds, compiled with -fmad=false: every product and sum rounds once, as
 // XLA's GPU code for te_jax.ops.rope.rope_fwd_ref does, so the outputs are bitwise equal to the reference's.
 //
-// Memory-bound: one block per token (x's H heads of D features, contiguous in both layouts), one thread per unit of
-// a head: 8 rotated pairs (rotate half: 8 features at i and 8 at i + R/2, two 16-byte loads for 16-bit types),
+// Memory-bound: one thread per unit of a head: 8 rotated pairs (rotate half: 8 features at i and 8 at i + R/2, two 16-byte loads for 16-bit types),
 // 4 pairs (interleaved: 8 consecutive features, one 16-byte load) or 8 features that pass through (a raw copy).
+// A token's H heads of D features are contiguous in both layouts; a block of up to 256 threads covers the units of
+// one token (more blocks along grid.y when a token has more than 256 units), or of several whole tokens when a token
+// has at most 128 units (few heads or small D: decoding, grouped-query keys), so that blocks stay full.
 // Vector accesses need D % 8 == 0, R % 16 == 0 (rotate half) or R % 8 == 0 (interleaved) and 16-byte aligned
 // buffers; otherwise the same units use bounds-checked scalar accesses. The tables (S * R/2 floats, a few hundred
 // KiB) are read through the read-only cache: each token's row is shared by its H heads.
@@ -36,8 +38,10 @@ struct Params {
   const float* sin;
   void* y;
   RopeView view;
-  int rot_units;   // units per head that rotate
-  int units;       // units per head: rotating + passing through
+  int rot_units;         // units per head that rotate
+  int units;             // units per head: rotating + passing through
+  int per_token;         // heads * units
+  int tokens_per_block;  // 1 when a token spans one or more blocks
   float sin_sign;  // -1 backward: a sign flip, exact
 };
 
@@ -75,11 +79,14 @@ __device__ __forceinline__ void LoadTable(const float* p, float (&v)[kN]) {
 
 template <typename T, bool kInterleaved, bool kVector>
 __global__ void __launch_bounds__(kMaxThreads) RopeKernel(const Params p) {
-  const int item = blockIdx.y * blockDim.x + threadIdx.x;
-  if (item >= p.view.heads * p.units) return;
+  const int in_block = blockIdx.y * blockDim.x + threadIdx.x;
+  if (in_block >= p.tokens_per_block * p.per_token) return;
+  const int local_token = in_block / p.per_token;
+  const int item = in_block - local_token * p.per_token;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * p.tokens_per_block + local_token;
+  if (token >= p.view.tokens()) return;
   const int head = item / p.units;
   const int unit = item - head * p.units;
-  const int64_t token = blockIdx.x;
   const int64_t offset = (token * p.view.heads + head) * p.view.dim;
   const T* x = static_cast<const T*>(p.x) + offset;
   T* y = static_cast<T*>(p.y) + offset;
@@ -165,9 +172,11 @@ ffi::Error LaunchAs(cudaStream_t stream, const Params& p, bool interleaved) {
   const int64_t rot_feature_step = interleaved ? kVec : 2 * kVec;  // features of the rotated block per unit
   const bool vec = v.dim % kVec == 0 && (2 * v.half) % rot_feature_step == 0 && Aligned(p.x, 16) &&
                    Aligned(p.y, 16) && Aligned(p.cos, 16) && Aligned(p.sin, 16);
-  const int64_t per_token = v.heads * static_cast<int64_t>(p.units);
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (per_token + 31) / 32 * 32));
-  const dim3 grid(static_cast<unsigned>(v.tokens()), static_cast<unsigned>((per_token + threads - 1) / threads));
+  const int64_t tokens = v.tokens();
+  const int64_t per_block = static_cast<int64_t>(p.tokens_per_block) * p.per_token;
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (per_block + 31) / 32 * 32));
+  const dim3 grid(static_cast<unsigned>((tokens + p.tokens_per_block - 1) / p.tokens_per_block),
+                  static_cast<unsigned>((per_block + threads - 1) / threads));
   auto kernel = interleaved ? (vec ? RopeKernel<T, true, true> : RopeKernel<T, true, false>)
                             : (vec ? RopeKernel<T, false, true> : RopeKernel<T, false, false>);
   kernel<<<grid, threads, 0, stream>>>(p);
@@ -187,9 +196,9 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cos, f
   const int64_t pairs_per_unit = interleaved ? kVec / 2 : kVec;
   const int64_t rot_units = (v.half + pairs_per_unit - 1) / pairs_per_unit;
   const int64_t units = rot_units + (v.dim - 2 * v.half + kVec - 1) / kVec;
-  // Grid limits: tokens on grid.x (< 2^31), each token's heads * units items on grid.y blocks of <= 256 threads.
+  // Grid limits: tokens on grid.x (< 2^31 blocks), one token's heads * units on at most 65535 blocks along grid.y.
   if (v.tokens() >= (int64_t{1} << 31) || v.heads * units > int64_t{65535} * kMaxThreads) {
-    return ffi::Error::InvalidArgument("rope: B * S must be < 2^31 and H * ceil(D / 8) <= 2^24");
+    return ffi::Error::InvalidArgument("rope: x has B * S >= 2^31 tokens, or over 2^24 units of 8 features per token");
   }
   Params p;
   p.x = x.untyped_data();
@@ -199,6 +208,8 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cos, f
   p.view = v;
   p.rot_units = static_cast<int>(rot_units);
   p.units = static_cast<int>(units);
+  p.per_token = static_cast<int>(v.heads * units);
+  p.tokens_per_block = p.per_token <= kMaxThreads / 2 ? kMaxThreads / p.per_token : 1;
   p.sin_sign = kBackward ? -1.0f : 1.0f;
   switch (x.element_type()) {
     case ffi::DataType::F32: return LaunchAs<float>(stream, p, interleaved);

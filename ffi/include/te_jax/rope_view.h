@@ -24,7 +24,7 @@ struct RopeView {
   bool sbhd = false;     // x is (S, B, H, D)
   bool batched = false;  // the tables are (B, S, R/2)
 
-  int64_t tokens() const { return batch * seq; }
+  TE_JAX_HOST_DEVICE int64_t tokens() const { return batch * seq; }
   int64_t elements() const { return tokens() * heads * dim; }
   // The row of the tables that token t (in x's storage order) reads.
   TE_JAX_HOST_DEVICE int64_t TableRow(int64_t t) const {
