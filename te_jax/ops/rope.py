@@ -134,8 +134,8 @@ def _specs(config: RopeConfig, x_sharding, table_sharding, table_ndim: int) -> t
   """x keeps its batch, sequence and head sharding; D stays whole (it holds the pairs). The tables follow x.
 
   The sequence dim stays sharded when the tables are sharded the same way along it, or not at all (then each device
-  slices its rows of the tiny tables locally, with no communication); tables sharded along it in some other way
-  make it whole, rather than x being resharded to fit them.
+  slices its rows of the tiny tables locally, with no communication). Tables sharded along it in some other way
+  make x whole along S (XLA gathers it): shard the tables like x, or leave them replicated, to avoid that.
   """
   x_spec = list(full_spec(x_sharding, 4))
   x_spec[3] = None
@@ -177,8 +177,8 @@ def _sharding_rule(config: RopeConfig, mesh, value_types, result_types):
 
 def _batcher_for(op_getter):
   """Folds the vmapped dim into x's batch dim: one call over ``(V*B, ...)`` rows. Tables that are vmapped (per-example
-  angles) or already batched become ``(V*B, S, R/2)``; broadcasting them costs little (they are ``D/2H`` times smaller
-  than x per token)."""
+  angles) or already batched become ``(V*B, S, R/2)``; broadcasting them costs little (per token, the two float32
+  tables hold ``4 R`` bytes against x's ``2 H D`` in bfloat16)."""
 
   def rule(args, dims, *, config: RopeConfig):
     x, cos, sin = args
