@@ -25,6 +25,8 @@ from te_jax.ops.quantize import Quantized as Quantized
 from te_jax.ops.quantize import amax as amax
 from te_jax.ops.quantize import dequantize as dequantize
 from te_jax.ops.quantize import quantize as quantize
+from te_jax.rope import apply_rope as apply_rope
+from te_jax.rope import rope_frequencies as rope_frequencies
 
 #: The Flax variable collection of the modules' FP8 state (Flax's `_overwrite_with_gradient`).
 FP8_COLLECTION = "_overwrite_with_gradient"
