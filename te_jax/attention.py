@@ -56,6 +56,7 @@ __all__ = [
     "QKV_LAYOUTS",
     "alibi_slopes",
     "attention_backend",
+    "backend_report",
     "dot_product_attention",
     "fp8_attention_support",
     "make_attention_mask",
@@ -706,3 +707,22 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
   else:
     out = _unfused(q, k, v, bias, _combine(mask, seg, _band_mask(cfg)), dropout_rng, cfg)
   return _to_bshd(out, tensor_format)
+
+
+def backend_report() -> dict[str, dict[str, str]]:
+  """What ``python -m te_jax.doctor`` shows: the backend of a few typical configurations here, and FP8 attention."""
+  q = jax.ShapeDtypeStruct((1, 2048, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
+  cases = {
+      "bf16 causal GQA, D=128": dict(query=q, key=kv, value=kv, attn_mask_type="causal"),
+      "bf16 padding_causal + segment ids": dict(query=q, key=kv, value=kv, attn_mask_type="padding_causal",
+                                                segment_ids=jax.ShapeDtypeStruct((1, 2048), jnp.int32)),
+      "bf16 causal + dropout": dict(query=q, key=kv, value=kv, attn_mask_type="causal", dropout_rate=0.1),
+      "float32 causal": dict(query=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                             key=jax.ShapeDtypeStruct(kv.shape, jnp.float32),
+                             value=jax.ShapeDtypeStruct(kv.shape, jnp.float32), attn_mask_type="causal"),
+  }
+  report = {name: attention_backend(**args)._asdict() for name, args in cases.items()}
+  ok, reason = fp8_attention_support(128, 2048, 2048, training=False)
+  report["fp8 forward, D=128"] = {"name": "fused" if ok else "unavailable", "reason": reason}
+  return report
