@@ -6,6 +6,11 @@ The public API, in one place. Everything not re-exported here is private.
 from te_jax import recipe as recipe
 from te_jax import scaling as scaling
 from te_jax.activation import activation as activation
+from te_jax.attention import AttentionBackend as AttentionBackend
+from te_jax.attention import attention_backend as attention_backend
+from te_jax.attention import dot_product_attention as dot_product_attention
+from te_jax.attention import fp8_attention_support as fp8_attention_support
+from te_jax.attention import make_attention_mask as make_attention_mask
 from te_jax.autocast import AutocastState as AutocastState
 from te_jax.autocast import MeshResource as MeshResource
 from te_jax.autocast import autocast as autocast

@@ -3,7 +3,8 @@
 Reports the package versions, the JAX backend and devices, each GPU's compute capability, the CUDA driver, runtime,
 cuBLASLt and cuDNN versions, which te_jax extension modules loaded (and why not), the XLA FFI targets they registered,
 whether ``TE_JAX_REFERENCE=1`` forces the pure-JAX path, a one-op check that the native handler runs and agrees with
-the reference bit for bit, and for each FP8 recipe whether it runs natively here or is emulated by the pure-JAX path.
+the reference bit for bit, for each FP8 recipe whether it runs natively here or is emulated by the pure-JAX path, and
+which attention backend (cuDNN or jnp) typical configurations get, and why.
 
 Never fails for want of a GPU or a CUDA library: what is missing is reported and the exit code is 0. Only a failing
 ``import te_jax`` exits non-zero.
@@ -141,7 +142,7 @@ def collect() -> dict[str, Any]:
 
   Returns:
     A JSON-serialisable dict with keys ``te_jax``, ``python``, ``packages``, ``backend``, ``devices``, ``gpus``,
-    ``cuda``, ``extensions``, ``reference_forced``, ``fp8``, ``check`` and ``recipes``.
+    ``cuda``, ``extensions``, ``reference_forced``, ``fp8``, ``check``, ``recipes`` and ``attention``.
   """
   info: dict[str, Any] = {
       "te_jax": te_jax.__version__,
@@ -178,6 +179,7 @@ def collect() -> dict[str, Any]:
   info["fp8"] = {"supported": fp8, "reason": reason}
   info["check"] = _self_check()
   info["recipes"] = _recipes(min_cc, cuda_module is not None)
+  info["attention"] = te_jax.attention.backend_report()
   return info
 
 
@@ -222,6 +224,9 @@ def format_report(info: dict[str, Any]) -> str:
   lines.append("Recipes:")
   for name, r in info["recipes"].items():
     lines.append(f"  {name:<21} {r['mode']:<8}  {r['reason']}")
+  lines.append("Attention backends:")
+  for name, r in info["attention"].items():
+    lines.append(f"  {name:<34} {r['name']:<11} {r['reason']}")
   return "\n".join(lines)
 
 

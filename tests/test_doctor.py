@@ -10,7 +10,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KEYS = {"te_jax", "python", "packages", "backend", "devices", "gpus", "cuda", "extensions", "reference_forced", "fp8",
-        "check", "recipes"}
+        "check", "recipes", "attention"}
 RECIPES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"}
 
 
