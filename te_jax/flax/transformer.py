@@ -1,0 +1,482 @@
+"""Transformer building blocks: MultiHeadAttention, RelativePositionBiases and TransformerLayer.
+
+They compose the fused layers: the QKV projection is a ``LayerNormDenseGeneral`` (the input norm writes the FP8
+GEMM input directly), attention is ``te_jax.dot_product_attention`` (cuDNN flash attention where it supports the
+configuration), RoPE is ``te_jax.apply_rope`` (one fused kernel), and the MLP is ``LayerNormMLP``. Under
+``te_jax.autocast`` every GEMM is FP8 and its scaling state lives in the ``te_jax.FP8_COLLECTION`` collection, as in
+the other modules.
+
+Conventions (NVIDIA Transformer Engine's): masks are **True where attention is masked out**; tensors are
+``(batch, sequence, hidden)`` unless ``transpose_batch_sequence`` makes them ``(sequence, batch, hidden)``. Dropout
+draws from the ``dropout_rng_name`` rng stream unless ``deterministic``.
+
+KV cache (decoding): ``decode=True`` keeps the keys and values of past steps in the ``"cache"`` collection
+(``cached_key``, ``cached_value``: ``(batch, max_length, kv_heads, head_dim)``, and ``cache_index``). Initialise it
+by calling ``init`` with ``decode=True`` on an input of the full length (the cache takes its shape); then each call
+appends its tokens at ``cache_index`` and attends over the filled part of the cache, as Flax's own attention does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.activation import activation
+from te_jax.attention import ATTN_MASK_TYPES, dot_product_attention
+from te_jax.flax.dense import DenseGeneral, _logical
+from te_jax.flax.fused import LayerNormDenseGeneral, LayerNormMLP
+from te_jax.flax.normalization import LayerNorm
+from te_jax.rope import apply_rope, rope_frequencies
+
+Initializer = Callable[..., jax.Array]
+
+__all__ = ["MultiHeadAttention", "RelativePositionBiases", "TransformerLayer"]
+
+LAYER_TYPES = ("encoder", "decoder")
+
+
+def _seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:
+  return x if x is None or not transposed else jnp.swapaxes(x, 0, 1)
+
+
+class RelativePositionBiases(nn.Module):
+  """T5's relative position biases: a learned scalar per head and log-spaced distance bucket (Raffel et al., 2020).
+
+  >>> import jax, te_jax.flax as te_flax
+  >>> rpb = te_flax.RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=4)
+  >>> bias, variables = rpb.init_with_output(jax.random.key(0), 8, 8)
+  >>> bias.shape, variables["params"]["rel_embedding"].shape
+  ((1, 4, 8, 8), (4, 32))
+
+  Attributes:
+    num_buckets: buckets; half are exact distances (0 .. num_buckets/4 - 1 when bidirectional), the rest log-spaced.
+    max_distance: distances at or beyond it share the last bucket.
+    num_attention_heads: heads (one bias table each).
+    embedding_init: initializer of the (heads, buckets) table.
+    embedding_axes: logical axis names of the table.
+    dtype: dtype of the returned bias.
+  """
+
+  num_buckets: int
+  max_distance: int
+  num_attention_heads: int
+  embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+  embedding_axes: tuple[str | None, ...] = ()
+  dtype: Any = jnp.float32
+
+  @staticmethod
+  def bucket(relative_position: np.ndarray, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
+    """The bucket of each ``key_position - query_position`` (numpy; static shapes only)."""
+    n = -relative_position
+    buckets = np.zeros_like(n)
+    if bidirectional:
+      num_buckets //= 2
+      buckets += (n < 0).astype(n.dtype) * num_buckets
+      n = np.abs(n)
+    else:
+      n = np.maximum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    with np.errstate(divide="ignore"):
+      large = max_exact + (np.log(np.maximum(n, 1) / max_exact) / np.log(max_distance / max_exact)
+                           * (num_buckets - max_exact)).astype(n.dtype)
+    large = np.minimum(large, num_buckets - 1)
+    return buckets + np.where(is_small, n, large)
+
+  @nn.compact
+  def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
+    """The bias ``(1, heads, q_seqlen, k_seqlen)`` to add to the attention logits (a post-scale bias)."""
+    if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 4:
+      raise ValueError(f"num_buckets must be >= 4 and max_distance > num_buckets / 4, got {self.num_buckets} and "
+                       f"{self.max_distance}")
+    context = np.arange(q_seqlen, dtype=np.int32)[:, None]
+    memory = np.arange(k_seqlen, dtype=np.int32)[None, :]
+    buckets = self.bucket(memory - context, bidirectional=bidirectional, num_buckets=self.num_buckets,
+                          max_distance=self.max_distance)
+    table = self.param("rel_embedding", _logical(self.embedding_init, self.embedding_axes),
+                       (self.num_attention_heads, self.num_buckets), jnp.float32)
+    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (q, k, buckets)
+    bias = jnp.einsum("hb,qkb->hqk", table, one_hot)
+    return bias[None].astype(self.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention: (LayerNorm ->) fused QKV projection -> RoPE -> attention -> output projection.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
+  >>> mha = te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=4, num_gqa_groups=2, input_layernorm=True)
+  >>> x = jnp.ones((2, 8, 64), jnp.bfloat16)
+  >>> y, variables = mha.init_with_output(jax.random.key(0), x, x, deterministic=True)
+  >>> y.shape, jax.tree.map(jnp.shape, variables["params"]["qkv"])["kernel"]
+  ((2, 8, 64), (64, 8, 16))
+
+  Attributes:
+    head_dim, num_attention_heads: D and H.
+    num_gqa_groups: key/value heads (GQA; 1 is MQA); None means H.
+    attention_dropout: dropout on the attention probabilities.
+    dropout_rng_name: the rng stream of every dropout mask.
+    input_layernorm: normalize the query input first (pre-LN), fused into the projection's FP8 cast.
+    layernorm_type, layernorm_epsilon, zero_centered_gamma: that norm's.
+    return_layernorm_output: also return the normalized input (the residual of
+      ``apply_residual_connection_post_layernorm``).
+    attn_mask_type: one of ``te_jax.attention.ATTN_MASK_TYPES``; attn_bias_type: None, "no_bias",
+      "post_scale_bias" or "alibi".
+    enable_rotary_pos_emb: rotate queries and keys (RoPE); rotary_base: its wavelength base; rotary_percent: the
+      fraction of each head's features that rotate; rotary_interleaved: GPT-J pairs (2i, 2i+1) instead of the
+      half-split pairs (i, i + R/2) of GPT-NeoX and Llama.
+    fuse_qkv_params: one QKV kernel (self attention), else separate query / key / value kernels.
+    use_bias: biases on the projections.
+    scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
+    window_size: a sliding window (left, right), -1 = unbounded.
+    transpose_batch_sequence: inputs and outputs are (S, B, hidden).
+    kernel_init, bias_init: the projections' initializers; kernel_axes_qkv / kernel_axes_out: logical axis names of
+      the (hidden, heads, head_dim) and (heads, head_dim, hidden) kernels (e.g. ("embed", "heads", "kv")).
+    dtype, param_dtype, backend: compute dtype, parameter dtype, attention backend ("auto", "fused", "unfused").
+  """
+
+  head_dim: int
+  num_attention_heads: int
+  num_gqa_groups: int | None = None
+  attention_dropout: float = 0.0
+  dropout_rng_name: str = "dropout"
+  input_layernorm: bool = True
+  layernorm_type: str = "layernorm"
+  layernorm_epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  return_layernorm_output: bool = False
+  attn_mask_type: str = "causal"
+  attn_bias_type: str | None = None
+  enable_rotary_pos_emb: bool = False
+  rotary_base: float = 10000.0
+  rotary_percent: float = 1.0
+  rotary_interleaved: bool = False
+  fuse_qkv_params: bool = True
+  use_bias: bool = False
+  scale_factor: float | None = None
+  window_size: tuple[int, int] | None = None
+  transpose_batch_sequence: bool = False
+  kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+  bias_init: Initializer = nn.initializers.zeros_init()
+  kernel_axes_qkv: tuple[str | None, ...] = ()
+  kernel_axes_out: tuple[str | None, ...] = ()
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  backend: str = "auto"
+
+  def _check(self, hidden: int):
+    if self.attn_mask_type not in ATTN_MASK_TYPES:
+      raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
+    kv_heads = self.num_gqa_groups or self.num_attention_heads
+    if self.num_attention_heads % kv_heads:
+      raise ValueError(f"num_gqa_groups={kv_heads} must divide num_attention_heads={self.num_attention_heads}")
+    if not 0.0 < self.rotary_percent <= 1.0:
+      raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+    rotary_dim = int(self.head_dim * self.rotary_percent) // 2 * 2
+    if self.enable_rotary_pos_emb and rotary_dim < 2:
+      raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} leaves no feature pair")
+    del hidden
+    return kv_heads, rotary_dim
+
+  def _projection(self, name: str, heads: int, with_norm: bool, inputs: jax.Array):
+    kw = dict(features=(heads, self.head_dim), use_bias=self.use_bias, kernel_init=self.kernel_init,
+              bias_init=self.bias_init, kernel_axes=self.kernel_axes_qkv, bias_axes=self.kernel_axes_qkv[1:],
+              dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    if not with_norm:
+      return DenseGeneral(**kw)(inputs), None
+    layer = LayerNormDenseGeneral(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                                  zero_centered_gamma=self.zero_centered_gamma,
+                                  return_layernorm_output=self.return_layernorm_output,
+                                  scale_axes=self.kernel_axes_qkv[:1], **kw)
+    out = layer(inputs)
+    return out if self.return_layernorm_output else (out, None)
+
+  def _rope(self, q, k, positions, rotary_dim: int, offset):
+    """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
+    if positions is None:
+      positions = jnp.arange(q.shape[1], dtype=jnp.int32)
+      if offset is not None:
+        positions = positions + offset
+    freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), rotary_dim, self.rotary_base)
+    rope = functools.partial(apply_rope, freqs=freqs, interleaved=self.rotary_interleaved)
+    return rope(q), rope(k)
+
+  def _decode_cache(self, k, v):
+    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache, the index before, the mask."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:  # init: the cache takes the shape of this (full-length) input
+      return k, v, None, None
+    batch, max_len, heads, dim = cached_k.value.shape
+    steps = k.shape[1]
+    if k.shape[0] != batch or k.shape[2:] != (heads, dim) or steps > max_len:
+      raise ValueError(f"decode: keys {k.shape} do not fit the cache {cached_k.value.shape}")
+    i = index.value
+    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, i, 0, 0))
+    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, i, 0, 0))
+    index.value = i + steps
+    # Query t (at position i + t) sees the cached keys 0 .. i + t: the rest is masked out (True).
+    key_pos = jnp.arange(max_len)[None, :]
+    query_pos = i + jnp.arange(steps)[:, None]
+    mask = (key_pos > query_pos)[None, None]
+    return cached_k.value, cached_v.value, i, mask
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
+               bias: jax.Array | None = None, *, segment_ids=None, positions: jax.Array | None = None,
+               decode: bool = False, deterministic: bool = False):
+    """Attention of ``inputs_q`` over ``inputs_kv`` (self attention when it is None or the same array).
+
+    Args:
+      inputs_q: (B, T, hidden), or (T, B, hidden) with ``transpose_batch_sequence``.
+      inputs_kv: (B, S, hidden) for cross attention; None (or ``inputs_q``) for self attention.
+      mask: boolean, True = masked out, broadcastable to (B, H, T, S): the padding of a padding mask type or the
+        "arbitrary" mask.
+      bias: a post-scale bias, broadcastable to (B, H, T, S).
+      segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding.
+      positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
+      decode: use and update the KV cache (self attention only).
+      deterministic: no dropout.
+
+    Returns:
+      The output (same layout as ``inputs_q``), and with ``return_layernorm_output`` also the normalized input.
+    """
+    self_attention = inputs_kv is None or inputs_kv is inputs_q
+    if decode and not self_attention:
+      raise ValueError("decode=True (KV cache) is for self attention: pass inputs_kv=None")
+    if decode and segment_ids is not None:
+      raise ValueError("decode=True does not take segment_ids")
+    hidden = inputs_q.shape[-1]
+    kv_heads, rotary_dim = self._check(hidden)
+    h = self.num_attention_heads
+    xq = _seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
+    xkv = xq if self_attention else _seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
+
+    if self_attention and self.fuse_qkv_params:
+      qkv, ln_out = self._projection("qkv", h + 2 * kv_heads, self.input_layernorm, xq)
+      q, k, v = jnp.split(qkv, (h, h + kv_heads), axis=-2)
+    else:
+      q, ln_out = self._projection("query", h, self.input_layernorm, xq)
+      kv_in = ln_out if (self_attention and ln_out is not None) else xkv
+      if self_attention and self.input_layernorm and ln_out is None:
+        # Separate kernels with an input norm: the norm's output feeds key and value too.
+        kv_in = LayerNorm(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                          zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="kv_layernorm")(xq)
+      kv, _ = self._projection("kv", 2 * kv_heads, False, kv_in)
+      k, v = jnp.split(kv, 2, axis=-2)
+
+    cache_offset = None
+    mask_type = self.attn_mask_type
+    if decode:
+      if self.enable_rotary_pos_emb:
+        initialized = self.has_variable("cache", "cache_index")
+        offset = self.get_variable("cache", "cache_index") if initialized else None
+        q, k = self._rope(q, k, positions, rotary_dim, offset)
+      k, v, cache_offset, decode_mask = self._decode_cache(k, v)
+      if decode_mask is not None:
+        mask = decode_mask if mask is None else jnp.logical_or(mask, decode_mask)
+        mask_type = "arbitrary"
+    elif self.enable_rotary_pos_emb:
+      q, k = self._rope(q, k, positions, rotary_dim, None)
+    del cache_offset
+
+    rate = 0.0 if deterministic else self.attention_dropout
+    rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
+    out = dot_product_attention(q, k, v, bias, mask, segment_ids=segment_ids, attn_mask_type=mask_type,
+                                attn_bias_type=self.attn_bias_type, scale_factor=self.scale_factor,
+                                dropout_rate=rate, dropout_rng=rng, window_size=self.window_size,
+                                backend=self.backend)
+    out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
+                       bias_init=self.bias_init, kernel_axes=self.kernel_axes_out,
+                       bias_axes=self.kernel_axes_out[-1:], dtype=self.dtype, param_dtype=self.param_dtype,
+                       name="out")(out)
+    out = _seq_first_to_batch_first(out, self.transpose_batch_sequence)
+    if self.return_layernorm_output:
+      return out, _seq_first_to_batch_first(ln_out, self.transpose_batch_sequence)
+    return out
+
+
+class TransformerLayer(nn.Module):
+  """One Transformer layer: self attention, (decoder) cross attention, MLP, each with dropout and a residual.
+
+  Pre-LN (default): ``x + Attn(LN(x))``, then ``x + MLP(LN(x))``, the norms fused into the FP8 GEMMs after them.
+  Post-LN (``output_layernorm=True``, the original Transformer and BERT): ``LN(x + Attn(x))``, ``LN(x + MLP(x))``.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
+  >>> layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4)
+  >>> x = jnp.ones((2, 8, 64), jnp.bfloat16)
+  >>> y, variables = layer.init_with_output(jax.random.key(0), x, deterministic=True)
+  >>> y.shape, sorted(variables["params"])
+  ((2, 8, 64), ['mlp', 'self_attention'])
+
+  Attributes:
+    hidden_size, mlp_hidden_size, num_attention_heads: the sizes; head_dim defaults to hidden / heads.
+    num_gqa_groups: key/value heads (GQA).
+    layer_type: "encoder" (self attention, default mask "padding") or "decoder" (causal self attention, and cross
+      attention over ``encoded`` when it is given).
+    self_attn_mask_type: overrides the layer type's default self-attention mask type.
+    self_attn_bias_type: None, "no_bias", "post_scale_bias", "alibi"; enable_relative_embedding: add T5 relative
+      position biases (RelativePositionBiases with ``relative_embedding_buckets`` / ``_max_distance``) as that bias.
+    layernorm_type, layernorm_epsilon, zero_centered_gamma: the norms'.
+    hidden_dropout, attention_dropout, intermediate_dropout: dropout after attention and MLP (before the residual
+      add), on the attention probabilities, and on the MLP's activation output.
+    mlp_activations: e.g. ("gelu",), ("silu", "linear") for SwiGLU.
+    use_bias: biases on every projection.
+    apply_residual_connection_post_layernorm: the residual is the normalized input (Megatron's option), pre-LN only.
+    output_layernorm: post-LN.
+    enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
+    window_size: sliding window of self attention.
+    transpose_batch_sequence: inputs and outputs are (S, B, hidden).
+    dtype, param_dtype, backend: as in MultiHeadAttention; kernel_init: every kernel's initializer.
+  """
+
+  hidden_size: int = 512
+  mlp_hidden_size: int = 2048
+  num_attention_heads: int = 8
+  head_dim: int | None = None
+  num_gqa_groups: int | None = None
+  layer_type: str = "encoder"
+  self_attn_mask_type: str | None = None
+  self_attn_bias_type: str | None = None
+  enable_relative_embedding: bool = False
+  relative_embedding_buckets: int = 32
+  relative_embedding_max_distance: int = 128
+  layernorm_type: str = "layernorm"
+  layernorm_epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  hidden_dropout: float = 0.0
+  attention_dropout: float = 0.0
+  intermediate_dropout: float = 0.0
+  dropout_rng_name: str = "dropout"
+  mlp_activations: Sequence[str] = ("gelu",)
+  use_bias: bool = False
+  apply_residual_connection_post_layernorm: bool = False
+  output_layernorm: bool = False
+  enable_rotary_pos_emb: bool = False
+  rotary_base: float = 10000.0
+  rotary_percent: float = 1.0
+  rotary_interleaved: bool = False
+  window_size: tuple[int, int] | None = None
+  transpose_batch_sequence: bool = False
+  kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  backend: str = "auto"
+
+  def _check(self):
+    if self.layer_type not in LAYER_TYPES:
+      raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {self.layer_type!r}")
+    if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+      raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
+                       f"{self.num_attention_heads}: give head_dim")
+    if self.apply_residual_connection_post_layernorm and self.output_layernorm:
+      raise ValueError("apply_residual_connection_post_layernorm is a pre-LN option; output_layernorm=True is post-LN")
+    for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+  def _mha(self, name: str, mask_type: str, bias_type, rope: bool, **kw) -> MultiHeadAttention:
+    return MultiHeadAttention(
+        head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
+        num_attention_heads=self.num_attention_heads, num_gqa_groups=self.num_gqa_groups,
+        attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
+        input_layernorm=not self.output_layernorm, layernorm_type=self.layernorm_type,
+        layernorm_epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
+        attn_mask_type=mask_type, attn_bias_type=bias_type, enable_rotary_pos_emb=rope,
+        rotary_base=self.rotary_base, rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved,
+        use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype,
+        backend=self.backend, name=name, **kw)
+
+  def _dropout_add(self, y, residual, deterministic: bool):
+    y = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)(y, deterministic=deterministic)
+    return y.astype(residual.dtype) + residual
+
+  def _post_ln(self, name: str, x):
+    return LayerNorm(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                     zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype, param_dtype=self.param_dtype,
+                     name=name)(x)
+
+  def _plain_mlp(self, x, deterministic: bool):
+    names = tuple(self.mlp_activations)
+    n_act = 2 if len(names) == 2 else 1
+    dense = functools.partial(DenseGeneral, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype,
+                              param_dtype=self.param_dtype)
+    h = dense(features=(n_act, self.mlp_hidden_size), name="wi")(x)
+    a = activation(h if n_act == 2 else h[..., 0, :], names)
+    a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=deterministic)
+    return dense(features=x.shape[-1], name="wo")(a)
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
+               encoder_decoder_mask: jax.Array | None = None, *, segment_ids=None,
+               positions: jax.Array | None = None, deterministic: bool = False, decode: bool = False) -> jax.Array:
+    """The layer's output, shaped as ``inputs``.
+
+    Args:
+      inputs: (B, S, hidden), or (S, B, hidden) with ``transpose_batch_sequence``.
+      encoded: the encoder output a decoder attends to (cross attention); None for none.
+      attention_mask: self attention's padding / arbitrary mask, True = masked out.
+      encoder_decoder_mask: cross attention's mask, True = masked out.
+      segment_ids: packed-sequence ids for self attention.
+      positions: RoPE positions.
+      deterministic: no dropout.
+      decode: use and update the self-attention KV cache.
+    """
+    self._check()
+    if encoded is not None and self.layer_type != "decoder":
+      raise ValueError("encoded (cross attention) is given, but layer_type is 'encoder'")
+    mask_type = self.self_attn_mask_type or ("causal" if self.layer_type == "decoder" else "padding")
+    if mask_type in ("padding", "padding_causal") and attention_mask is None and segment_ids is None:
+      mask_type = "no_mask" if mask_type == "padding" else "causal"
+    x = inputs
+    bias, bias_type = None, self.self_attn_bias_type
+    seq_axis = 0 if self.transpose_batch_sequence else 1
+    if self.enable_relative_embedding:
+      length = x.shape[seq_axis]
+      bias = RelativePositionBiases(self.relative_embedding_buckets, self.relative_embedding_max_distance,
+                                    self.num_attention_heads, dtype=jnp.float32, name="relpos_bias")(
+                                        length, length, bidirectional=self.layer_type == "encoder")
+      bias_type = "post_scale_bias"
+
+    post_residual = self.apply_residual_connection_post_layernorm
+    attn = self._mha("self_attention", mask_type, bias_type, self.enable_rotary_pos_emb,
+                     return_layernorm_output=post_residual, window_size=self.window_size,
+                     transpose_batch_sequence=self.transpose_batch_sequence)
+    y = attn(x, None, attention_mask, bias, segment_ids=segment_ids, positions=positions, decode=decode,
+             deterministic=deterministic)
+    residual = x
+    if post_residual:
+      y, residual = y
+    x = self._dropout_add(y, residual, deterministic)
+    if self.output_layernorm:
+      x = self._post_ln("self_attention_layernorm", x)
+
+    if encoded is not None:
+      cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
+      cross = self._mha("encoder_decoder_attention", cross_type, None, False,
+                        transpose_batch_sequence=self.transpose_batch_sequence)
+      y = cross(x, encoded, encoder_decoder_mask, deterministic=deterministic)
+      x = self._dropout_add(y, x, deterministic)
+      if self.output_layernorm:
+        x = self._post_ln("encoder_decoder_attention_layernorm", x)
+
+    if self.output_layernorm:  # post-LN: the input is normalized already; the MLP is fc1, activation, fc2
+      y = self._plain_mlp(x, deterministic)
+    else:
+      y = LayerNormMLP(intermediate_dim=self.mlp_hidden_size, activations=tuple(self.mlp_activations),
+                       intermediate_dropout_rate=self.intermediate_dropout, use_bias=self.use_bias,
+                       layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                       zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
+                       dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")(x, deterministic=deterministic)
+    x = self._dropout_add(y, x, deterministic)
+    if self.output_layernorm:
+      x = self._post_ln("mlp_layernorm", x)
+    return x
