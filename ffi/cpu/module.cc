@@ -11,6 +11,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxFwdCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxBwdCpuHandler);
 }
 
 NB_MODULE(_te_cpu, m) {
@@ -21,6 +23,8 @@ NB_MODULE(_te_cpu, m) {
     d["te_act_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::ActBwdCpuHandler));
     d["te_norm_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::NormFwdCpuHandler));
     d["te_norm_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::NormBwdCpuHandler));
+    d["te_softmax_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxFwdCpuHandler));
+    d["te_softmax_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxBwdCpuHandler));
     return d;
   });
 }

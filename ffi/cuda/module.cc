@@ -14,6 +14,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxFwdCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
 }
 
@@ -32,6 +34,8 @@ NB_MODULE(_te_cuda, m) {
     d["te_act_bwd_cuda"] = Capsule(te_jax::ActBwdCudaHandler);
     d["te_norm_fwd_cuda"] = Capsule(te_jax::NormFwdCudaHandler);
     d["te_norm_bwd_cuda"] = Capsule(te_jax::NormBwdCudaHandler);
+    d["te_softmax_fwd_cuda"] = Capsule(te_jax::SoftmaxFwdCudaHandler);
+    d["te_softmax_bwd_cuda"] = Capsule(te_jax::SoftmaxBwdCudaHandler);
     d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);
     return d;
   });
