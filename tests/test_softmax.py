@@ -3,8 +3,10 @@
 Tolerance (DESIGN.md's rule, from flash-attention): the handlers compute the reference's float32 formulas in another
 order (reductions, exp), so they are not bitwise equal to it. Against a float64 evaluation of the same formulas on the
 same inputs, a handler's largest error must be at most twice the largest error of the jnp reference at the same
-precision (same input and output dtype), plus ``noise`` = 4 float32 roundings of the largest term (1 for the
-forward's outputs; ``|scale * y| * (|dy| + sum|dy * y|)`` for the backward). Masked positions (and the causal upper
+precision (same input and output dtype), plus ``noise`` = 4 float32 roundings of the largest term (the largest
+output for the forward; ``|scale * y| * (|dy| + sum|dy * y|)`` for the backward): the error of one element is a
+matter of rounding luck (one handler 1.7 ulps off at the largest output where XLA happened to be 0.5 off, on a
+4100-element row), so the rule compares the largest errors with that margin. Masked positions (and the causal upper
 triangle) must be exactly 0, and NaN positions must match.
 
 - The reference itself against jax.nn.softmax (plain, masked with ``where``, causal) and jax.grad.
@@ -151,7 +153,7 @@ def check_case(kind, x, scale, device, target_platform, mask=None, seed=0, what=
   ry = jax.jit(lambda x, *m: reference(x, kind, scale, *m))(xs, *args[2:])
   masked = full_mask(kind, x.shape, mask)
   y64 = fwd64(x, masked, scale)
-  assert_within_tolerance(y, ry, y64, np.ones_like(y64), f"y, {what}", zero=masked)
+  assert_within_tolerance(y, ry, y64, np.abs(y64), f"y, {what}", zero=masked)
   # The backward from the handler's own y (its input), against float64 of that same y.
   y_in = np.asarray(y)
   dx_ref = jax.jit(lambda dy, y: reference_bwd(dy, y, kind, scale))(dys, jax.device_put(y_in, device))

@@ -1,5 +1,5 @@
 // CPU handlers for te_softmax_fwd / te_softmax_bwd: the formulas of te_jax.ops.softmax, row by row, in float32.
-// Sums run in 8 interleaved float32 accumulators added pairwise at the end (the order of a vectorized reduction), so
+// Sums are pairwise over blocks of 8 interleaved float32 accumulators (the order of a vectorized tree reduction), so
 // their rounding error stays at the level of XLA's own reductions for long rows; exp is the C library's expf.
 #include <cmath>
 #include <cstdint>
@@ -55,8 +55,13 @@ ffi::Error WithIo(ffi::DataType t, F&& f) {
 // The larger of a and b, NaN if either is NaN (as XLA's max).
 float MaxNan(float a, float b) { return (a > b || a != a) ? a : b; }
 
-// Sum of v[0..n) in 8 interleaved accumulators, then pairwise.
-float Sum8(const float* v, int64_t n) {
+// Sum of v[0..n): halves down to blocks of at most 64 elements, each summed in 8 interleaved accumulators, then
+// added pairwise: an error of O(log n) roundings, not O(n).
+float PairwiseSum(const float* v, int64_t n) {
+  if (n > 64) {
+    const int64_t half = (n / 2 + 7) / 8 * 8;
+    return PairwiseSum(v, half) + PairwiseSum(v + half, n - half);
+  }
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = 0; i < n; ++i) acc[i % 8] += v[i];
   return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
@@ -96,7 +101,7 @@ ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer logits, ffi::BufferR0<ffi::S32> q_offset
       const bool empty = m == kNegInf;  // every key masked: an all-zero row
       const float shift = empty ? 0.0f : m;
       for (int64_t j = 0; j < v.cols; ++j) z[j] = std::exp(z[j] - shift);
-      const float rcp = empty ? 0.0f : 1.0f / Sum8(z.data(), v.cols);
+      const float rcp = empty ? 0.0f : 1.0f / PairwiseSum(z.data(), v.cols);
       for (int64_t j = 0; j < v.cols; ++j) Io::Store(out, base + j, z[j] * rcp);
     }
     return ffi::Error::Success();
@@ -123,7 +128,7 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer y, ffi::BufferR0<ffi:
       const int64_t base = r * v.cols;
       const int64_t limit = v.Limit(r, causal, offset);
       for (int64_t j = 0; j < limit; ++j) prod[j] = Io::Load(gp, base + j) * Io::Load(yp, base + j);
-      const float s = Sum8(prod.data(), limit);
+      const float s = PairwiseSum(prod.data(), limit);
       for (int64_t j = 0; j < limit; ++j) {
         Io::Store(out, base + j, (scale * Io::Load(yp, base + j)) * (Io::Load(gp, base + j) - s));
       }
