@@ -41,6 +41,9 @@ constexpr int kMaxRowThreads = 256;     // threads per row in the register kerne
 constexpr int64_t kMaxRegisterCols = int64_t{kVec} * kMaxChunks * kMaxRowThreads;  // 8192
 constexpr int kLongThreads = 512;       // threads per row (= per block) for longer rows
 constexpr float kLog2e = 1.4426950408889634f;
+// The forward kernels declare 2 resident blocks per SM in their launch bounds (at most 128 and 64 registers): they
+// use 40-70 and 48, but without the hint ptxas spilled 4-8 bytes in two variants (f32 64 x 4, the bf16 long row).
+constexpr int kFwdMinBlocks = 2;
 
 struct Params {
   const void* a;          // forward: logits; backward: dy
@@ -158,16 +161,17 @@ __device__ __forceinline__ float RowReduce(float v, Op op, float* buf) {
 // ---- rows in registers -----------------------------------------------------------------------------------------
 
 template <typename T, int kT, int kC>
-__global__ void __launch_bounds__(kBlock) SoftmaxFwdKernel(const Params p) {
+__global__ void __launch_bounds__(kBlock, kFwdMinBlocks) SoftmaxFwdKernel(const Params p) {
   __shared__ float buf[kBlock / 32];
   const int t = threadIdx.x % kT;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / kT) + threadIdx.x / kT;
   const SoftmaxView& v = p.view;
   const int64_t cols = v.cols;
   // Past the last row: no loads or stores, but the thread still takes part in the reductions.
-  const int64_t limit = row < v.rows ? v.Limit(row, p.causal, *p.q_offset) : 0;
+  const uint32_t row32 = static_cast<uint32_t>(row);  // rows < 2^31 (Launch checks)
+  const int64_t limit = row < v.rows ? v.Limit(row32, p.causal, *p.q_offset) : 0;
   const T* x = static_cast<const T*>(p.a) + row * cols;
-  const uint8_t* mrow = p.mask != nullptr && row < v.rows ? p.mask + v.MaskOffset(row) : nullptr;
+  const uint8_t* mrow = p.mask != nullptr && row < v.rows ? p.mask + v.MaskOffset(row32) : nullptr;
 
   Chunk<T> raw[kC];
   uint64_t mbits[kC];
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(kBlock) SoftmaxFwdKernel(const Params p) {
   }
   s = RowReduce<kT>(s, SumOp{}, buf);
   if (row >= v.rows) return;
-  const float rcp = empty ? 0.0f : 1.0f / s;
+  const float rcp = empty ? 0.0f : __frcp_rn(s);
   T* y = static_cast<T*>(p.out) + row * cols;
 #pragma unroll
   for (int k = 0; k < kC; ++k) {
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(kBlock) SoftmaxBwdKernel(const Params p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / kT) + threadIdx.x / kT;
   const SoftmaxView& v = p.view;
   const int64_t cols = v.cols;
-  const int64_t limit = row < v.rows ? v.Limit(row, p.causal, *p.q_offset) : 0;
+  const int64_t limit = row < v.rows ? v.Limit(static_cast<uint32_t>(row), p.causal, *p.q_offset) : 0;
   const T* dy = static_cast<const T*>(p.a) + row * cols;
   const T* y = static_cast<const T*>(p.b) + row * cols;
 
@@ -268,14 +272,14 @@ __global__ void __launch_bounds__(kBlock) SoftmaxBwdKernel(const Params p) {
 // ---- longer rows: one block per row, passes over global memory -------------------------------------------------
 
 template <typename T>
-__global__ void __launch_bounds__(kLongThreads) SoftmaxFwdLongKernel(const Params p) {
+__global__ void __launch_bounds__(kLongThreads, kFwdMinBlocks) SoftmaxFwdLongKernel(const Params p) {
   __shared__ float buf[kLongThreads / 32];
   const int64_t row = blockIdx.x;
   const SoftmaxView& v = p.view;
   const int64_t cols = v.cols;
-  const int64_t limit = v.Limit(row, p.causal, *p.q_offset);
+  const int64_t limit = v.Limit(static_cast<uint32_t>(row), p.causal, *p.q_offset);
   const T* x = static_cast<const T*>(p.a) + row * cols;
-  const uint8_t* mrow = p.mask != nullptr ? p.mask + v.MaskOffset(row) : nullptr;
+  const uint8_t* mrow = p.mask != nullptr ? p.mask + v.MaskOffset(static_cast<uint32_t>(row)) : nullptr;
   auto logits = [&](int64_t col, float (&z)[kVec]) {
     Chunk<T> c;
     uint64_t mbits = 0;
@@ -306,7 +310,7 @@ __global__ void __launch_bounds__(kLongThreads) SoftmaxFwdLongKernel(const Param
     for (int j = 0; j < kVec; ++j) s += Exp(z[j] - shift);
   }
   s = RowReduce<kLongThreads>(s, SumOp{}, buf);
-  const float rcp = empty ? 0.0f : 1.0f / s;
+  const float rcp = empty ? 0.0f : __frcp_rn(s);
   T* y = static_cast<T*>(p.out) + row * cols;
   for (int64_t col = threadIdx.x * kVec; col < cols; col += step) {
     float z[kVec];
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(kLongThreads) SoftmaxBwdLongKernel(const Param
   const int64_t row = blockIdx.x;
   const SoftmaxView& v = p.view;
   const int64_t cols = v.cols;
-  const int64_t limit = v.Limit(row, p.causal, *p.q_offset);
+  const int64_t limit = v.Limit(static_cast<uint32_t>(row), p.causal, *p.q_offset);
   const T* dy = static_cast<const T*>(p.a) + row * cols;
   const T* y = static_cast<const T*>(p.b) + row * cols;
   const int64_t step = int64_t{kLongThreads} * kVec;

@@ -34,21 +34,25 @@ struct SoftmaxView {
   int64_t group_size[kMaxMaskGroups] = {};
   int64_t group_stride[kMaxMaskGroups] = {};  // in mask rows; 0 for a broadcast group
 
-  // The mask's first byte of row `row`.
-  TE_JAX_SOFTMAX_HD int64_t MaskOffset(int64_t row) const {
-    int64_t offset = 0;
+  // The mask's first byte of row `row`. I is the index type of the divisions: int64_t, or uint32_t where the
+  // caller knows that rows < 2^32 (a 64-bit division is several times the instructions of a 32-bit one, and the
+  // CUDA kernels do this once per row in every thread of the row).
+  template <typename I>
+  TE_JAX_SOFTMAX_HD int64_t MaskOffset(I row) const {
+    I mask_row = 0;
     for (int g = num_groups - 1; g >= 0; --g) {
-      const int64_t size = group_size[g];
-      offset += (row % size) * group_stride[g];
+      const I size = static_cast<I>(group_size[g]);
+      mask_row += (row % size) * static_cast<I>(group_stride[g]);
       row /= size;
     }
-    return offset * cols;
+    return static_cast<int64_t>(mask_row) * cols;
   }
 
-  // Keys [0, limit) of row `row` are read: all of them, or 0..i for the causal query i.
-  TE_JAX_SOFTMAX_HD int64_t Limit(int64_t row, bool causal, int64_t q_offset) const {
+  // Keys [0, limit) of row `row` are read: all of them, or 0..i for the causal query i. I as in MaskOffset.
+  template <typename I>
+  TE_JAX_SOFTMAX_HD int64_t Limit(I row, bool causal, int64_t q_offset) const {
     if (!causal) return cols;
-    const int64_t n = q_offset + row % sq + 1;
+    const int64_t n = q_offset + static_cast<int64_t>(row % static_cast<I>(sq)) + 1;
     return n < 0 ? 0 : (n < cols ? n : cols);
   }
 };
