@@ -453,6 +453,18 @@ def test_sharded_equals_unsharded(kind, spec, mask_shape):
   assert not found, found.group(0)
 
 
+def test_sharded_key_axis_is_gathered():
+  """The softmax axis must be whole on each device: a sharded one is all-gathered (the rule asks for it
+  replicated), and the result is still right."""
+  mesh = Mesh(np.array(jax.devices("cpu")), ("x",))
+  x = random_logits((4, 8, 16), np.float32, seed=19)
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "x")))
+  f = jax.jit(lambda x: te_jax.scaled_upper_triang_masked_softmax(x, 0.5))
+  hlo = f.lower(xs).compile().as_text()
+  assert re.search(r"\ball-gather(-start)?\(", hlo)
+  np.testing.assert_array_equal(np.asarray(f(xs)), np.asarray(f(jax.device_put(x, CPU))))
+
+
 # ---- CUDA handlers vs reference on the GPU -------------------------------------------------------------------------
 
 # Every register-path configuration (8..256 threads a row, 1, 2 or 4 chunks a thread), rows not a multiple of 8

@@ -18,6 +18,10 @@ logits' size, its last dim equal to ``Sk`` (the handlers broadcast by index math
 keys ``0..i``; ``i`` counts from the scalar operand ``q_offset``, which is 0 except in a shard of a sharded query
 dim).
 
+Sharding: rows (batch, heads, queries) may be sharded, and the ops run shard-local with no collectives; the key
+axis must be whole on each device, so a sharded one is all-gathered by XLA before the op (the sharding rule asks for
+it replicated).
+
 Edge cases, by the formulas above: a fully masked row (every key masked, or every logit -inf) gives an all-zero
 output, not NaN and not a uniform row, and then an all-zero gradient; a NaN logit in an unmasked position, a +inf
 logit, or an overflow of ``scale * x`` to +inf makes its row NaN (as ``jax.nn.softmax``); a masked position is 0
