@@ -58,7 +58,18 @@ struct Params {
   bool mask_vec;          // cols % 8 == 0 and an 8-byte aligned mask: 8-byte mask loads
 };
 
-__device__ __forceinline__ float MaxNan(float a, float b) { return (a > b || a != a) ? a : b; }
+// The larger of a and b, NaN if either is NaN (as XLA's max): one instruction on sm_80+.
+__device__ __forceinline__ float MaxNan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// How many of the 8 elements of chunk `col` lie before `limit` (0..8): per-element tests in 32-bit arithmetic.
+__device__ __forceinline__ int Valid(int64_t col, int64_t limit) {
+  const int64_t n = limit - col;
+  return n <= 0 ? 0 : n >= kVec ? kVec : static_cast<int>(n);
+}
 
 __device__ __forceinline__ float Exp(float d) {
   float r;
@@ -118,13 +129,12 @@ __device__ __forceinline__ void StoreChunk(T* row, int64_t col, int64_t cols, bo
   }
 }
 
-// z = scale * x of chunk `col`, -inf where masked or at/after `limit`.
+// z = scale * x of a chunk, -inf where masked or at/after the first `valid` elements.
 template <typename T>
-__device__ __forceinline__ void Logits(const Chunk<T>& c, uint64_t mbits, int64_t col, int64_t limit, float scale,
-                                       float (&z)[kVec]) {
+__device__ __forceinline__ void Logits(const Chunk<T>& c, uint64_t mbits, int valid, float scale, float (&z)[kVec]) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const bool out = col + j >= limit || ((mbits >> (8 * j)) & 0xFFu) != 0;
+    const bool out = j >= valid || ((mbits >> (8 * j)) & 0xFFu) != 0;
     z[j] = out ? -INFINITY : c.Get(j) * scale;
   }
 }
@@ -191,7 +201,7 @@ __global__ void __launch_bounds__(kBlock, kFwdMinBlocks) SoftmaxFwdKernel(const 
 #pragma unroll
   for (int k = 0; k < kC; ++k) {
     const int64_t col = static_cast<int64_t>(k * kT + t) * kVec;
-    Logits(raw[k], mbits[k], col, limit, p.scale, z[k]);
+    Logits(raw[k], mbits[k], Valid(col, limit), p.scale, z[k]);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) m = MaxNan(m, z[k][j]);
   }
@@ -245,12 +255,13 @@ __global__ void __launch_bounds__(kBlock) SoftmaxBwdKernel(const Params p) {
     }
   }
   float s = 0.0f;
+  int valid[kC];
 #pragma unroll
   for (int k = 0; k < kC; ++k) {
+    valid[k] = Valid(static_cast<int64_t>(k * kT + t) * kVec, limit);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const int64_t col = static_cast<int64_t>(k * kT + t) * kVec + j;
-      if (col < limit) s += g[k].Get(j) * yv[k].Get(j);  // a whole-chunk load may read past a causal limit
+      if (j < valid[k]) s += g[k].Get(j) * yv[k].Get(j);  // a whole-chunk load may read past a causal limit
     }
   }
   s = RowReduce<kT>(s, SumOp{}, buf);
@@ -263,7 +274,7 @@ __global__ void __launch_bounds__(kBlock) SoftmaxBwdKernel(const Params p) {
     float d[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      d[j] = col + j < limit ? (p.scale * yv[k].Get(j)) * (g[k].Get(j) - s) : 0.0f;
+      d[j] = j < valid[k] ? (p.scale * yv[k].Get(j)) * (g[k].Get(j) - s) : 0.0f;
     }
     StoreChunk(dx, col, cols, p.vec, d);
   }
@@ -289,7 +300,7 @@ __global__ void __launch_bounds__(kLongThreads, kFwdMinBlocks) SoftmaxFwdLongKer
     } else {
       c.Zero();
     }
-    Logits(c, mbits, col, limit, p.scale, z);
+    Logits(c, mbits, Valid(col, limit), p.scale, z);
   };
   const int64_t step = int64_t{kLongThreads} * kVec;
   float m = -INFINITY;
@@ -336,9 +347,10 @@ __global__ void __launch_bounds__(kLongThreads) SoftmaxBwdLongKernel(const Param
     Chunk<T> g, yv;
     LoadChunk(g, dy, col, limit, cols, p.vec);
     LoadChunk(yv, y, col, limit, cols, p.vec);
+    const int valid = Valid(col, limit);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      if (col + j < limit) s += g.Get(j) * yv.Get(j);
+      if (j < valid) s += g.Get(j) * yv.Get(j);
     }
   }
   s = RowReduce<kLongThreads>(s, SumOp{}, buf);
@@ -349,8 +361,9 @@ __global__ void __launch_bounds__(kLongThreads) SoftmaxBwdLongKernel(const Param
       Chunk<T> g, yv;
       LoadChunk(g, dy, col, limit, cols, p.vec);
       LoadChunk(yv, y, col, limit, cols, p.vec);
+      const int valid = Valid(col, limit);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) d[j] = col + j < limit ? (p.scale * yv.Get(j)) * (g.Get(j) - s) : 0.0f;
+      for (int j = 0; j < kVec; ++j) d[j] = j < valid ? (p.scale * yv.Get(j)) * (g.Get(j) - s) : 0.0f;
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) d[j] = 0.0f;
