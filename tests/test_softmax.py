@@ -394,8 +394,16 @@ def test_scale_factor_is_static_under_jit():
      "^scale_factor must be a static Python float"),
     (lambda: te_jax.scaled_softmax(jnp.ones((2, 3)), scale_factor=float("inf")), ValueError,
      "^scale_factor must be finite"),
+    (lambda: softmax_fwd(jnp.ones((2, 3)), kind="causal_bottom_right"), ValueError, "^kind must be one of"),
+    (lambda: softmax_fwd(jnp.ones((2, 3)), kind="masked"), ValueError, "^mask is required"),
+    (lambda: softmax_fwd(jnp.ones((2, 3)), jnp.zeros((2, 3), bool), kind="plain"), ValueError,
+     "^mask is only taken by kind='masked'"),
+    (lambda: softmax_bwd(jnp.ones((2, 4)), jnp.ones((2, 3)), kind="plain"), ValueError, "^dy must have y's shape"),
+    (lambda: softmax_bwd(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((2, 3)), kind="plain"), ValueError,
+     "^dy must have y's shape"),
 ], ids=["int-mask", "float-mask", "mask-dim", "mask-last-dim", "mask-rank", "int-logits", "fp8-logits", "rank-1",
-        "masked-rank-1", "traced-scale", "inf-scale"])
+        "masked-rank-1", "traced-scale", "inf-scale", "op-kind", "op-no-mask", "op-mask-not-masked", "op-dy-shape",
+        "op-dy-dtype"])
 def test_bad_arguments_raise_before_xla(call, error, match):
   with pytest.raises(error, match=match):
     call()
