@@ -32,6 +32,9 @@ from te_jax.ops.quantize import dequantize as dequantize
 from te_jax.ops.quantize import quantize as quantize
 from te_jax.rope import apply_rope as apply_rope
 from te_jax.rope import rope_frequencies as rope_frequencies
+from te_jax.softmax import scaled_masked_softmax as scaled_masked_softmax
+from te_jax.softmax import scaled_softmax as scaled_softmax
+from te_jax.softmax import scaled_upper_triang_masked_softmax as scaled_upper_triang_masked_softmax
 
 #: The Flax variable collection of the modules' FP8 state (Flax's `_overwrite_with_gradient`).
 FP8_COLLECTION = "_overwrite_with_gradient"

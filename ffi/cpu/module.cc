@@ -13,6 +13,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RopeFwdCpuHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RopeBwdCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxFwdCpuHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxBwdCpuHandler);
 }
 
 NB_MODULE(_te_cpu, m) {
@@ -25,6 +27,8 @@ NB_MODULE(_te_cpu, m) {
     d["te_norm_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::NormBwdCpuHandler));
     d["te_rope_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::RopeFwdCpuHandler));
     d["te_rope_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::RopeBwdCpuHandler));
+    d["te_softmax_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxFwdCpuHandler));
+    d["te_softmax_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxBwdCpuHandler));
     return d;
   });
 }
