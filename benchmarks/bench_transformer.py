@@ -1,0 +1,234 @@
+"""A pre-LN GPT layer fwd+bwd: te_jax.flax.TransformerLayer (FP8, DelayedScaling) vs the same layer built from Flax
+(``nn.LayerNorm``, ``nn.Dense``, ``jax.nn.dot_product_attention(implementation="cudnn")``), in FP8
+(``dot_general_cls=Fp8DirectDotGeneralOp``) and in BF16, same process; and the compiled temp memory of a stack of
+four such layers.
+
+Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal self attention, no biases, float32
+parameters, bfloat16 compute. The timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input,
+applied to a random output gradient, with the output. Rates count the GEMMs and causal attention (half the score
+matrix), forward and backward (``_flops``).
+
+  python benchmarks/bench_transformer.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+
+import harness
+import te_jax
+import te_jax.flax as te_flax
+from te_jax import recipe
+
+LAYER = {"batch": 4, "seq": 2048, "hidden": 4096, "heads": 32, "mlp": 16384}
+STACK = {"layers": 4, "batch": 8}
+COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("TFLOP/s", "tflops"),
+    ("vs Flax bf16", "speedup_vs_bf16"),
+    ("vs Flax fp8", "speedup_vs_flax_fp8"),
+    ("temp MiB", "temp_mib"),
+    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+
+
+class FlaxGPTLayer(nn.Module):
+  """The layer as a Flax user writes it."""
+
+  hidden: int
+  heads: int
+  mlp: int
+  fp8: bool
+
+  @nn.compact
+  def __call__(self, x):
+    kw = {"dtype": jnp.bfloat16, "use_bias": False}
+    if self.fp8:
+      kw["dot_general_cls"] = fp8_ops.Fp8DirectDotGeneralOp
+    b, s, _ = x.shape
+    d = self.hidden // self.heads
+    h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16)(x)
+    qkv = nn.Dense(3 * self.hidden, **kw)(h).reshape(b, s, 3, self.heads, d)
+    a = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True,
+                                     implementation="cudnn" if jax.default_backend() == "gpu" else None)
+    x = x + nn.Dense(self.hidden, **kw)(a.reshape(b, s, self.hidden))
+    h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16)(x)
+    h = nn.gelu(nn.Dense(self.mlp, **kw)(h), approximate=True)
+    return x + nn.Dense(self.hidden, **kw)(h)
+
+
+class Stack(nn.Module):
+  """``layers`` copies of a layer in sequence."""
+
+  make: object
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(self.layers):
+      x = self.make(name=f"layer_{i}")(x)
+    return x
+
+
+def _te_layer(c, **kw):
+  return te_flax.TransformerLayer(hidden_size=c["hidden"], mlp_hidden_size=c["mlp"], num_attention_heads=c["heads"],
+                                  layer_type="decoder", mlp_activations=("gelu",), dtype=jnp.bfloat16,
+                                  **kw)
+
+
+def _flops(c) -> float:
+  tokens, h, f = c["batch"] * c["seq"], c["hidden"], c["mlp"]
+  gemm = 2 * tokens * (4 * h * h + 2 * h * f)  # qkv, out, fc1, fc2
+  attention = 2 * 2 * c["batch"] * c["seq"] * c["seq"] * h / 2  # QK^T and PV, causal half
+  return 3 * (gemm + attention)  # forward + backward (two GEMMs per forward GEMM)
+
+
+def _fwd_bwd(model, rec, deterministic_kw):
+  def f(variables, x, dy):
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      out, vjp = jax.vjp(lambda v, x: model.apply(v, x, **deterministic_kw), variables, x)
+    return out, vjp(dy)
+
+  return jax.jit(f)
+
+
+def _impls(c, layers: int | None = None):
+  te_kw = {"deterministic": True}
+  delayed = recipe.DelayedScaling()
+  make = {
+      "te_jax TransformerLayer fp8": (lambda **k: _te_layer(c, **k), delayed, te_kw),
+      "flax layer fp8": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], True, **k), None, {}),
+      "flax layer bf16": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], False, **k), None, {}),
+      "te_jax TransformerLayer bf16": (lambda **k: _te_layer(c, **k), None, te_kw),
+  }
+  out = {}
+  for name, (fn, rec, kw) in make.items():
+    if layers is None:
+      model = fn()
+    elif kw:  # te_jax layers take deterministic=True: wrapped, since Stack passes x only
+      model = Stack(lambda name, fn=fn: _Deterministic(fn(), name=name), layers)
+    else:
+      model = Stack(fn, layers)
+    out[name] = (model, rec)
+  return out
+
+
+class _Deterministic(nn.Module):
+  """Calls the wrapped te_jax layer with deterministic=True."""
+
+  layer: nn.Module
+
+  def __call__(self, x):
+    return self.layer(x, deterministic=True)
+
+
+def _warm_variables(model, rec, fn, key, x, dy, kw):
+  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+    variables = model.init(key, x, **kw)
+  for _ in range(3):  # delayed scaling's amax history holds real values after a few steps
+    out, (grads, _) = fn(variables, x, dy)
+    if te_jax.FP8_COLLECTION in grads:
+      variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
+  return variables, out
+
+
+def bench_layer(ctx: harness.Context, key) -> list[dict]:
+  c = {k: (v // ctx.shrink if k in ("seq", "hidden", "mlp") else v) for k, v in LAYER.items()}
+  c["heads"] = max(1, c["heads"] // ctx.shrink)
+  kx, kd, ki = jax.random.split(key, 3)
+  shape = (c["batch"], c["seq"], c["hidden"])
+  x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
+  rows = []
+  for name, (model, rec) in _impls(c).items():
+    kw = {"deterministic": True} if name.startswith("te_jax") else {}
+    fn = _fwd_bwd(model, rec, kw)
+    variables, out = _warm_variables(model, rec, fn, ki, x, dy, kw)
+    t = harness.time_calls(fn, variables, x, dy, runs=ctx.runs, batch=ctx.batch)
+    compiled = fn.lower(variables, x, dy).compile()
+    targets = harness.custom_call_targets(fn, variables, x, dy)
+    problems = []
+    if ctx.gpu:
+      if not any(t_.startswith("__cudnn$fmha") for t_ in targets):
+        problems.append("no cuDNN attention in HLO")
+      if name == "te_jax TransformerLayer fp8" and "te_gemm_cuda" not in targets:
+        problems.append("no te_gemm_cuda in HLO")
+    if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
+      problems.append("non-finite output")
+    rows.append({
+        "bench": "transformer",
+        "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads causal fwd+bwd",
+        "impl": name,
+        "ms": t.ms,
+        "timing": t.as_dict(),
+        "tflops": _flops(c) / (t.ms * 1e-3) / 1e12,
+        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas", "__cudnn")))) or "xla",
+        "ok": not problems,
+        "note": "; ".join(problems) or ("acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16"
+                                        if name == "te_jax TransformerLayer fp8" else ""),
+    })
+  by = {r["impl"]: r for r in rows}
+  for r in rows:
+    r["speedup_vs_bf16"] = by["flax layer bf16"]["ms"] / r["ms"]
+    r["speedup_vs_flax_fp8"] = by["flax layer fp8"]["ms"] / r["ms"]
+    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax layer fp8"]["temp_mib"]
+  return rows
+
+
+def stack_memory(ctx: harness.Context, key) -> list[dict]:
+  """Compiled temp memory of the 4-layer stack at batch 8 (compiled only, not run)."""
+  c = {k: (v // ctx.shrink if k in ("seq", "hidden", "mlp") else v) for k, v in LAYER.items()}
+  c["heads"] = max(1, c["heads"] // ctx.shrink)
+  c["batch"] = STACK["batch"]
+  shape = (c["batch"], c["seq"], c["hidden"])
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  rows = []
+  for name, (model, rec) in _impls(c, STACK["layers"]).items():
+    fn = _fwd_bwd(model, rec, {})
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      variables = jax.eval_shape(lambda k: model.init(k, jnp.zeros(shape, jnp.bfloat16)), key)
+    compiled = fn.lower(variables, x, x).compile()
+    rows.append({
+        "bench": "transformer",
+        "case": f"stack of {STACK['layers']} layers b{c['batch']} s{c['seq']} h{c['hidden']}: compiled memory",
+        "impl": name,
+        "ms": float("nan"),
+        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        "handler": "",
+        "ok": True,
+        "note": "acceptance: temp <= 0.8x Flax fp8" if name == "te_jax TransformerLayer fp8" else "",
+    })
+  by = {r["impl"]: r for r in rows}
+  for r in rows:
+    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax layer fp8"]["temp_mib"]
+  return rows
+
+
+def run(ctx: harness.Context) -> list[dict]:
+  rows = bench_layer(ctx, jax.random.key(400))
+  for r in rows:
+    print(f"transformer {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
+          f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8, "
+          f"temp {r['temp_mib']:.0f} MiB" + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
+  stack = stack_memory(ctx, jax.random.key(401))
+  for r in stack:
+    print(f"transformer {r['case']} {r['impl']}: temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x Flax fp8)",
+          file=sys.stderr, flush=True)
+  return rows + stack
+
+
+if __name__ == "__main__":
+  import run as runner  # noqa: PLC0415 - the driver lives beside this file
+
+  sys.exit(runner.main(["--only", "bench_transformer", "--no-write"]))
