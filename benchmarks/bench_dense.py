@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 import harness
-import te_jax
 import te_jax.flax as te_flax
 from te_jax import recipe
 
@@ -37,15 +36,6 @@ COLUMNS = (
 )
 
 
-def _fwd_bwd(model, rec):
-  def f(variables, x, dy):
-    with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      out, vjp = jax.vjp(model.apply, variables, x)
-    return out, vjp(dy)
-
-  return jax.jit(f)
-
-
 def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
   m, k, n = (d // ctx.shrink for d in mkn)
   kx, kd, ki = jax.random.split(key, 3)
@@ -59,42 +49,20 @@ def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
       "flax Dense bf16": (nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), None),
       "te_jax DenseGeneral bf16": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16), None),
   }
-  flops = 6.0 * m * k * n
   rows = []
   for name, (model, rec) in impls.items():
-    with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      variables = model.init(ki, x)
-    fn = _fwd_bwd(model, rec)
-    # A few steps first so that delayed scaling's amax history holds real values.
-    for _ in range(3):
-      out, (grads, _) = fn(variables, x, dy)
-      if te_jax.FP8_COLLECTION in grads:
-        variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
-    t = harness.time_calls(fn, variables, x, dy, runs=ctx.runs, batch=ctx.batch)
-    compiled = fn.lower(variables, x, dy).compile()
-    targets = harness.custom_call_targets(fn, variables, x, dy)
-    hlo = compiled.as_text()
-    fp8_gemm = ("te_gemm_cuda" in targets) if name.startswith("te_jax") else ("__cublas$lt$matmul$f8" in hlo)
-    expect_fp8 = "fp8" in name
-    problems = [] if (not ctx.gpu or fp8_gemm == expect_fp8) else [f"FP8 GEMM in HLO: {fp8_gemm}"]
-    if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
-      problems.append("non-finite output")
-    rows.append({
-        "bench": "dense",
-        "case": f"x ({m}, {k}) @ W ({k}, {n}) fwd+bwd",
-        "impl": name,
-        "ms": t.ms,
-        "timing": t.as_dict(),
-        "tflops": flops / (t.ms * 1e-3) / 1e12,
-        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas")))) or "xla",
-        "ok": not problems,
-        "note": "; ".join(problems),
-    })
-  by = {r["impl"]: r["ms"] for r in rows}
-  for r in rows:
-    r["speedup_vs_bf16"] = by["flax Dense bf16"] / r["ms"]
-    r["speedup_vs_flax_fp8"] = by["flax Dense fp8"] / r["ms"]
+    fn = harness.layer_fwd_bwd(model, rec)
+    variables, out = harness.warm_layer(model, rec, fn, ki, x, dy)
+    problems = []
+    row = harness.layer_row(ctx, fn, (variables, x, dy), flops=6.0 * m * k * n, out=out, problems=problems)
+    targets = set(row.pop("targets"))
+    fp8_gemm = ("te_gemm_cuda" in targets) if name.startswith("te_jax") else \
+        ("__cublas$lt$matmul$f8" in fn.lower(variables, x, dy).compile().as_text())
+    if ctx.gpu and fp8_gemm != ("fp8" in name):
+      problems.append(f"FP8 GEMM in HLO: {fp8_gemm}")
+    rows.append({"bench": "dense", "case": f"x ({m}, {k}) @ W ({k}, {n}) fwd+bwd", "impl": name, **row,
+                 "ok": not problems, "note": "; ".join(problems)})
+  harness.add_ratios(rows, bf16="flax Dense bf16", fp8="flax Dense fp8")
   return rows
 
 

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 import harness
-import te_jax
 import te_jax.flax as te_flax
 from te_jax import recipe
 
@@ -58,70 +57,38 @@ class FlaxMLP(nn.Module):
     return nn.Dense(self.hidden, **kw)(h)
 
 
-def _fwd_bwd(model, rec):
-  def f(variables, x, dy):
-    with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      out, vjp = jax.vjp(model.apply, variables, x)
-    return out, vjp(dy)
-
-  return jax.jit(f)
-
-
 def bench_shape(ctx: harness.Context, shape, key) -> list[dict]:
   m, h, f = (d // ctx.shrink for d in shape)
   kx, kd, ki = jax.random.split(key, 3)
   x = jax.random.normal(kx, (m, h), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (m, h), jnp.float32).astype(jnp.bfloat16)
+  te_mlp = te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",), dtype=jnp.bfloat16)
   impls = {
-      "te_jax LayerNormMLP fp8": (te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",),
-                                                       dtype=jnp.bfloat16), recipe.DelayedScaling()),
+      "te_jax LayerNormMLP fp8": (te_mlp, recipe.DelayedScaling()),
       "flax block fp8": (FlaxMLP(h, f, fp8=True), None),
       "flax block bf16": (FlaxMLP(h, f, fp8=False), None),
-      "te_jax LayerNormMLP bf16": (te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",),
-                                                        dtype=jnp.bfloat16), None),
+      "te_jax LayerNormMLP bf16": (te_mlp, None),
   }
-  flops = 6.0 * m * 2 * h * f
   rows = []
   for name, (model, rec) in impls.items():
-    with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      variables = model.init(ki, x)
-    fn = _fwd_bwd(model, rec)
-    for _ in range(3):  # a few steps first, so that delayed scaling's amax history holds real values
-      out, (grads, _) = fn(variables, x, dy)
-      if te_jax.FP8_COLLECTION in grads:
-        variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
-    t = harness.time_calls(fn, variables, x, dy, runs=ctx.runs, batch=ctx.batch)
-    compiled = fn.lower(variables, x, dy).compile()
-    targets = harness.custom_call_targets(fn, variables, x, dy)
+    fn = harness.layer_fwd_bwd(model, rec)
+    variables, out = harness.warm_layer(model, rec, fn, ki, x, dy)
     problems = []
+    row = harness.layer_row(ctx, fn, (variables, x, dy), flops=6.0 * m * 2 * h * f, out=out, problems=problems)
+    targets = set(row.pop("targets"))
     if ctx.gpu and name.startswith("te_jax"):
-      want = {"te_norm_fwd_cuda", "te_norm_bwd_cuda", "te_act_fwd_cuda", "te_act_bwd_cuda", "te_gemm_cuda"}
-      if "fp8" not in name:
-        want = {"te_norm_fwd_cuda", "te_norm_bwd_cuda"}
+      want = {"te_norm_fwd_cuda", "te_norm_bwd_cuda"}
+      if "fp8" in name:
+        want |= {"te_act_fwd_cuda", "te_act_bwd_cuda", "te_gemm_cuda"}
       if missing := want - targets:
         problems.append(f"missing handlers: {', '.join(sorted(missing))}")
-    if ctx.gpu and name == "flax block fp8" and "__cublas$lt$matmul$f8" not in compiled.as_text():
+    if ctx.gpu and name == "flax block fp8" and "__cublas$lt$matmul$f8" not in fn.lower(variables, x, dy).compile(
+    ).as_text():
       problems.append("no FP8 GEMM in Flax's HLO")
-    if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
-      problems.append("non-finite output")
-    rows.append({
-        "bench": "layernorm_mlp",
-        "case": f"({m}, {h}) -> {f} -> {h} gelu fwd+bwd",
-        "impl": name,
-        "ms": t.ms,
-        "timing": t.as_dict(),
-        "tflops": flops / (t.ms * 1e-3) / 1e12,
-        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas")))) or "xla",
-        "ok": not problems,
-        "note": "; ".join(problems) or ("acceptance: >= 1.1x Flax fp8, temp <= 0.8x" if name.endswith("fp8")
-                                        and name.startswith("te_jax") else ""),
-    })
-  by = {r["impl"]: r for r in rows}
-  for r in rows:
-    r["speedup_vs_bf16"] = by["flax block bf16"]["ms"] / r["ms"]
-    r["speedup_vs_flax_fp8"] = by["flax block fp8"]["ms"] / r["ms"]
-    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax block fp8"]["temp_mib"]
+    acceptance = "acceptance: >= 1.1x Flax fp8, temp <= 0.8x" if name == "te_jax LayerNormMLP fp8" else ""
+    rows.append({"bench": "layernorm_mlp", "case": f"({m}, {h}) -> {f} -> {h} gelu fwd+bwd", "impl": name, **row,
+                 "ok": not problems, "note": "; ".join(problems) or acceptance})
+  harness.add_ratios(rows, bf16="flax block bf16", fp8="flax block fp8")
   return rows
 
 

@@ -106,12 +106,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
 
 def run(ctx: harness.Context) -> list[dict]:
   """All cases, te_jax row then XLA row for each."""
-  rows = []
-  for i, case in enumerate(CASES):
-    case_rows = bench_case(ctx, case, jax.random.key(i))
-    harness.print_pair("rope", case_rows)
-    rows += case_rows
-  return rows
+  return harness.run_pairs(ctx, "rope", CASES, bench_case, seed=0)
 
 
 if __name__ == "__main__":

@@ -93,15 +93,6 @@ def _flops(c) -> float:
   return 3 * (gemm + attention)  # forward + backward (two GEMMs per forward GEMM)
 
 
-def _fwd_bwd(model, rec, deterministic_kw):
-  def f(variables, x, dy):
-    with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      out, vjp = jax.vjp(lambda v, x: model.apply(v, x, **deterministic_kw), variables, x)
-    return out, vjp(dy)
-
-  return jax.jit(f)
-
-
 def _impls(c, layers: int | None = None):
   te_kw = {"deterministic": True}
   delayed = recipe.DelayedScaling()
@@ -132,19 +123,15 @@ class _Deterministic(nn.Module):
     return self.layer(x, deterministic=True)
 
 
-def _warm_variables(model, rec, fn, key, x, dy, kw):
-  with te_jax.autocast(enabled=rec is not None, recipe=rec):
-    variables = model.init(key, x, **kw)
-  for _ in range(3):  # delayed scaling's amax history holds real values after a few steps
-    out, (grads, _) = fn(variables, x, dy)
-    if te_jax.FP8_COLLECTION in grads:
-      variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
-  return variables, out
+def _config(ctx: harness.Context, batch: int) -> dict:
+  c = {k: (v // ctx.shrink if k in ("seq", "hidden", "mlp") else v) for k, v in LAYER.items()}
+  c["heads"] = max(1, c["heads"] // ctx.shrink)
+  c["batch"] = batch
+  return c
 
 
 def bench_layer(ctx: harness.Context, key) -> list[dict]:
-  c = {k: (v // ctx.shrink if k in ("seq", "hidden", "mlp") else v) for k, v in LAYER.items()}
-  c["heads"] = max(1, c["heads"] // ctx.shrink)
+  c = _config(ctx, LAYER["batch"])
   kx, kd, ki = jax.random.split(key, 3)
   shape = (c["batch"], c["seq"], c["hidden"])
   x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
@@ -152,52 +139,34 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
   rows = []
   for name, (model, rec) in _impls(c).items():
     kw = {"deterministic": True} if name.startswith("te_jax") else {}
-    fn = _fwd_bwd(model, rec, kw)
-    variables, out = _warm_variables(model, rec, fn, ki, x, dy, kw)
-    t = harness.time_calls(fn, variables, x, dy, runs=ctx.runs, batch=ctx.batch)
-    compiled = fn.lower(variables, x, dy).compile()
-    targets = harness.custom_call_targets(fn, variables, x, dy)
+    fn = harness.layer_fwd_bwd(model, rec, **kw)
+    variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
     problems = []
-    if ctx.gpu:
-      if not any(t_.startswith("__cudnn$fmha") for t_ in targets):
-        problems.append("no cuDNN attention in HLO")
-      if name == "te_jax TransformerLayer fp8" and "te_gemm_cuda" not in targets:
-        problems.append("no te_gemm_cuda in HLO")
-    if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
-      problems.append("non-finite output")
-    rows.append({
-        "bench": "transformer",
-        "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads causal fwd+bwd",
-        "impl": name,
-        "ms": t.ms,
-        "timing": t.as_dict(),
-        "tflops": _flops(c) / (t.ms * 1e-3) / 1e12,
-        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-        "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas", "__cudnn")))) or "xla",
-        "ok": not problems,
-        "note": "; ".join(problems) or ("acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16"
-                                        if name == "te_jax TransformerLayer fp8" else ""),
-    })
-  by = {r["impl"]: r for r in rows}
-  for r in rows:
-    r["speedup_vs_bf16"] = by["flax layer bf16"]["ms"] / r["ms"]
-    r["speedup_vs_flax_fp8"] = by["flax layer fp8"]["ms"] / r["ms"]
-    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax layer fp8"]["temp_mib"]
+    row = harness.layer_row(ctx, fn, (variables, x, dy), flops=_flops(c), out=out, problems=problems)
+    targets = row.pop("targets")
+    if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
+      problems.append("no cuDNN attention in HLO")
+    if ctx.gpu and name == "te_jax TransformerLayer fp8" and "te_gemm_cuda" not in targets:
+      problems.append("no te_gemm_cuda in HLO")
+    acceptance = "acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16" if name == "te_jax TransformerLayer fp8" else ""
+    rows.append({"bench": "transformer", "impl": name, **row, "ok": not problems,
+                 "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads "
+                         "causal fwd+bwd",
+                 "note": "; ".join(problems) or acceptance})
+  harness.add_ratios(rows, bf16="flax layer bf16", fp8="flax layer fp8")
   return rows
 
 
 def stack_memory(ctx: harness.Context, key) -> list[dict]:
   """Compiled temp memory of the 4-layer stack at batch 8 (compiled only, not run)."""
-  c = {k: (v // ctx.shrink if k in ("seq", "hidden", "mlp") else v) for k, v in LAYER.items()}
-  c["heads"] = max(1, c["heads"] // ctx.shrink)
-  c["batch"] = STACK["batch"]
+  c = _config(ctx, STACK["batch"])
   shape = (c["batch"], c["seq"], c["hidden"])
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   rows = []
   for name, (model, rec) in _impls(c, STACK["layers"]).items():
-    fn = _fwd_bwd(model, rec, {})
+    fn = harness.layer_fwd_bwd(model, rec)
     with te_jax.autocast(enabled=rec is not None, recipe=rec):
-      variables = jax.eval_shape(lambda k: model.init(k, jnp.zeros(shape, jnp.bfloat16)), key)
+      variables = jax.eval_shape(lambda k, model=model: model.init(k, jnp.zeros(shape, jnp.bfloat16)), key)
     compiled = fn.lower(variables, x, x).compile()
     rows.append({
         "bench": "transformer",
@@ -209,9 +178,7 @@ def stack_memory(ctx: harness.Context, key) -> list[dict]:
         "ok": True,
         "note": "acceptance: temp <= 0.8x Flax fp8" if name == "te_jax TransformerLayer fp8" else "",
     })
-  by = {r["impl"]: r for r in rows}
-  for r in rows:
-    r["temp_vs_flax_fp8"] = r["temp_mib"] / by["flax layer fp8"]["temp_mib"]
+  harness.add_ratios(rows, bf16="flax layer bf16", fp8="flax layer fp8")
   return rows
 
 

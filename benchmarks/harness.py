@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import te_jax
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -259,6 +261,75 @@ def print_pair(bench: str, rows: Sequence[dict]) -> None:
         f"{te_row['speedup_vs_xla']:.2f}x, {te_row['pct_copy']:.0f}% of copy BW ({te_row['pct_copy_loop']:.0f}% "
         f"in a loop), {te_row['handler']}" + (f" [{te_row['note']}]" if not te_row["ok"] else ""),
         file=sys.stderr, flush=True)
+
+
+def run_pairs(ctx: Context, bench: str, cases: Sequence[Any], bench_case: Callable[..., list[dict]],
+              seed: int = 0) -> list[dict]:
+  """Runs ``bench_case(ctx, case, key)`` for every case (a (te_jax, XLA) pair of rows each, keys ``seed + i``),
+  printing one progress line per pair; returns all rows in order."""
+  rows = []
+  for i, case in enumerate(cases):
+    case_rows = bench_case(ctx, case, jax.random.key(seed + i))
+    print_pair(bench, case_rows)
+    rows += case_rows
+  return rows
+
+
+# ---- layers: fwd+bwd of Flax modules against Flax baselines ------------------------------------------------------
+
+
+def layer_fwd_bwd(model: Any, rec: Any, **apply_kw: Any) -> Callable[..., Any]:
+  """The jitted training computation of a layer: ``(variables, x, dy) -> (out, (d_variables, dx))``, the output and
+  ``jax.vjp`` of ``model.apply`` w.r.t. the variables (parameters and FP8 state) and the input, under
+  ``te_jax.autocast(recipe=rec)`` (FP8 off when ``rec`` is None)."""
+  def f(variables, x, dy):
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      out, vjp = jax.vjp(lambda v, x: model.apply(v, x, **apply_kw), variables, x)
+    return out, vjp(dy)
+
+  return jax.jit(f)
+
+
+def warm_layer(model: Any, rec: Any, fn: Callable[..., Any], key: jax.Array, x: jax.Array, dy: jax.Array,
+               steps: int = 3, **init_kw: Any) -> tuple[Any, jax.Array]:
+  """The layer's variables after ``steps`` calls of ``fn`` (so that delayed scaling's amax history holds real values;
+  Flax's own FP8 ops keep their state in the same collection), and the last output."""
+  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+    variables = model.init(key, x, **init_kw)
+  out = None
+  for _ in range(steps):
+    out, (grads, _) = fn(variables, x, dy)
+    if te_jax.FP8_COLLECTION in grads:
+      variables = {**variables, te_jax.FP8_COLLECTION: grads[te_jax.FP8_COLLECTION]}
+  return variables, out
+
+
+def layer_row(ctx: Context, fn: Callable[..., Any], args: Sequence[Any], *, flops: float, out: jax.Array,
+              problems: list[str]) -> dict[str, Any]:
+  """The timing, rate, temp memory and handler fields of a layer's row; ``problems`` gets "non-finite output"."""
+  t = time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
+  compiled = fn.lower(*args).compile()
+  targets = custom_call_targets(fn, *args)
+  if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
+    problems.append("non-finite output")
+  return {
+      "ms": t.ms,
+      "timing": t.as_dict(),
+      "tflops": flops / (t.ms * 1e-3) / 1e12,
+      "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+      "targets": sorted(targets),
+      "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas", "__cudnn")))) or "xla",
+  }
+
+
+def add_ratios(rows: list[dict], *, bf16: str, fp8: str) -> None:
+  """Speed-ups against the ``bf16`` and ``fp8`` baseline impls, and temp memory against the ``fp8`` one."""
+  by = {r["impl"]: r for r in rows}
+  for r in rows:
+    if r.get("ms") == r.get("ms"):  # not NaN: a timed row
+      r["speedup_vs_bf16"] = by[bf16]["ms"] / r["ms"]
+      r["speedup_vs_flax_fp8"] = by[fp8]["ms"] / r["ms"]
+    r["temp_vs_flax_fp8"] = r["temp_mib"] / by[fp8]["temp_mib"]
 
 
 def gbps(nbytes: int, ms: float) -> float:
