@@ -481,6 +481,12 @@ def fp8_attention_support(head_dim: int = 128, q_len: int = 128, kv_len: int = 1
   backward), returns an FP8 output and the amax of S and O; no bias, no mask other than causal, no padding, no dropout;
   training needs head dim 128 and sequence lengths that are multiples of 128, inference a head dim that is a multiple
   of 16 up to 256. cuDNN runs it on Hopper (compute capability 9.0) and later.
+
+  ``fp8=True`` uses its forward (inference) call with per-tensor current scaling (see ``_fp8_forward``); measured on
+  an H200 with cuDNN 9.19 (B=2, T=S=256, H=4, D=128, GQA included): max error 8-12% and mean error 0.6% of max|out|
+  against float32 attention, what E4M3's 3 mantissa bits give. Its FP8 backward call is not used: it needs the scale
+  factors of dQ, dK, dV and dP before it runs (delayed scaling state), so the backward pass runs in the input
+  precision.
   """
   if _native.REFERENCE_FORCED:
     return False, "TE_JAX_REFERENCE=1 forces the pure-JAX path"
