@@ -398,8 +398,6 @@ def _needs_dense_mask(cfg: _Config) -> bool:
 
 def _fused_unsupported(cfg: _Config) -> str | None:
   """Why cuDNN (through JAX 0.11.2) cannot run this configuration, or None when it can."""
-  if _native.REFERENCE_FORCED:
-    return "TE_JAX_REFERENCE=1 forces the pure-JAX path"
   cc = _gpu_compute_capability()
   if cc is None:
     return "no GPU: cuDNN attention runs on NVIDIA GPUs only"
@@ -600,6 +598,8 @@ def _choose(cfg: _Config, backend: str) -> AttentionBackend:
                             f"{cfg.dtype}")
   if backend == "unfused":
     return AttentionBackend("unfused", "requested")
+  if _native.REFERENCE_FORCED:  # everywhere, an explicit "fused" included: the switch exists for A/B runs
+    return AttentionBackend("unfused", "TE_JAX_REFERENCE=1 forces the pure-JAX path")
   why_not = _fused_unsupported(cfg)
   if why_not is None:
     return AttentionBackend("fused", _fused_reason(cfg))
@@ -643,8 +643,8 @@ def _unpack_shapes(query, key, value, qkv_layout):
   """``_unpack`` for shape-only arguments (ShapeDtypeStruct cannot be indexed)."""
   _, packing = QKV_LAYOUTS[qkv_layout]
   if value is not None or (packing == "qkv" and key is not None):
-    raise ValueError(f"qkv_layout={qkv_layout!r} packs {'q, k and v in `query`' if packing == 'qkv' else 'k and v in `key`'}: "
-                     "pass None for the packed-away arrays")
+    where = "q, k and v in `query`" if packing == "qkv" else "k and v in `key`"
+    raise ValueError(f"qkv_layout={qkv_layout!r} packs {where}: pass None for the packed-away arrays")
   packed = query if packing == "qkv" else key
   if packed is None or len(packed.shape) != 5 or packed.shape[2] != (3 if packing == "qkv" else 2):
     raise ValueError(f"qkv_layout={qkv_layout!r}: the packed tensor must be 5-D with {3 if packing == 'qkv' else 2} "
@@ -687,7 +687,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     window_size: sliding window (left, right), -1 = unbounded on that side; None = no window.
     qkv_layout: one of ``QKV_LAYOUTS``.
     backend: "auto" (cuDNN when it supports the configuration on this machine, else unfused), "fused" (cuDNN or a
-      ValueError saying why not) or "unfused".
+      ValueError saying why not) or "unfused". ``TE_JAX_REFERENCE=1`` makes every call unfused.
     fp8: the forward pass in FP8 through cuDNN (see ``fp8_attention_support``); the backward in the input precision.
 
   Returns:

@@ -376,6 +376,23 @@ def test_fused_without_gpu_says_why():
     _call(fp8=True)
 
 
+def test_attention_backend_takes_shapes_and_packed_layouts():
+  packed = jax.ShapeDtypeStruct((B, 16, 3, H, D), jnp.bfloat16)
+  choice = te_jax.attention_backend(packed, qkv_layout="BS3HD", attn_mask_type="causal", backend="unfused")
+  assert choice == te_jax.AttentionBackend("unfused", "requested")
+  with pytest.raises(ValueError, match="packs q, k and v"):
+    te_jax.attention_backend(packed, packed, qkv_layout="BS3HD")
+  kv = jax.ShapeDtypeStruct((B, 16, 2, H, D), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((B, 16, H, D), jnp.bfloat16)
+  assert te_jax.attention_backend(q, kv, qkv_layout="BSHD_BS2HD").name in ("fused", "unfused")
+
+
+def test_reference_forced_means_unfused(monkeypatch):
+  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", True)  # noqa: SLF001
+  choice = te_jax.attention_backend(*qkv(8, 8, dtype=jnp.bfloat16), backend="fused")
+  assert choice.name == "unfused" and "TE_JAX_REFERENCE" in choice.reason
+
+
 # ---- jit, vmap, the module -----------------------------------------------------------------------------------------
 
 
