@@ -528,13 +528,13 @@ def _assert_close_to_reference(fused, unfused, ref, what):
   assert err_fused <= 2 * err_unfused + 2e-3 * scale, (what, err_fused, err_unfused, scale)
 
 
-def _check_fused(case):
+def _check_fused(case, emulated=False):
   assert te_jax.attention_backend(case["q"], case["k"], case["v"], case["bias"], case["mask"],
                                   segment_ids=case["segment_ids"], attn_mask_type=case["attn_mask_type"],
                                   attn_bias_type=case["attn_bias_type"],
                                   window_size=case["window_size"]).name == "fused"
   fused, g_fused, hlo = _run_backend(case, "fused")
-  assert "__cudnn$fmha" in hlo
+  assert ("__cudnn$fmha" in hlo) != emulated
   unfused, g_unfused, hlo_unfused = _run_backend(case, "unfused")
   assert "__cudnn$fmha" not in hlo_unfused
   ref, g_ref, _ = _run_backend(case, "unfused", jnp.float32)
@@ -543,6 +543,96 @@ def _check_fused(case):
   for name, a, b, r in zip(("dq", "dk", "dv", "dbias"), g_fused, g_unfused, g_ref):
     assert np.all(np.isfinite(a)), name
     _assert_close_to_reference(a, b, r, name)
+
+
+# ---- the fused backend's glue on any machine, with cuDNN's call emulated ---------------------------------------------
+
+
+@pytest.fixture
+def emulated_cudnn(monkeypatch):
+  """Replaces JAX's cuDNN attention calls by XLA code with the semantics measured on an H200 (cuDNN 9.19): the causal
+  mask is top-left (j <= i) for any T, S; a sliding window of length w keeps i - w < j <= i; the bias is added after
+  the scaling, and its gradient flows only when has_dbias; FP8 takes the descale factors of q, k, v and writes
+  O * scale_o in E4M3. Everything te_jax does around the call (bias and mask folding, zeroed rows, layouts, the FP8
+  scaling) then runs on the CPU against the unfused backend."""
+  from jax._src.cudnn import fused_attention_stablehlo as real  # noqa: PLC0415
+
+  def attend(q, k, v, bias, scale, causal, window):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return jax.nn.dot_product_attention(*f32, bias=bias, scale=scale, is_causal=causal,
+                                        local_window_size=None if window is None else (window - 1, 0),
+                                        implementation="xla")
+
+  def dot_product_attention(q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v, scale, seed,
+                            dropout_rate, variadic_args, mask_type, layout, window, cudnn_version, return_residual):
+    assert layout == real.AttentionLayout.BTNH.value and dropout_rate == 0.0 and not return_residual
+    assert all(x.size == 0 for x in (q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v))
+    has_bias, has_dbias = variadic_args
+    assert q.dtype == k.dtype == v.dtype and (not has_bias or bias.dtype == q.dtype)
+    b = (bias if has_dbias else jax.lax.stop_gradient(bias)).astype(jnp.float32) if has_bias else None
+    return attend(q, k, v, b, scale, mask_type == real.MaskType.CAUSAL, window).astype(q.dtype)
+
+  def fp8_fwd(q8, k8, v8, params, scale, causal, layout, cudnn_version):
+    descale_q, descale_k, descale_v, descale_s, scale_s, scale_o = params
+    assert q8.dtype == k8.dtype == v8.dtype == jnp.float8_e4m3fn
+    assert abs(float(scale_s.reshape(())) * float(descale_s.reshape(())) - 1.0) < 1e-6
+    out = attend(q8.astype(jnp.float32) * descale_q, k8.astype(jnp.float32) * descale_k,
+                 v8.astype(jnp.float32) * descale_v, None, scale, causal, None)
+    return (out * scale_o).astype(jnp.float8_e4m3fn), jnp.zeros((1, 1, 1, 1)), jnp.zeros((1, 1, 1, 1))
+
+  fake = type("EmulatedCudnn", (), dict(
+      AttentionLayout=real.AttentionLayout, MaskType=real.MaskType, check_layout=staticmethod(real.check_layout),
+      get_large_negative_number=staticmethod(real.get_large_negative_number),
+      _dot_product_attention=staticmethod(dot_product_attention),
+      _dot_product_attention_fp8_fwd=staticmethod(fp8_fwd)))
+  monkeypatch.setattr(attention, "_cudnn", lambda: (fake, 91900))
+  monkeypatch.setattr(attention, "_gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", False)  # noqa: SLF001
+
+
+EMULATED_CASES = GPU_CASES + [("padding", None, None, 2, "segments"), ("padding_causal", None, None, 4, "segments"),
+                              ("causal", None, (7, 0), 4, "T<S"), ("causal_bottom_right", None, None, 4, "T<S"),
+                              ("causal", "alibi", None, 2, "T>S")]
+
+
+@pytest.mark.parametrize("case", EMULATED_CASES, ids=["-".join(map(str, c)) for c in EMULATED_CASES])
+def test_fused_glue_with_emulated_cudnn(emulated_cudnn, case):
+  mask_type, bias_type, window, kv_heads, *extra = case
+  t, s = {"T<S": (16, 32), "T>S": (32, 16)}.get(extra[0] if extra else None, (32, 32))
+  _check_fused(_gpu_case(mask_type, bias_type, window, kv_heads, t=t, s=s, segment=extra == ["segments"]),
+               emulated=True)
+
+
+def test_fused_glue_sbhd_and_zero_rows_with_emulated_cudnn(emulated_cudnn):
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  got = te_jax.dot_product_attention(*(jnp.swapaxes(x, 0, 1) for x in (q, k, v)), attn_mask_type="causal",
+                                     qkv_layout="SBHD", backend="fused")
+  want = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="fused")
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got, 0, 1), np.float32), np.asarray(want, np.float32))
+  mask = np.zeros((B, 1, 32, 32), bool)
+  mask[0, 0, 5, :] = True
+  out = te_jax.dot_product_attention(q, k, v, None, jnp.asarray(mask), attn_mask_type="arbitrary", backend="fused")
+  assert np.all(np.asarray(out[0, 5], np.float32) == 0) and np.any(np.asarray(out[0, 4], np.float32) != 0)
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
+def test_fp8_glue_with_emulated_cudnn(emulated_cudnn, mask_type):
+  """With the FP8 call emulated exactly (dequantized inputs, E4M3 output), the error is that of quantizing q, k, v
+  and O to E4M3 with te_jax's scales: a few 2^-4 relative roundings; the gradient is the bf16 one."""
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  assert te_jax.attention_backend(q, k, v, attn_mask_type=mask_type, fp8=True).name == "fused"
+  out = np.asarray(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True), np.float32)
+  ref = np.asarray(te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                attn_mask_type=mask_type, backend="unfused"))
+  scale = np.max(np.abs(ref))
+  assert np.max(np.abs(out - ref)) <= 0.25 * scale and np.mean(np.abs(out - ref)) <= 0.02 * scale
+  grad = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
+                                    .astype(jnp.float32)))(q)
+  want = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, backend="fused")
+                                    .astype(jnp.float32)))(q)
+  np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match="fp8=True cannot run"):
+    te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=(4, 0), fp8=True)
 
 
 @pytest.mark.gpu
