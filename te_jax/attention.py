@@ -462,7 +462,7 @@ def _fused(q, k, v, bias, dense_mask, cfg: _Config):
       q, k, v, unused if total is None else total, unused, unused, unused, unused, unused, unused,
       cfg.scale, 0, 0.0, (total is not None, has_dbias), mask_type, layout.value, window, cudnn_version, False)
   if dense_mask is not None:  # fully masked rows: cuDNN averages v (all logits equal), the definition says 0
-    valid = ~jnp.all(dense_mask, axis=-1)  # (B|1, H|1, T)
+    valid = ~jnp.all(_combine(dense_mask, _band_mask(cfg)), axis=-1)  # (B|1, H|1, T); the band: causal in cuDNN
     out = out * jnp.transpose(valid, (0, 2, 1))[..., None].astype(out.dtype)
   return out
 

@@ -615,6 +615,18 @@ def test_fused_glue_sbhd_and_zero_rows_with_emulated_cudnn(emulated_cudnn):
   assert np.all(np.asarray(out[0, 5], np.float32) == 0) and np.any(np.asarray(out[0, 4], np.float32) != 0)
 
 
+def test_fused_glue_left_padding_with_emulated_cudnn(emulated_cudnn):
+  """Left padding with a causal mask: the first rows see only padded keys under cuDNN's causal mask, although the
+  padding mask alone leaves later keys open; they must still come out 0."""
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  pad = np.arange(32)[None, :] < np.asarray([6, 0])[:, None]  # example 0: the first 6 tokens are padding
+  mask = jnp.asarray((pad[:, None, :] & np.ones((B, 32, 1), bool))[:, None])  # keys only: queries stay unmasked
+  out = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="fused")
+  want = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="unfused")
+  assert np.all(np.asarray(out[0, :6], np.float32) == 0) and np.all(np.asarray(want[0, :6], np.float32) == 0)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
 def test_fp8_glue_with_emulated_cudnn(emulated_cudnn, mask_type):
   """With the FP8 call emulated exactly (dequantized inputs, E4M3 output), the error is that of quantizing q, k, v
