@@ -32,7 +32,8 @@ Two backends compute the same function:
   why; ``"auto"`` takes the fused one when it can.
 
 FP8: ``fp8_attention_support`` reports what JAX's cuDNN FP8 flash attention offers here; ``fp8=True`` runs the forward
-pass in FP8 (E4M3, per-tensor current scaling) and the backward pass in the input precision (see ``fp8_attention_support`` and ``_fp8_forward``).
+pass in FP8 (E4M3, per-tensor current scaling) and the backward pass in the input precision (see
+``fp8_attention_support`` and ``_fp8_forward``).
 """
 
 from __future__ import annotations
