@@ -11,8 +11,6 @@
   unfused bfloat16 error plus a small floor (the flash-attention tolerance rule); the HLO holds ``__cudnn$fmha``.
 """
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -376,6 +374,23 @@ def test_fused_without_gpu_says_why():
     _call(fp8=True)
 
 
+def test_attention_backend_takes_shapes_and_packed_layouts():
+  packed = jax.ShapeDtypeStruct((B, 16, 3, H, D), jnp.bfloat16)
+  choice = te_jax.attention_backend(packed, qkv_layout="BS3HD", attn_mask_type="causal", backend="unfused")
+  assert choice == te_jax.AttentionBackend("unfused", "requested")
+  with pytest.raises(ValueError, match="packs q, k and v"):
+    te_jax.attention_backend(packed, packed, qkv_layout="BS3HD")
+  kv = jax.ShapeDtypeStruct((B, 16, 2, H, D), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((B, 16, H, D), jnp.bfloat16)
+  assert te_jax.attention_backend(q, kv, qkv_layout="BSHD_BS2HD").name in ("fused", "unfused")
+
+
+def test_reference_forced_means_unfused(monkeypatch):
+  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", True)  # noqa: SLF001
+  choice = te_jax.attention_backend(*qkv(8, 8, dtype=jnp.bfloat16), backend="fused")
+  assert choice.name == "unfused" and "TE_JAX_REFERENCE" in choice.reason
+
+
 # ---- jit, vmap, the module -----------------------------------------------------------------------------------------
 
 
@@ -465,6 +480,8 @@ def _gpu_case(mask_type, bias_type, window, kv_heads, t=GPU_T, s=GPU_S, layout="
     mask = jnp.asarray(np.random.default_rng(3).random((1, 1, t, s)) < 0.5)
   if bias_type == "post_scale_bias":
     bias = randn(11, (1, H, t, s), jnp.bfloat16)
+  elif bias_type == "per_example_bias":  # a (B, 1, T, S) bias: one per example, shared by the heads
+    bias, bias_type = randn(12, (B, 1, t, s), jnp.bfloat16), "post_scale_bias"
   return dict(q=q, k=k, v=v, bias=bias, mask=mask, segment_ids=segment_ids, attn_mask_type=mask_type,
               attn_bias_type=bias_type, window_size=window, layout=layout)
 
@@ -497,6 +514,7 @@ GPU_CASES = [
     ("causal", None, (32, 0), 4), ("no_mask", None, (16, 16), 4), ("causal_bottom_right", None, None, 4),
     ("no_mask", "post_scale_bias", None, 4), ("causal", "post_scale_bias", None, 2),
     ("padding", "post_scale_bias", None, 4), ("causal", "alibi", None, 4), ("no_mask", "alibi", None, 2),
+    ("no_mask", "per_example_bias", None, 2), ("padding_causal", "per_example_bias", None, 4),
 ]
 
 
@@ -508,13 +526,13 @@ def _assert_close_to_reference(fused, unfused, ref, what):
   assert err_fused <= 2 * err_unfused + 2e-3 * scale, (what, err_fused, err_unfused, scale)
 
 
-def _check_fused(case):
+def _check_fused(case, emulated=False):
   assert te_jax.attention_backend(case["q"], case["k"], case["v"], case["bias"], case["mask"],
                                   segment_ids=case["segment_ids"], attn_mask_type=case["attn_mask_type"],
                                   attn_bias_type=case["attn_bias_type"],
                                   window_size=case["window_size"]).name == "fused"
   fused, g_fused, hlo = _run_backend(case, "fused")
-  assert "__cudnn$fmha" in hlo
+  assert ("__cudnn$fmha" in hlo) != emulated
   unfused, g_unfused, hlo_unfused = _run_backend(case, "unfused")
   assert "__cudnn$fmha" not in hlo_unfused
   ref, g_ref, _ = _run_backend(case, "unfused", jnp.float32)
@@ -523,6 +541,108 @@ def _check_fused(case):
   for name, a, b, r in zip(("dq", "dk", "dv", "dbias"), g_fused, g_unfused, g_ref):
     assert np.all(np.isfinite(a)), name
     _assert_close_to_reference(a, b, r, name)
+
+
+# ---- the fused backend's glue on any machine, with cuDNN's call emulated ---------------------------------------------
+
+
+@pytest.fixture
+def emulated_cudnn(monkeypatch):
+  """Replaces JAX's cuDNN attention calls by XLA code with the semantics measured on an H200 (cuDNN 9.19): the causal
+  mask is top-left (j <= i) for any T, S; a sliding window of length w keeps i - w < j <= i; the bias is added after
+  the scaling, and its gradient flows only when has_dbias; FP8 takes the descale factors of q, k, v and writes
+  O * scale_o in E4M3. Everything te_jax does around the call (bias and mask folding, zeroed rows, layouts, the FP8
+  scaling) then runs on the CPU against the unfused backend."""
+  from jax._src.cudnn import fused_attention_stablehlo as real  # noqa: PLC0415
+
+  def attend(q, k, v, bias, scale, causal, window):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return jax.nn.dot_product_attention(*f32, bias=bias, scale=scale, is_causal=causal,
+                                        local_window_size=None if window is None else (window - 1, 0),
+                                        implementation="xla")
+
+  def dot_product_attention(q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v, scale, seed,
+                            dropout_rate, variadic_args, mask_type, layout, window, cudnn_version, return_residual):
+    assert layout == real.AttentionLayout.BTNH.value and dropout_rate == 0.0 and not return_residual
+    assert all(x.size == 0 for x in (q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v))
+    has_bias, has_dbias = variadic_args
+    assert q.dtype == k.dtype == v.dtype and (not has_bias or bias.dtype == q.dtype)
+    b = (bias if has_dbias else jax.lax.stop_gradient(bias)).astype(jnp.float32) if has_bias else None
+    return attend(q, k, v, b, scale, mask_type == real.MaskType.CAUSAL, window).astype(q.dtype)
+
+  def fp8_fwd(q8, k8, v8, params, scale, causal, layout, cudnn_version):
+    descale_q, descale_k, descale_v, descale_s, scale_s, scale_o = params
+    assert q8.dtype == k8.dtype == v8.dtype == jnp.float8_e4m3fn
+    assert abs(float(scale_s.reshape(())) * float(descale_s.reshape(())) - 1.0) < 1e-6
+    out = attend(q8.astype(jnp.float32) * descale_q, k8.astype(jnp.float32) * descale_k,
+                 v8.astype(jnp.float32) * descale_v, None, scale, causal, None)
+    return (out * scale_o).astype(jnp.float8_e4m3fn), jnp.zeros((1, 1, 1, 1)), jnp.zeros((1, 1, 1, 1))
+
+  fake = type("EmulatedCudnn", (), dict(
+      AttentionLayout=real.AttentionLayout, MaskType=real.MaskType, check_layout=staticmethod(real.check_layout),
+      get_large_negative_number=staticmethod(real.get_large_negative_number),
+      _dot_product_attention=staticmethod(dot_product_attention),
+      _dot_product_attention_fp8_fwd=staticmethod(fp8_fwd)))
+  monkeypatch.setattr(attention, "_cudnn", lambda: (fake, 91900))
+  monkeypatch.setattr(attention, "_gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", False)  # noqa: SLF001
+
+
+EMULATED_CASES = GPU_CASES + [("padding", None, None, 2, "segments"), ("padding_causal", None, None, 4, "segments"),
+                              ("causal", None, (7, 0), 4, "T<S"), ("causal_bottom_right", None, None, 4, "T<S"),
+                              ("causal", "alibi", None, 2, "T>S")]
+
+
+@pytest.mark.parametrize("case", EMULATED_CASES, ids=["-".join(map(str, c)) for c in EMULATED_CASES])
+def test_fused_glue_with_emulated_cudnn(emulated_cudnn, case):
+  mask_type, bias_type, window, kv_heads, *extra = case
+  t, s = {"T<S": (16, 32), "T>S": (32, 16)}.get(extra[0] if extra else None, (32, 32))
+  _check_fused(_gpu_case(mask_type, bias_type, window, kv_heads, t=t, s=s, segment=extra == ["segments"]),
+               emulated=True)
+
+
+def test_fused_glue_sbhd_and_zero_rows_with_emulated_cudnn(emulated_cudnn):
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  got = te_jax.dot_product_attention(*(jnp.swapaxes(x, 0, 1) for x in (q, k, v)), attn_mask_type="causal",
+                                     qkv_layout="SBHD", backend="fused")
+  want = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="fused")
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got, 0, 1), np.float32), np.asarray(want, np.float32))
+  mask = np.zeros((B, 1, 32, 32), bool)
+  mask[0, 0, 5, :] = True
+  out = te_jax.dot_product_attention(q, k, v, None, jnp.asarray(mask), attn_mask_type="arbitrary", backend="fused")
+  assert np.all(np.asarray(out[0, 5], np.float32) == 0) and np.any(np.asarray(out[0, 4], np.float32) != 0)
+
+
+def test_fused_glue_left_padding_with_emulated_cudnn(emulated_cudnn):
+  """Left padding with a causal mask: the first rows see only padded keys under cuDNN's causal mask, although the
+  padding mask alone leaves later keys open; they must still come out 0."""
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  pad = np.arange(32)[None, :] < np.asarray([6, 0])[:, None]  # example 0: the first 6 tokens are padding
+  mask = jnp.asarray((pad[:, None, :] & np.ones((B, 32, 1), bool))[:, None])  # keys only: queries stay unmasked
+  out = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="fused")
+  want = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="unfused")
+  assert np.all(np.asarray(out[0, :6], np.float32) == 0) and np.all(np.asarray(want[0, :6], np.float32) == 0)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
+def test_fp8_glue_with_emulated_cudnn(emulated_cudnn, mask_type):
+  """With the FP8 call emulated exactly (dequantized inputs, E4M3 output), the error is that of quantizing q, k, v
+  and O to E4M3 with te_jax's scales: a few 2^-4 relative roundings; the gradient is the bf16 one."""
+  q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
+  assert te_jax.attention_backend(q, k, v, attn_mask_type=mask_type, fp8=True).name == "fused"
+  out = np.asarray(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True), np.float32)
+  ref = np.asarray(te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                attn_mask_type=mask_type, backend="unfused"))
+  scale = np.max(np.abs(ref))
+  assert np.max(np.abs(out - ref)) <= 0.25 * scale and np.mean(np.abs(out - ref)) <= 0.02 * scale
+  grad = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
+                                    .astype(jnp.float32)))(q)
+  want = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, backend="fused")
+                                    .astype(jnp.float32)))(q)
+  np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match="fp8=True cannot run"):
+    te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=(4, 0), fp8=True)
 
 
 @pytest.mark.gpu
@@ -572,15 +692,20 @@ def test_auto_picks_fused_and_unfused_with_reasons():
   assert choice.name == "unfused" and "dropout" in choice.reason
   choice = te_jax.attention_backend(*qkv(16, 16), attn_mask_type="causal")
   assert choice.name == "unfused" and "float32" in choice.reason
-  choice = te_jax.attention_backend(q, k, v, randn(0, (B, H, 128, 128), jnp.bfloat16))
-  assert choice.name == "unfused" and "batch" in choice.reason
+  choice = te_jax.attention_backend(*qkv(128, 128, dtype=jnp.bfloat16, d=20))
+  assert choice.name == "unfused" and "head dim 20" in choice.reason
+  choice = te_jax.attention_backend(*qkv(127, 127, dtype=jnp.bfloat16, d=64), attn_bias_type="alibi")
+  assert choice.name == "unfused" and "odd sequence length" in choice.reason
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
 def test_fp8_forward(mask_type):
-  """FP8 (E4M3) forward against the float32 result: within E4M3's relative precision (2^-4 per rounding, a few
-  roundings: q, k, P, v, O) of the output's scale; the backward equals the bf16 backward."""
+  """FP8 (E4M3) forward against the float32 result, and the backward against the bf16 one.
+
+  E4M3 keeps 3 mantissa bits: each of q, k, v, P and O is rounded to within 2^-4 of itself. Measured on an H200
+  (cuDNN 9.19, this shape): max error 12% (no mask) and 8% (causal) of max|out|, mean error 0.6%; the bounds below
+  are 25% and 2%. A wrong scale or descale factor is off by a factor, far outside them."""
   ok, reason = te_jax.fp8_attention_support(128, 256, 256, training=False)
   assert ok, reason
   q, k, v = qkv(256, 256, dtype=jnp.bfloat16, d=128)
@@ -590,13 +715,16 @@ def test_fp8_forward(mask_type):
   ref = te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), attn_mask_type=mask_type,
                                      backend="unfused")
   out = np.asarray(f8(q, k, v), np.float32)
-  err = np.max(np.abs(out - np.asarray(ref)))
-  assert err <= 0.15 * float(jnp.max(jnp.abs(ref))), err
+  err = np.abs(out - np.asarray(ref))
+  scale = float(jnp.max(jnp.abs(ref)))
+  assert err.max() <= 0.25 * scale and err.mean() <= 0.02 * scale, (err.max(), err.mean(), scale)
   g = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
                                  .astype(jnp.float32)))(q)
   g_bf16 = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type)
                                       .astype(jnp.float32)))(q)
-  np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_bf16, np.float32))
+  g, g_bf16 = np.asarray(g, np.float32), np.asarray(g_bf16, np.float32)
+  # The same cuDNN backward on the same inputs; its dQ accumulation order may vary between runs.
+  assert np.max(np.abs(g - g_bf16)) <= 1e-2 * np.max(np.abs(g_bf16))
 
 
 @pytest.mark.gpu
@@ -621,7 +749,7 @@ def test_every_gpu_case_is_a_valid_configuration():
   """The GPU cases are valid arguments (checked here on any machine, so that a GPU run fails only on numerics)."""
   for mask_type, bias_type, window, kv_heads in GPU_CASES:
     case = _gpu_case(mask_type, bias_type, window, kv_heads, t=16, s=16)
-    te_jax.attention_backend(case["q"], case["k"], case["v"], case["bias"], case["mask"],
-                             segment_ids=case["segment_ids"], attn_mask_type=mask_type, attn_bias_type=bias_type,
-                             window_size=window)
-  assert list(itertools.chain(GPU_CASES))
+    choice = te_jax.attention_backend(case["q"], case["k"], case["v"], case["bias"], case["mask"],
+                                      segment_ids=case["segment_ids"], attn_mask_type=mask_type,
+                                      attn_bias_type=case["attn_bias_type"], window_size=window)
+    assert choice.name in ("fused", "unfused")
