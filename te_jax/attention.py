@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax import _native
+from te_jax.softmax import scaled_masked_softmax, scaled_softmax
 
 __all__ = [
     "ATTN_BIAS_TYPES",
@@ -321,18 +322,13 @@ def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, 
 def _softmax(logits: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
   """``softmax(scale * logits)`` over the last axis, masked (True = masked out), in float32; 0 on fully masked rows.
 
-  The one place the unfused path computes its softmax: te_jax's fused softmax kernels (``scaled_softmax``,
-  ``scaled_masked_softmax``, ``scaled_upper_triang_masked_softmax``, same mask convention, same zero rows) take over
-  here.
+  The one place the unfused path computes its softmax: te_jax's fused softmax kernels (``te_jax.softmax``: one pass
+  forward, one backward, only the probabilities saved), which share this mask convention and the zero rows.
   """
-  x = logits.astype(jnp.float32) * jnp.float32(scale)
-  if mask is not None:
-    x = jnp.where(mask, -jnp.inf, x)
-  row_max = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a fully masked row: exp(-inf) = 0 everywhere
-  e = jnp.exp(x - row_max)
-  total = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(total == 0.0, 1.0, total)
+  logits = logits.astype(jnp.float32)
+  if mask is None:
+    return scaled_softmax(logits, scale_factor=float(scale))
+  return scaled_masked_softmax(logits, mask, scale_factor=float(scale))
 
 
 def _unfused(q, k, v, bias, mask, dropout_rng, cfg: _Config):
