@@ -1,13 +1,13 @@
 // CUDA handlers for te_norm_fwd and te_norm_bwd: LayerNorm/RMSNorm over the last dim (te_jax/ops/norm.py defines
 // the math; this file computes exactly its elementwise part, and its sums in a fixed order).
 //
-// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
-// up to 32, or a multiple of 32), each with n chunks of 8 elements, chunk t + j * T of the row for thread t
-// (consecutive threads read consecutive 16 bytes). The statistics are two passes over those registers in float32
-// (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the row's warps in order,
-// so every thread of the row gets the same bits. P rows share a block; the blocks are persistent (as many as fit the
-// GPU at once, each looping over row groups), keep gamma/beta in registers where they fit, and copy the next rows'
-// x into a shared-memory ring (cp.async) while the current row is reduced. amax is reduced on the bit patterns of |y|
+// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is spread over T threads (a power of two up to 32,
+// or a multiple of 32), each with n chunks of 8 elements, chunk t + j * T of the row for thread t (consecutive
+// threads read consecutive 16 bytes), copied by cp.async into a shared-memory ring a few rows ahead of the row being
+// normalized. The statistics are two passes over those chunks in float32 (the sum, then the sum of squared
+// deviations), each reduced by a warp butterfly and then the row's warps in order, so every thread of the row gets
+// the same bits. P rows share a block; the blocks are persistent (as many as fit the GPU at once, each looping over
+// row groups) and keep gamma/beta in registers where they fit. amax is reduced on the bit patterns of |y|
 // and folded into the result with one atomicMax per block. Anything else goes through a one-row-per-block kernel
 // that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
@@ -65,18 +65,17 @@ template <__nv_fp8_interpretation_t kFmt>
 struct Fp8 {};
 
 // How 8 float32 results are stored: rounded to the output type (FP8: times scale, saturating), 16-byte stores
-// (8-byte for FP8). Pack returns the FP8 bytes for the transposed copy.
+// (8-byte for FP8). StoreOne returns the FP8 byte for the generic kernel's transposed copy.
 template <typename Tout>
 struct Out;
 
 template <>
 struct Out<float> {
   static constexpr bool kFp8 = false;
-  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
+  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i);
     p[0] = make_float4(y[0], y[1], y[2], y[3]);
     p[1] = make_float4(y[4], y[5], y[6], y[7]);
-    return make_uint2(0, 0);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     static_cast<float*>(out)[i] = y;
@@ -95,12 +94,11 @@ struct Out16 {
       return __floats2half2_rn(a, b);
     }
   }
-  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
+  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float) {
     H2 h[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) h[k] = Pack(y[2 * k], y[2 * k + 1]);
     *reinterpret_cast<uint4*>(static_cast<H*>(out) + i) = *reinterpret_cast<const uint4*>(h);
-    return make_uint2(0, 0);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     if constexpr (std::is_same_v<H, __nv_bfloat16>) {
@@ -125,12 +123,11 @@ struct Out<Fp8<kFmt>> {
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
     return lo | (hi << 16);
   }
-  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float s) {
+  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float s) {
     uint2 q;
     q.x = Cvt4(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
     q.y = Cvt4(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
-    return q;
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float s) {
     const uint8_t q = __nv_cvt_float_to_fp8(__fmul_rn(y, s), __NV_SATFINITE, kFmt);
@@ -419,9 +416,12 @@ __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs 
 __global__ void __launch_bounds__(kTileThreads)
     Fp8TransposeKernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out_t, int64_t rows, int64_t cols) {
   __shared__ __align__(16) uint32_t tile[kTile][kTile / 4];
+  // Tiles in reverse order: the first blocks read the last rows the normalizing kernel wrote, the likeliest to be
+  // still in L2.
+  const int64_t tile_index = gridDim.x - 1 - blockIdx.x;
   const int64_t col_tiles = (cols + kTile - 1) / kTile;
-  const int64_t r0 = blockIdx.x / col_tiles * kTile;
-  const int64_t c0 = blockIdx.x % col_tiles * kTile;
+  const int64_t r0 = tile_index / col_tiles * kTile;
+  const int64_t c0 = tile_index % col_tiles * kTile;
   constexpr int kPieces = kTile * kTile / 16;  // 16-byte pieces per tile
 #pragma unroll
   for (int k = threadIdx.x; k < kPieces; k += kTileThreads) {
