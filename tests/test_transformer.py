@@ -271,17 +271,20 @@ def test_gpu_fp8_layer_runs_fused_kernels_and_matches_cpu(gpu):
   compiled program; its loss and gradients against the CPU path (the same FP8 numerics, the reference GEMM and
   attention) within FP8 rounding flips."""
   cpu = jax.devices("cpu")[0]
-  layer = te_flax.TransformerLayer(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=4,
-                                   layer_type="decoder", dtype=jnp.bfloat16)
+  kw = dict(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=4, layer_type="decoder", dtype=jnp.bfloat16)
+  layer = te_flax.TransformerLayer(**kw)
+  # "auto" picks the attention backend from jax's default backend (the GPU here): the CPU copy asks for unfused.
+  cpu_layer = te_flax.TransformerLayer(backend="unfused", **kw)
   x = _x((2, 128, 256), 17, jnp.bfloat16)
   rec = Float8CurrentScaling()
   with te_jax.autocast(enabled=True, recipe=rec):
     v = layer.init(jax.random.key(18), x, deterministic=True)
 
-    def loss(v, x):
+    def loss(v, x, layer=layer):
       return jnp.mean(layer.apply(v, x, deterministic=True).astype(jnp.float32) ** 2)
 
     grad = jax.jit(jax.value_and_grad(loss))
+    grad_cpu = jax.jit(jax.value_and_grad(lambda v, x: loss(v, x, cpu_layer)))
     on_gpu = jax.device_put((v, x), gpu)
     hlo = grad.lower(*on_gpu).compile().as_text()
     targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
@@ -289,7 +292,7 @@ def test_gpu_fp8_layer_runs_fused_kernels_and_matches_cpu(gpu):
       assert t in targets, (t, sorted(targets))
     assert any(t.startswith("__cudnn$fmha") for t in targets), sorted(targets)
     l_gpu, g_gpu = grad(*on_gpu)
-    l_cpu, g_cpu = grad(*jax.device_put((v, x), cpu))
+    l_cpu, g_cpu = grad_cpu(*jax.device_put((v, x), cpu))
   assert abs(float(l_gpu) - float(l_cpu)) / float(l_cpu) < 2e-2
   for a, b in zip(jax.tree.leaves(g_gpu["params"]), jax.tree.leaves(g_cpu["params"])):
     assert _rel(a, b) < 0.15
