@@ -1,18 +1,17 @@
 // CUDA handlers for te_norm_fwd and te_norm_bwd: LayerNorm/RMSNorm over the last dim (te_jax/ops/norm.py defines
 // the math; this file computes exactly its elementwise part, and its sums in a fixed order).
 //
-// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is spread over T threads (a power of two up to 32,
-// or a multiple of 32), each with n chunks of 8 elements, chunk t + j * T of the row for thread t (consecutive
-// threads read consecutive 16 bytes), copied by cp.async into a shared-memory ring a few rows ahead of the row being
-// normalized. The statistics are two passes over those chunks in float32 (the sum, then the sum of squared
-// deviations), each reduced by a warp butterfly and then the row's warps in order, so every thread of the row gets
-// the same bits. P rows share a block; the blocks are persistent (as many as fit the GPU at once, each looping over
-// row groups) and keep gamma/beta in registers where they fit. amax is reduced on the bit patterns of |y|
-// and folded into the result with one atomicMax per block. Anything else goes through a one-row-per-block kernel
-// that re-reads the row from global memory (L1/L2) for each pass.
+// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
+// up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
+// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
+// registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
+// row's warps in order, so every thread of the row gets the same bits. P rows share a block. amax is reduced on the
+// bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
+// one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
-// FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores); otherwise the one-row kernel
-// writes it byte by byte.
+// FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
+// the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
+// thread writes the R bytes of one column of out_t with one store.
 //
 // Backward: "workers" of T threads each own a fixed block of consecutive rows and a fixed set of columns. Per row they
 // copy x and dz into a shared-memory ring (cp.async, one or two rows ahead of the row being reduced), reduce the two
@@ -42,7 +41,9 @@ namespace {
 constexpr int kVec = 8;                        // elements per chunk (one 16-byte load of a 16-bit input)
 constexpr int kMaxBlock = 512;                 // largest block of the fast kernels
 constexpr int kMaxWarps = kMaxBlock / 32;
+constexpr int kFwdBlock = 256;                 // forward: rows share a block up to this many threads
 constexpr int kGenericThreads = 256;           // the one-row-per-block kernels
+constexpr int kStageBytes = 64 * 1024;         // forward: FP8 bytes staged per block for the transposed copy
 constexpr int kTile = 128;                     // FP8 transpose kernel: 128 x 128-byte tiles ...
 constexpr int kTileThreads = 256;              // ... per block of this many threads
 // Backward partial rows (te_jax/ops/norm.py's _bwd_partial_rows): at least 256, and 2^20 / cols when more, which
@@ -65,17 +66,18 @@ template <__nv_fp8_interpretation_t kFmt>
 struct Fp8 {};
 
 // How 8 float32 results are stored: rounded to the output type (FP8: times scale, saturating), 16-byte stores
-// (8-byte for FP8). StoreOne returns the FP8 byte for the generic kernel's transposed copy.
+// (8-byte for FP8). Pack returns the FP8 bytes for the transposed copy.
 template <typename Tout>
 struct Out;
 
 template <>
 struct Out<float> {
   static constexpr bool kFp8 = false;
-  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float) {
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i);
     p[0] = make_float4(y[0], y[1], y[2], y[3]);
     p[1] = make_float4(y[4], y[5], y[6], y[7]);
+    return make_uint2(0, 0);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     static_cast<float*>(out)[i] = y;
@@ -94,11 +96,12 @@ struct Out16 {
       return __floats2half2_rn(a, b);
     }
   }
-  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float) {
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
     H2 h[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) h[k] = Pack(y[2 * k], y[2 * k + 1]);
     *reinterpret_cast<uint4*>(static_cast<H*>(out) + i) = *reinterpret_cast<const uint4*>(h);
+    return make_uint2(0, 0);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     if constexpr (std::is_same_v<H, __nv_bfloat16>) {
@@ -123,11 +126,12 @@ struct Out<Fp8<kFmt>> {
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
     return lo | (hi << 16);
   }
-  __device__ __forceinline__ static void Store(void* out, int64_t i, const float (&y)[kVec], float s) {
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float s) {
     uint2 q;
     q.x = Cvt4(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
     q.y = Cvt4(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
+    return q;
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float s) {
     const uint8_t q = __nv_cvt_float_to_fp8(__fmul_rn(y, s), __NV_SATFINITE, kFmt);
@@ -206,7 +210,37 @@ struct FwdArgs {
   bool zero_centered;
   int threads_per_row;    // T
   int rows_per_pass;      // P
+  int passes;             // L: the transposed copy stages R = P * L rows per block
 };
+
+// Writes the staged FP8 rows [row0, row0 + R) of out_t: column c's R bytes are contiguous there, one store each.
+__device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch, int R, const FwdArgs& a,
+                                                int64_t row0) {
+  const int valid = a.rows - row0 < R ? static_cast<int>(a.rows - row0) : R;
+  const int width = min(R, 16);
+  const bool vector = valid == R && a.rows % width == 0;  // row0 is a multiple of R: every store is aligned
+  for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
+    uint8_t* dst = a.out_t + static_cast<int64_t>(c) * a.rows + row0;
+    if (!vector) {
+      for (int r = 0; r < valid; ++r) dst[r] = staged[r * pitch + c];
+      continue;
+    }
+    for (int r0 = 0; r0 < R; r0 += 16) {
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        if (r < width) w[r / 4] |= static_cast<uint32_t>(staged[(r0 + r) * pitch + c]) << (8 * (r % 4));
+      }
+      switch (width) {
+        case 16: *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w[0], w[1], w[2], w[3]); break;
+        case 8: *reinterpret_cast<uint2*>(dst + r0) = make_uint2(w[0], w[1]); break;
+        case 4: *reinterpret_cast<uint32_t*>(dst + r0) = w[0]; break;
+        case 2: *reinterpret_cast<uint16_t*>(dst + r0) = static_cast<uint16_t>(w[0]); break;
+        default: dst[r0] = static_cast<uint8_t>(w[0]); break;
+      }
+    }
+  }
+}
 
 // Resident blocks per SM the forward kernel is compiled for: 2 (at most 64 registers per thread, so 1024 threads per
 // SM) where that does not spill; a float32 input with 4 chunks per thread (32 registers of data) keeps 1.
@@ -215,34 +249,9 @@ constexpr int FwdMinBlocks() {
   return sizeof(Tin) == 4 && kN == 4 ? 1 : 2;
 }
 
-// gamma (and beta) stay in registers across the rows a block normalizes with up to 2 chunks per thread (16 or 32
-// registers); with 4 they are re-read per row (from L1).
-template <typename Tin, int kN>
-constexpr bool FwdParamsInRegisters() {
-  return kN <= 2;
-}
-
-// The forward's shared-memory ring, per thread: kStages rows of x (kSlots uint4 each), filled by cp.async
-// kStages - 1 rows ahead of the row being normalized. Three stages where that takes at most 48 KiB at 512 threads,
-// else two.
-template <typename Tin, int kN>
-struct FwdRing {
-  static constexpr int kSlots = kN * Chunk<Tin>::kWords;
-  static constexpr int kStages = 3 * kSlots * 16 * kMaxBlock <= 48 * 1024 ? 3 : 2;
-  static constexpr size_t Bytes(int threads) { return static_cast<size_t>(kStages) * kSlots * 16 * threads; }
-};
-
-// Persistent: each block of P rows x T threads normalizes the row groups blockIdx.x, blockIdx.x + gridDim.x, ...
-// (group k = rows [k * P, k * P + P)), so gamma/beta are loaded once per block and the x loads of the next rows are
-// in flight (cp.async into each thread's own ring slots: no barrier) while the current row is reduced.
 template <typename Tin, typename Tout, bool kRms, int kN>
 __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKernel(FwdArgs a) {
-  using Ring = FwdRing<Tin, kN>;
-  constexpr int kStages = Ring::kStages;
-  constexpr int kSlots = Ring::kSlots;
-  constexpr int kW = Chunk<Tin>::kWords;
-  constexpr bool kRegParams = FwdParamsInRegisters<Tin, kN>();
-  extern __shared__ uint4 ring[];  // [stage][slot][thread]
+  extern __shared__ __align__(16) uint8_t staged[];  // transposed copy: R rows x pitch FP8 bytes
   __shared__ float red[2][1][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
   using O = Out<Tout>;
@@ -250,87 +259,52 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   const int t = threadIdx.x % T;
   const int rr = threadIdx.x / T;
   const int chunks = a.cols / kVec;
-  const int64_t groups = (a.rows + a.rows_per_pass - 1) / a.rows_per_pass;
+  const int pitch = kN * T * kVec;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * a.passes;
   const float n = static_cast<float>(a.cols);
   const float scale = O::kFp8 ? *a.scale : 1.0f;
+  const bool stage = O::kFp8 && a.out_t != nullptr;
   uint32_t amax_bits = 0;
+  int slot = 0;
 
-  // gamma (+ 1 when zero-centered: the same bits as adding it per element) and beta of this thread's chunks.
-  float gr[kRegParams ? kN : 1][kVec], br[kRegParams && !kRms ? kN : 1][kVec];
-  auto params = [&](int c, float (&g)[kVec], float (&b)[kVec]) {
-    LoadParams(a.gamma + c * kVec, g);
-    if constexpr (!kRms) LoadParams(a.beta + c * kVec, b);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) g[i] = a.zero_centered ? __fadd_rn(g[i], 1.0f) : g[i];
-  };
-  if constexpr (kRegParams) {
+  for (int l = 0; l < a.passes; ++l) {
+    const int local = l * a.rows_per_pass + rr;
+    const int64_t row = row0 + local;
+    const bool row_ok = row < a.rows;
+    const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
+    Chunk<Tin> v[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      if (t + j * T < chunks) params(t + j * T, gr[j], br[kRms ? 0 : j]);
-    }
-  }
-
-  auto slot = [&](int64_t k, int s) {
-    return ring + (static_cast<int>(k % kStages) * kSlots + s) * blockDim.x + threadIdx.x;
-  };
-  // The x of this thread's row in the block's k-th row group into its stage, as one commit group (empty past the
-  // last row).
-  auto fetch = [&](int64_t k) {
-    const int64_t row = (blockIdx.x + k * gridDim.x) * a.rows_per_pass + rr;
-    if (row < a.rows) {
-      const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        const int c = t + j * T;
-        if (c >= chunks) continue;
-        const uint4* src = reinterpret_cast<const uint4*>(xr + c * kVec);
-#pragma unroll
-        for (int w = 0; w < kW; ++w) __pipeline_memcpy_async(slot(k, j * kW + w), src + w, sizeof(uint4));
+      const int c = t + j * T;
+      if (row_ok && c < chunks) {
+        v[j].Load(xr + c * kVec);
+      } else {
+        v[j].Zero();  // adds nothing to the sum; excluded from the deviations below
       }
     }
-    __pipeline_commit();
-  };
-  const int64_t iterations = blockIdx.x < groups ? (groups - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-#pragma unroll
-  for (int k = 0; k < kStages - 1; ++k) fetch(k);
-  int red_slot = 0;
-  for (int64_t k = 0; k < iterations; ++k) {
-    fetch(k + kStages - 1);  // into the stage read in the previous iteration
-    __pipeline_wait_prior(kStages - 1);
-    const int64_t row = (blockIdx.x + k * gridDim.x) * a.rows_per_pass + rr;
-    const bool row_ok = row < a.rows;
-    // Chunk j of the row, read from the ring in each of the three passes (fewer registers than holding the row).
-    auto chunk = [&](int j) {
-      Chunk<Tin> v;
-#pragma unroll
-      for (int w = 0; w < kW; ++w) v.raw[w] = *slot(k, j * kW + w);
-      return v;
-    };
     float mean = 0.0f;
     if constexpr (!kRms) {
       float s[1] = {0.0f};
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
-        if (!row_ok || t + j * T >= chunks) continue;  // adds nothing
-        const Chunk<Tin> v = chunk(j);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) s[0] += v.Get(i);
+        for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
       }
-      RowSum(s, T, red[red_slot++ & 1]);
+      RowSum(s, T, red[slot++ & 1]);
       mean = s[0] / n;
     }
     float s2[1] = {0.0f};
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      if (!row_ok || t + j * T >= chunks) continue;
-      const Chunk<Tin> v = chunk(j);
+      if (t + j * T < chunks) {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float d = v.Get(i) - mean;
-        s2[0] = fmaf(d, d, s2[0]);
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v[j].Get(i) - mean;
+          s2[0] = fmaf(d, d, s2[0]);
+        }
       }
     }
-    RowSum(s2, T, red[red_slot++ & 1]);
+    RowSum(s2, T, red[slot++ & 1]);
     const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
     if (t == 0 && row_ok) {
       if constexpr (!kRms) a.mean[row] = mean;
@@ -341,27 +315,26 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
     for (int j = 0; j < kN; ++j) {
       const int c = t + j * T;
       if (c >= chunks) continue;
-      const Chunk<Tin> v = chunk(j);
-      float gl[kRegParams ? 1 : kVec], bl[kRegParams ? 1 : kVec], y[kVec];
-      if constexpr (!kRegParams) params(c, gl, bl);
+      float g[kVec], b[kVec], y[kVec];
+      LoadParams(a.gamma + c * kVec, g);
+      if constexpr (!kRms) LoadParams(a.beta + c * kVec, b);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
-        float gi, bi = 0.0f;
-        if constexpr (kRegParams) {
-          gi = gr[j][i];
-          if constexpr (!kRms) bi = br[j][i];
-        } else {
-          gi = gl[i];
-          if constexpr (!kRms) bi = bl[i];
-        }
-        y[i] = Normalize<kRms>(v.Get(i), mean, rsigma, gi, bi);
+        const float gi = a.zero_centered ? __fadd_rn(g[i], 1.0f) : g[i];
+        y[i] = Normalize<kRms>(v[j].Get(i), mean, rsigma, gi, kRms ? 0.0f : b[i]);
         if constexpr (O::kFp8) amax_bits = max(amax_bits, __float_as_uint(y[i]) & 0x7FFFFFFFu);
       }
-      O::Store(a.out, row * a.cols + c * kVec, y, scale);
+      const uint2 q = O::Store(a.out, row * a.cols + c * kVec, y, scale);
+      if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + c * kVec) = q;
     }
   }
-  __pipeline_wait_prior(0);  // the trailing groups are empty
-  if constexpr (O::kFp8) BlockAmax(amax_bits, a.amax, amax_scratch);
+  if constexpr (O::kFp8) {
+    if (stage) {
+      __syncthreads();
+      WriteTransposed(staged, pitch, a.rows_per_pass * a.passes, a, row0);
+    }
+    BlockAmax(amax_bits, a.amax, amax_scratch);
+  }
 }
 
 // Any shape: one row per block, each pass re-reading the row (from L1/L2), scalar accesses.
@@ -416,12 +389,9 @@ __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs 
 __global__ void __launch_bounds__(kTileThreads)
     Fp8TransposeKernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out_t, int64_t rows, int64_t cols) {
   __shared__ __align__(16) uint32_t tile[kTile][kTile / 4];
-  // Tiles in reverse order: the first blocks read the last rows the normalizing kernel wrote, the likeliest to be
-  // still in L2.
-  const int64_t tile_index = gridDim.x - 1 - blockIdx.x;
   const int64_t col_tiles = (cols + kTile - 1) / kTile;
-  const int64_t r0 = tile_index / col_tiles * kTile;
-  const int64_t c0 = tile_index % col_tiles * kTile;
+  const int64_t r0 = blockIdx.x / col_tiles * kTile;
+  const int64_t c0 = blockIdx.x % col_tiles * kTile;
   constexpr int kPieces = kTile * kTile / 16;  // 16-byte pieces per tile
 #pragma unroll
   for (int k = threadIdx.x; k < kPieces; k += kTileThreads) {
@@ -489,9 +459,9 @@ struct BwdSmem {
 // Resident blocks per SM the backward kernel is compiled for: 2 (at most 64 registers per thread) for 16-bit x and
 // dz with up to 2 chunks per thread, so that the 256 workers of a large input (512 threads each at hidden 8192) are
 // resident at once on 132 SMs instead of running in two waves (before: 122 registers, one block per SM); otherwise
-// 1. The shared memory (2 x ~97 KiB) does not limit this: with no carveout preference set, the driver sizes each
-// kernel's shared-memory carveout to avoid shared-memory occupancy bottlenecks (Volta Tuning Guide, "Unified Shared
-// Memory/L1/Texture Cache"; the same holds on Ampere and Hopper).
+// 1. The driver sizes the shared-memory carveout so that the shared memory does not limit this (Volta and later
+// tuning guides: "the driver automatically configures the shared memory capacity for each kernel to avoid shared
+// memory occupancy bottlenecks").
 template <typename T, typename Tdz, int kN>
 constexpr int BwdMinBlocks() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN <= 2 ? 2 : 1;
@@ -540,9 +510,7 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
 #pragma unroll
         for (int w = 0; w < kWx; ++w) __pipeline_memcpy_async(slot(i, j * kWx + w), xs + w, sizeof(uint4));
 #pragma unroll
-        for (int w = 0; w < kWdz; ++w) {
-          __pipeline_memcpy_async(slot(i, kN * kWx + j * kWdz + w), dzs + w, sizeof(uint4));
-        }
+        for (int w = 0; w < kWdz; ++w) __pipeline_memcpy_async(slot(i, kN * kWx + j * kWdz + w), dzs + w, sizeof(uint4));
       }
     }
     __pipeline_commit();
@@ -783,47 +751,42 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
     return LaunchFp8Transpose(stream, a.out, out_t, a.rows, a.cols);
   }
   const int chunks = a.cols / kVec;
-  // 2 or 4 chunks per thread, 2 preferred (gamma/beta then stay in registers): 8 chunks of a 16-bit input would take
-  // 32 registers of data, and the compiler then needs ~120 registers or spills at 64.
+  // Up to 4 chunks per thread: 8 chunks of a 16-bit input would take 32 registers of data, and the compiler then
+  // needs ~120 registers (it converts and schedules the gamma/beta loads of all chunks at once) or spills at 64.
   static constexpr int kNs[] = {2, 4};
   const bool aligned = Aligned(a.x, 16) && Aligned(a.out, 16) && Aligned(a.gamma, 16) &&
                        (a.beta == nullptr || Aligned(a.beta, 16));
-  // The fast kernel writes no transposed copy: one the transpose kernel cannot take (rows or cols not multiples of
-  // 16) goes through the generic kernel with the rest of the work.
-  const Shape shape = a.cols % kVec == 0 && aligned && a.out_t == nullptr
-                          ? PickShape(chunks, kNs, 2, kMaxBlock, false)
-                          : Shape{};
+  const Shape shape = a.cols % kVec == 0 && aligned ? PickShape(chunks, kNs, 2, kMaxBlock, true) : Shape{};
   if (shape.n == 0) {
-    a.rows_per_pass = 1;
+    a.rows_per_pass = a.passes = 1;
     DispatchBool(rms, [&](auto kRms) {
       NormFwdGenericKernel<Tin, Tout, decltype(kRms)::value><<<a.rows, kGenericThreads, 0, stream>>>(a);
     });
     return LastCudaError("norm_fwd generic kernel launch");
   }
   a.threads_per_row = shape.threads;
-  a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kMaxBlock / shape.threads));
+  a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kFwdBlock / shape.threads));
+  a.passes = 1;
+  size_t smem = 0;
+  if (a.out_t != nullptr) {
+    const int pitch = shape.n * shape.threads * kVec;
+    const int staged_rows = std::max(a.rows_per_pass, std::min(16, PowerOfTwoAtMost(kStageBytes / pitch)));
+    a.passes = staged_rows / a.rows_per_pass;
+    smem = static_cast<size_t>(staged_rows) * pitch;
+  }
+  const int64_t rows_per_block = static_cast<int64_t>(a.rows_per_pass) * a.passes;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   const int threads = a.rows_per_pass * shape.threads;
-  const int64_t groups = (a.rows + a.rows_per_pass - 1) / a.rows_per_pass;
-  int device = 0, sms = 0;
-  TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "norm_fwd device");
-  TE_JAX_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "norm_fwd SMs");
   ffi::Error err = ffi::Error::Success();
   DispatchBool(rms, [&](auto kRms) {
     auto launch = [&](auto kN) {
-      constexpr int kNv = decltype(kN)::value;
-      auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, kNv>;
-      const size_t smem = FwdRing<Tin, kNv>::Bytes(threads);
-      // Always: the default limit is 48 KiB less the static shared memory, which the ring may exceed at 48 KiB.
-      err = CudaError(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-          "norm_fwd shared memory attribute");
-      if (err.failure()) return;
-      // Persistent blocks: as many as are resident at once, or one per row group.
-      int per_sm = 0;
-      err = CudaError(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
-                      "norm_fwd occupancy");
-      if (err.failure()) return;
-      const int64_t blocks = std::min<int64_t>(groups, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
+      auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
+      if (smem > 48 * 1024) {
+        err = CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)),
+                        "norm_fwd shared memory attribute");
+        if (err.failure()) return;
+      }
       kernel<<<blocks, threads, smem, stream>>>(a);
       err = LastCudaError("norm_fwd kernel launch");
     };
@@ -863,11 +826,12 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
         constexpr int n = decltype(kN)::value;
         auto kernel = NormBwdKernel<T, Tdz, decltype(kRms)::value, n>;
         const size_t smem = BwdSmem<T, Tdz, decltype(kRms)::value, n>::Bytes(threads);
-        // Always: the default limit is 48 KiB less the static shared memory, which the ring may exceed at 48 KiB.
-        err = CudaError(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-            "norm_bwd shared memory attribute");
-        if (err.failure()) return;
+        if (smem > 48 * 1024) {
+          err = CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)),
+                          "norm_bwd shared memory attribute");
+          if (err.failure()) return;
+        }
         kernel<<<blocks, threads, smem, stream>>>(a);
         err = LastCudaError("norm_bwd kernel launch");
       };
