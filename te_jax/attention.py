@@ -684,7 +684,9 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     window_size: sliding window (left, right), -1 = unbounded on that side; None = no window.
     qkv_layout: one of ``QKV_LAYOUTS``.
     backend: "auto" (cuDNN when it supports the configuration on this machine, else unfused), "fused" (cuDNN or a
-      ValueError saying why not) or "unfused". ``TE_JAX_REFERENCE=1`` makes every call unfused.
+      ValueError saying why not) or "unfused". ``TE_JAX_REFERENCE=1`` makes every call unfused. The choice is made
+      when the function is traced, from ``jax.default_backend()``: to run a computation on CPU devices of a GPU
+      machine, ask for "unfused" (cuDNN's custom call has no CPU lowering).
     fp8: the forward pass in FP8 through cuDNN (see ``fp8_attention_support``); the backward in the input precision.
 
   Returns:
