@@ -22,18 +22,7 @@ import te_jax.flax as te_flax
 from te_jax import recipe
 
 SHAPES = ((16384, 8192, 8192),)  # (tokens M, in K, out N)
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("TFLOP/s", "tflops"),
-    ("vs Flax bf16", "speedup_vs_bf16"),
-    ("vs Flax fp8", "speedup_vs_flax_fp8"),
-    ("temp MiB", "temp_mib"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
+COLUMNS = harness.LAYER_COLUMNS
 
 
 def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
@@ -69,12 +58,8 @@ def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
 def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, mkn in enumerate(SHAPES):
-    shape_rows = bench_shape(ctx, mkn, jax.random.key(200 + i))
-    for r in shape_rows:
-      print(f"dense {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
-            f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8"
-            + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
-    rows += shape_rows
+    rows += bench_shape(ctx, mkn, jax.random.key(200 + i))
+  harness.print_layer_rows("dense", rows)
   return rows
 
 

@@ -25,19 +25,7 @@ import te_jax.flax as te_flax
 from te_jax import recipe
 
 SHAPES = ((16384, 4096, 16384),)  # (tokens, hidden, intermediate)
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("TFLOP/s", "tflops"),
-    ("vs Flax bf16", "speedup_vs_bf16"),
-    ("vs Flax fp8", "speedup_vs_flax_fp8"),
-    ("temp MiB", "temp_mib"),
-    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
+COLUMNS = harness.LAYER_COLUMNS
 
 
 class FlaxMLP(nn.Module):
@@ -95,13 +83,8 @@ def bench_shape(ctx: harness.Context, shape, key) -> list[dict]:
 def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, shape in enumerate(SHAPES):
-    shape_rows = bench_shape(ctx, shape, jax.random.key(300 + i))
-    for r in shape_rows:
-      print(f"layernorm_mlp {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
-            f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8, "
-            f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x)"
-            + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
-    rows += shape_rows
+    rows += bench_shape(ctx, shape, jax.random.key(300 + i))
+  harness.print_layer_rows("layernorm_mlp", rows)
   return rows
 
 

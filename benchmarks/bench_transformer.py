@@ -27,19 +27,7 @@ from te_jax import recipe
 
 LAYER = {"batch": 4, "seq": 2048, "hidden": 4096, "heads": 32, "mlp": 16384}
 STACK = {"layers": 4, "batch": 8}
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("TFLOP/s", "tflops"),
-    ("vs Flax bf16", "speedup_vs_bf16"),
-    ("vs Flax fp8", "speedup_vs_flax_fp8"),
-    ("temp MiB", "temp_mib"),
-    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
+COLUMNS = harness.LAYER_COLUMNS
 
 
 class FlaxGPTLayer(nn.Module):
@@ -184,10 +172,7 @@ def stack_memory(ctx: harness.Context, key) -> list[dict]:
 
 def run(ctx: harness.Context) -> list[dict]:
   rows = bench_layer(ctx, jax.random.key(400))
-  for r in rows:
-    print(f"transformer {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
-          f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8, "
-          f"temp {r['temp_mib']:.0f} MiB" + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
+  harness.print_layer_rows("transformer", rows)
   stack = stack_memory(ctx, jax.random.key(401))
   for r in stack:
     print(f"transformer {r['case']} {r['impl']}: temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x Flax fp8)",

@@ -322,6 +322,30 @@ def layer_row(ctx: Context, fn: Callable[..., Any], args: Sequence[Any], *, flop
   }
 
 
+LAYER_COLUMNS = (
+    ("case", "case"),
+    ("impl", "impl"),
+    ("ms", "ms"),
+    ("TFLOP/s", "tflops"),
+    ("vs Flax bf16", "speedup_vs_bf16"),
+    ("vs Flax fp8", "speedup_vs_flax_fp8"),
+    ("temp MiB", "temp_mib"),
+    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
+    ("handler", "handler"),
+    ("ok", "ok"),
+    ("note", "note"),
+)
+
+
+def print_layer_rows(bench: str, rows: Sequence[dict]) -> None:
+  """One progress line (stderr) per timed layer row."""
+  for r in rows:
+    print(f"{bench} {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
+          f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8, "
+          f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x)" + (f" [{r['note']}]" if not r["ok"] else ""),
+          file=sys.stderr, flush=True)
+
+
 def add_ratios(rows: list[dict], *, bf16: str, fp8: str) -> None:
   """Speed-ups against the ``bf16`` and ``fp8`` baseline impls, and temp memory against the ``fp8`` one."""
   by = {r["impl"]: r for r in rows}
