@@ -37,6 +37,11 @@ def _check_format(value) -> None:
     raise ValueError(f"fp8_format must be a te_jax.recipe.Format, got {value!r}")
 
 
+def _check_flag(name: str, value) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
   """Per-tensor scaling from the amax history of earlier steps (Transformer Engine's default recipe).
@@ -53,12 +58,16 @@ class DelayedScaling:
     fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
     amax_history_len: how many steps of amax each tensor remembers.
     amax_compute_algo: ``"max"`` over the history, or ``"most_recent"``.
+    fp8_dpa: also run dot-product attention's forward in FP8 (cuDNN FP8 flash attention, per-tensor current
+      scaling of q, k, v), in the attention modules whose configuration it supports (``te_jax.attention_backend``
+      with ``fp8=True`` says why not); elsewhere attention stays in the input precision.
   """
 
   margin: int = 0
   fp8_format: Format = Format.HYBRID
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
+  fp8_dpa: bool = False
 
   def __post_init__(self):
     if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
@@ -69,6 +78,7 @@ class DelayedScaling:
       raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+    _check_flag("fp8_dpa", self.fp8_dpa)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +87,15 @@ class Float8CurrentScaling:
 
   Attributes:
     fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
+    fp8_dpa: FP8 attention forward, as in ``DelayedScaling``.
   """
 
   fp8_format: Format = Format.HYBRID
+  fp8_dpa: bool = False
 
   def __post_init__(self):
     _check_format(self.fp8_format)
+    _check_flag("fp8_dpa", self.fp8_dpa)
 
 
 Recipe = DelayedScaling | Float8CurrentScaling

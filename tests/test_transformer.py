@@ -307,3 +307,47 @@ def test_gpu_bf16_layer_matches_reference(gpu):
   ours = jax.jit(lambda v, x: layer.apply(v, x, deterministic=True))(v, x)
   ref = _layer_ref(jax.device_get(v["params"]), np.asarray(x, np.float32), 2, 1, rope=True)
   assert _rel(ours, ref) < 2e-2
+
+
+# ---- FP8 attention through the recipe ---------------------------------------------------------------------------------
+
+
+def test_recipe_fp8_dpa_is_validated():
+  with pytest.raises(ValueError, match="fp8_dpa"):
+    DelayedScaling(fp8_dpa=1)
+  with pytest.raises(ValueError, match="fp8_dpa"):
+    Float8CurrentScaling(fp8_dpa="yes")
+
+
+def test_recipe_fp8_dpa_routes_attention_where_supported(monkeypatch):
+  """With ``fp8_dpa`` the attention modules take the FP8 path where ``dot_product_attention(fp8=True)`` accepts the
+  configuration, and stay in high precision where it does not (here: no cuDNN FP8 on a CPU)."""
+  import te_jax.attention as attention_mod  # noqa: PLC0415
+
+  mha = te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=2, dtype=jnp.bfloat16)
+  x = _x((2, 8, 32), 21, jnp.bfloat16)
+  v = mha.init(jax.random.key(22), x, deterministic=True)
+
+  def apply(rec):
+    with te_jax.autocast(enabled=True, recipe=rec):
+      return np.asarray(mha.apply(v, x, deterministic=True), np.float32)
+
+  plain = apply(Float8CurrentScaling())
+  np.testing.assert_array_equal(apply(Float8CurrentScaling(fp8_dpa=True)), plain)  # not available here
+  calls = []
+
+  def fake_fp8(q, k, v, cfg):
+    calls.append(cfg.fp8)
+    return jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
+
+  monkeypatch.setattr(attention_mod, "_fp8_unsupported", lambda cfg: None)
+  monkeypatch.setattr(attention_mod, "_fp8_attention", fake_fp8)
+  np.testing.assert_array_equal(apply(Float8CurrentScaling(fp8_dpa=True)), 0.0)  # the FP8 path ran
+  assert calls == [True]
+  assert np.abs(apply(Float8CurrentScaling())).max() > 0  # without fp8_dpa it does not
+  dpa = te_flax.DotProductAttention(head_dim=16, num_attention_heads=2)
+  q = _x((2, 8, 2, 16), 23, jnp.bfloat16)
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(fp8_dpa=True)):
+    assert dpa.backend_for(q, q, q).name == "fused" and "FP8" in dpa.backend_for(q, q, q).reason
+    out = dpa.apply({}, q, q, q, deterministic=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)

@@ -9,6 +9,22 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.attention import QKV_LAYOUTS, AttentionBackend, attention_backend, dot_product_attention
+from te_jax.flax._fp8_state import resolve_recipe
+
+def resolve_fp8(fp8: bool | None, *args, **kwargs) -> bool:
+  """FP8 attention or not: ``fp8`` when given; for None, what the autocast recipe's ``fp8_dpa`` asks, where
+  ``dot_product_attention(*args, fp8=True, **kwargs)`` accepts the configuration (shapes and dtypes are read)."""
+  if fp8 is not None:
+    return fp8
+  recipe = resolve_recipe(None)
+  if recipe is None or not recipe.fp8_dpa:
+    return False
+  try:
+    attention_backend(*args, fp8=True, **kwargs)
+  except ValueError:  # not this configuration, or not on this machine: attention stays in the input precision
+    return False
+  return True
+
 
 # BSHD-family layout -> the same packing in SBHD, for ``transpose_batch_sequence``.
 _TO_SEQUENCE_FIRST = {"BSHD": "SBHD", "BS3HD": "SB3HD", "BSHD_BS2HD": "SBHD_SB2HD"}
@@ -44,7 +60,8 @@ class DotProductAttention(nn.Module):
     transpose_batch_sequence: inputs and output are (S, B, H, D).
     dtype: the compute dtype (q, k, v are cast to it); None keeps the query's.
     backend: "auto", "fused" or "unfused".
-    fp8: the forward pass in FP8 through cuDNN (``te_jax.attention.fp8_attention_support``).
+    fp8: the forward pass in FP8 through cuDNN (``te_jax.attention.fp8_attention_support``); None (default): as the
+      autocast recipe's ``fp8_dpa`` asks, where this configuration allows it (``resolve_fp8``).
   """
 
   head_dim: int
@@ -60,7 +77,7 @@ class DotProductAttention(nn.Module):
   transpose_batch_sequence: bool = False
   dtype: Any = jnp.bfloat16
   backend: str = "auto"
-  fp8: bool = False
+  fp8: bool | None = None
 
   def _layout(self) -> str:
     if self.qkv_layout not in QKV_LAYOUTS:
@@ -90,7 +107,7 @@ class DotProductAttention(nn.Module):
   def _kwargs(self, layout: str) -> dict:
     return dict(attn_mask_type=self.attn_mask_type, attn_bias_type=self.attn_bias_type,
                 scale_factor=self.scale_factor, window_size=self.window_size, qkv_layout=layout,
-                backend=self.backend, fp8=self.fp8)
+                backend=self.backend)
 
   def backend_for(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
                   deterministic: bool = True) -> AttentionBackend:
@@ -99,7 +116,8 @@ class DotProductAttention(nn.Module):
     cast = [None if x is None else jax.ShapeDtypeStruct(x.shape, self.dtype or query.dtype)
             for x in (query, key, value)]
     rate = 0.0 if deterministic else self.attention_dropout
-    return attention_backend(*cast, bias, mask, segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
+    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
+    return attention_backend(*cast, bias, mask, fp8=resolve_fp8(self.fp8, *cast, bias, mask, **kw), **kw)
 
   @nn.compact
   def __call__(self, query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
@@ -123,5 +141,6 @@ class DotProductAttention(nn.Module):
       query, key, value = (None if x is None else x.astype(self.dtype) for x in (query, key, value))
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
-    return dot_product_attention(query, key, value, bias, mask, segment_ids=segment_ids, dropout_rate=rate,
-                                 dropout_rng=rng, **self._kwargs(layout))
+    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
+    fp8 = resolve_fp8(self.fp8, query, key, value, bias, mask, **kw)
+    return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8=fp8, **kw)

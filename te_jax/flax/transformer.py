@@ -29,6 +29,7 @@ import numpy as np
 
 from te_jax.activation import activation
 from te_jax.attention import ATTN_MASK_TYPES, dot_product_attention
+from te_jax.flax.attention import resolve_fp8
 from te_jax.flax.dense import DenseGeneral, _logical
 from te_jax.flax.fused import LayerNormDenseGeneral, LayerNormMLP
 from te_jax.flax.normalization import LayerNorm
@@ -138,6 +139,8 @@ class MultiHeadAttention(nn.Module):
     kernel_init, bias_init: the projections' initializers; kernel_axes_qkv / kernel_axes_out: logical axis names of
       the (hidden, heads, head_dim) and (heads, head_dim, hidden) kernels (e.g. ("embed", "heads", "kv")).
     dtype, param_dtype, backend: compute dtype, parameter dtype, attention backend ("auto", "fused", "unfused").
+    fp8_attention: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks,
+      where the configuration allows it.
   """
 
   head_dim: int
@@ -168,6 +171,7 @@ class MultiHeadAttention(nn.Module):
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   backend: str = "auto"
+  fp8_attention: bool | None = None
 
   def _check(self, hidden: int):
     if self.attn_mask_type not in ATTN_MASK_TYPES:
@@ -290,10 +294,10 @@ class MultiHeadAttention(nn.Module):
 
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
-    out = dot_product_attention(q, k, v, bias, mask, segment_ids=segment_ids, attn_mask_type=mask_type,
-                                attn_bias_type=self.attn_bias_type, scale_factor=self.scale_factor,
-                                dropout_rate=rate, dropout_rng=rng, window_size=self.window_size,
-                                backend=self.backend)
+    kw = dict(segment_ids=segment_ids, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
+              scale_factor=self.scale_factor, dropout_rate=rate, window_size=self.window_size, backend=self.backend)
+    fp8 = resolve_fp8(self.fp8_attention, q, k, v, bias, mask, **kw)
+    out = dot_product_attention(q, k, v, bias, mask, dropout_rng=rng, fp8=fp8, **kw)
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self.kernel_axes_out,
                        bias_axes=self.kernel_axes_out[-1:], dtype=self.dtype, param_dtype=self.param_dtype,
