@@ -351,3 +351,39 @@ def test_recipe_fp8_dpa_routes_attention_where_supported(monkeypatch):
     assert dpa.backend_for(q, q, q).name == "fused" and "FP8" in dpa.backend_for(q, q, q).reason
     out = dpa.apply({}, q, q, q, deterministic=True)
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+# ---- sharding ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_data_parallel_layer_matches_one_device(fp8):
+  """The layer's train-step gradients under jit with the batch sharded over 8 devices equal the unsharded ones, the
+  output keeps the batch sharding, and no activation is all-gathered (only parameter gradients are reduced)."""
+  from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder",
+                                   enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused")
+  x = _x((8, 16, 32), 24)
+  rec = Float8CurrentScaling() if fp8 else None
+  with te_jax.autocast(enabled=fp8, recipe=rec):
+    v = layer.init(jax.random.key(25), x, deterministic=True)
+
+    @jax.jit
+    def step(v, x):
+      y, vjp = jax.vjp(lambda v, x: layer.apply(v, x, deterministic=True), v, x)
+      return y, vjp(jnp.ones_like(y))[0]
+
+    y1, g1 = step(v, x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    vs = jax.device_put(v, NamedSharding(mesh, P()))
+    hlo = step.lower(vs, xs).compile().as_text()
+    y8, g8 = step(vs, xs)
+  assert y8.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), y8.ndim)
+  gathered = [l for l in hlo.splitlines() if "all-gather" in l and "f32[8,16" in l]
+  assert not gathered, gathered[:2]
+  np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
