@@ -2,6 +2,7 @@
 parameters (float32: tight; FP8: within quantization), the KV cache against the full forward, training with FP8
 state, argument errors, and on the GPU the fused path (cuDNN attention, FP8 GEMMs, fused norms) against the CPU."""
 
+import doctest
 import re
 
 import jax
@@ -56,15 +57,17 @@ def _attention_ref(q, k, v, causal: bool, mask=None, bias=None):
 
 
 def _mha_ref(p, x, heads, kv_heads, *, causal=True, rope=False, ln=True, kv=None, mask=None, bias=None):
-  xn = _ln(x, p["qkv" if kv is None else "query"]["scale"], p["qkv" if kv is None else "query"]["ln_bias"]) if ln \
-      else x
-  if kv is None:
-    qkv = jnp.einsum("bsh,hnd->bsnd", xn, p["qkv"]["kernel"])
-    q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
+  """The module's parameter layout: one (hidden, H, 3, D) "qkv" kernel for self attention without GQA, else a
+  "query" (hidden, H, D) and a "kv" (hidden, Hk, 2, D) kernel (the input norm's parameters sit with the first)."""
+  first = p["qkv"] if "qkv" in p else p["query"]
+  xn = _ln(x, first["scale"], first["ln_bias"]) if ln else x
+  if "qkv" in p:
+    qkv = jnp.einsum("bsh,hncd->bsncd", xn, p["qkv"]["kernel"])
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
   else:
     q = jnp.einsum("bsh,hnd->bsnd", xn, p["query"]["kernel"])
-    kvp = jnp.einsum("bsh,hnd->bsnd", kv, p["kv"]["kernel"])
-    k, v = kvp[:, :, :kv_heads], kvp[:, :, kv_heads:]
+    kvp = jnp.einsum("bsh,hncd->bsncd", xn if kv is None else kv, p["kv"]["kernel"])
+    k, v = kvp[..., 0, :], kvp[..., 1, :]
   if rope:
     pos = np.arange(x.shape[1])
     q, k = _rope_ref(q, pos), _rope_ref(k, pos)
@@ -83,6 +86,13 @@ def _layer_ref(p, x, heads, kv_heads, *, rope=False):
 
 def _x(shape, seed=0, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def test_docstring_examples():
+  import te_jax.flax.transformer as module  # noqa: PLC0415
+
+  result = doctest.testmod(module)
+  assert result.attempted > 0 and result.failed == 0, result
 
 
 # ---- float32: tight agreement -----------------------------------------------------------------------------------------
@@ -258,7 +268,7 @@ def test_fp8_layer_trains_close_to_high_precision(rec):
     return
   meta = state.params[te_jax.FP8_COLLECTION]
   names = {"/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(meta)}
-  for module in ("self_attention/qkv", "self_attention/out", "mlp"):
+  for module in ("self_attention/query", "self_attention/kv", "self_attention/out", "mlp"):
     assert any(n.startswith(module) for n in names), (module, sorted(names))
 
 
@@ -384,6 +394,45 @@ def test_data_parallel_layer_matches_one_device(fp8):
   assert y8.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), y8.ndim)
   gathered = [l for l in hlo.splitlines() if "all-gather" in l and "f32[8,16" in l]
   assert not gathered, gathered[:2]
+  np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_tensor_parallel_layer_matches_one_device(fp8):
+  """Heads and the MLP's intermediate dim sharded over a "model" axis (logical axis rules), the batch over "data":
+  the same output and gradients as one device, and no all-gather at all (every shard keeps whole heads of q, k and v,
+  the output projections end in all-reduces)."""
+  import flax.linen as nn  # noqa: PLC0415
+  from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "model"))
+  rules = (("embed", None), ("heads", "model"), ("kv", None), ("qkv", None), ("mlp", "model"), ("act", None))
+  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+                                   enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused",
+                                   logical_axes=True)
+  x = _x((4, 16, 32), 26)
+  rec = Float8CurrentScaling() if fp8 else None
+  with te_jax.autocast(enabled=fp8, recipe=rec):
+    boxed = layer.init(jax.random.key(27), x, deterministic=True)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    v = nn.meta.unbox(boxed)
+    assert shardings["params"]["self_attention"]["qkv"]["kernel"].spec == P(None, "model", None, None)
+    assert shardings["params"]["mlp"]["wo_kernel"].spec == P("model", None)
+
+    @jax.jit
+    def step(v, x):
+      y, vjp = jax.vjp(lambda v, x: layer.apply(v, x, deterministic=True), v, x)
+      return y, vjp(jnp.ones_like(y))[0]
+
+    y1, g1 = step(v, x)
+    vs, xs = jax.device_put(v, shardings), jax.device_put(x, NamedSharding(mesh, P("data")))
+    hlo = step.lower(vs, xs).compile().as_text()
+    y8, g8 = step(vs, xs)
+  assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
+  assert " all-reduce(" in hlo or " all-reduce-start(" in hlo
   np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -41,6 +41,16 @@ __all__ = ["MultiHeadAttention", "RelativePositionBiases", "TransformerLayer"]
 
 LAYER_TYPES = ("encoder", "decoder")
 
+# Logical axis names of the parameters (with ``logical_axes=True``): the hidden size, attention heads, the head dim,
+# the q/k/v (or k/v) packing axis, the MLP's intermediate size and its gated-pair axis.
+EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT = "embed", "heads", "kv", "qkv", "mlp", "act"
+LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT)
+
+
+def _axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
+  """The logical axis names of a parameter, or () (no names) when the module does not name its axes."""
+  return names if enabled else ()
+
 
 def _seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:
   return x if x is None or not transposed else jnp.swapaxes(x, 0, 1)
@@ -114,8 +124,8 @@ class MultiHeadAttention(nn.Module):
   >>> mha = te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=4, num_gqa_groups=2, input_layernorm=True)
   >>> x = jnp.ones((2, 8, 64), jnp.bfloat16)
   >>> y, variables = mha.init_with_output(jax.random.key(0), x, x, deterministic=True)
-  >>> y.shape, jax.tree.map(jnp.shape, variables["params"]["qkv"])["kernel"]
-  ((2, 8, 64), (64, 8, 16))
+  >>> y.shape, sorted((name, p["kernel"].shape) for name, p in variables["params"].items())
+  ((2, 8, 64), [('kv', (64, 2, 2, 16)), ('out', (4, 16, 64)), ('query', (64, 4, 16))])
 
   Attributes:
     head_dim, num_attention_heads: D and H.
@@ -136,8 +146,9 @@ class MultiHeadAttention(nn.Module):
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
     window_size: a sliding window (left, right), -1 = unbounded.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
-    kernel_init, bias_init: the projections' initializers; kernel_axes_qkv / kernel_axes_out: logical axis names of
-      the (hidden, heads, head_dim) and (heads, head_dim, hidden) kernels (e.g. ("embed", "heads", "kv")).
+    kernel_init, bias_init: the projections' initializers.
+    logical_axes: name the parameters' axes with the logical names of ``LOGICAL_AXES`` (map them to mesh axes with
+      ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed replicated).
     dtype, param_dtype, backend: compute dtype, parameter dtype, attention backend ("auto", "fused", "unfused").
     fp8_attention: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks,
       where the configuration allows it.
@@ -166,8 +177,7 @@ class MultiHeadAttention(nn.Module):
   transpose_batch_sequence: bool = False
   kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
   bias_init: Initializer = nn.initializers.zeros_init()
-  kernel_axes_qkv: tuple[str | None, ...] = ()
-  kernel_axes_out: tuple[str | None, ...] = ()
+  logical_axes: bool = False
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   backend: str = "auto"
@@ -187,18 +197,21 @@ class MultiHeadAttention(nn.Module):
     del hidden
     return kv_heads, rotary_dim
 
-  def _projection(self, name: str, heads: int, with_norm: bool, inputs: jax.Array):
-    kw = dict(features=(heads, self.head_dim), use_bias=self.use_bias, kernel_init=self.kernel_init,
-              bias_init=self.bias_init, kernel_axes=self.kernel_axes_qkv, bias_axes=self.kernel_axes_qkv[1:],
+  def _axes(self, *names: str | None) -> tuple[str | None, ...]:
+    return _axes(self.logical_axes, *names)
+
+  def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
+                  with_norm: bool, want_norm_output: bool, inputs: jax.Array):
+    """(LayerNorm ->) a dense projection to ``features``; returns (output, the normalized input or None)."""
+    kw = dict(features=features, use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
+              kernel_axes=self._axes(EMBED, *feature_axes), bias_axes=self._axes(*feature_axes),
               dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     if not with_norm:
       return DenseGeneral(**kw)(inputs), None
-    layer = LayerNormDenseGeneral(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-                                  zero_centered_gamma=self.zero_centered_gamma,
-                                  return_layernorm_output=self.return_layernorm_output,
-                                  scale_axes=self.kernel_axes_qkv[:1], **kw)
-    out = layer(inputs)
-    return out if self.return_layernorm_output else (out, None)
+    out = LayerNormDenseGeneral(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                                zero_centered_gamma=self.zero_centered_gamma,
+                                return_layernorm_output=want_norm_output, scale_axes=self._axes(EMBED), **kw)(inputs)
+    return out if want_norm_output else (out, None)
 
   def _rope(self, q, k, positions, rotary_dim: int, offset):
     """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
@@ -263,19 +276,23 @@ class MultiHeadAttention(nn.Module):
     xq = _seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
     xkv = xq if self_attention else _seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
 
-    if self_attention and self.fuse_qkv_params:
-      qkv, ln_out = self._projection("qkv", h + 2 * kv_heads, self.input_layernorm, xq)
-      q, k, v = jnp.split(qkv, (h, h + kv_heads), axis=-2)
+    d = self.head_dim
+    if self_attention and self.fuse_qkv_params and kv_heads == h:
+      # One (hidden, H, 3, D) kernel, heads major: with the heads sharded (tensor parallelism) every shard holds whole
+      # heads of q, k and v, the GEMM's flattened output dim is sharded in contiguous blocks, and the slices below are
+      # shard-local.
+      qkv, ln_out = self._projection("qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm,
+                                     self.return_layernorm_output, xq)
+      q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     else:
-      q, ln_out = self._projection("query", h, self.input_layernorm, xq)
-      kv_in = ln_out if (self_attention and ln_out is not None) else xkv
-      if self_attention and self.input_layernorm and ln_out is None:
-        # Separate kernels with an input norm: the norm's output feeds key and value too.
-        kv_in = LayerNorm(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-                          zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype,
-                          param_dtype=self.param_dtype, name="kv_layernorm")(xq)
-      kv, _ = self._projection("kv", 2 * kv_heads, False, kv_in)
-      k, v = jnp.split(kv, 2, axis=-2)
+      # GQA, cross attention or separate kernels: a query projection and one (hidden, Hk, 2, D) key/value kernel;
+      # with an input norm on self attention, the norm's output feeds the key/value projection too.
+      kv_from_norm = self_attention and self.input_layernorm
+      q, ln_out = self._projection("query", (h, d), (HEADS, HEAD_DIM), self.input_layernorm,
+                                   self.return_layernorm_output or kv_from_norm, xq)
+      kv_in = ln_out if kv_from_norm else xkv
+      kv, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in)
+      k, v = kv[..., 0, :], kv[..., 1, :]
 
     cache_offset = None
     mask_type = self.attn_mask_type
@@ -299,8 +316,8 @@ class MultiHeadAttention(nn.Module):
     fp8 = resolve_fp8(self.fp8_attention, q, k, v, bias, mask, **kw)
     out = dot_product_attention(q, k, v, bias, mask, dropout_rng=rng, fp8=fp8, **kw)
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
-                       bias_init=self.bias_init, kernel_axes=self.kernel_axes_out,
-                       bias_axes=self.kernel_axes_out[-1:], dtype=self.dtype, param_dtype=self.param_dtype,
+                       bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
+                       bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
                        name="out")(out)
     out = _seq_first_to_batch_first(out, self.transpose_batch_sequence)
     if self.return_layernorm_output:
@@ -339,7 +356,7 @@ class TransformerLayer(nn.Module):
     enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
     window_size: sliding window of self attention.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
-    dtype, param_dtype, backend: as in MultiHeadAttention; kernel_init: every kernel's initializer.
+    dtype, param_dtype, backend, logical_axes: as in MultiHeadAttention; kernel_init: every kernel's initializer.
   """
 
   hidden_size: int = 512
@@ -374,6 +391,7 @@ class TransformerLayer(nn.Module):
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   backend: str = "auto"
+  logical_axes: bool = False
 
   def _check(self):
     if self.layer_type not in LAYER_TYPES:
@@ -397,7 +415,10 @@ class TransformerLayer(nn.Module):
         attn_mask_type=mask_type, attn_bias_type=bias_type, enable_rotary_pos_emb=rope,
         rotary_base=self.rotary_base, rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved,
         use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype,
-        backend=self.backend, name=name, **kw)
+        backend=self.backend, logical_axes=self.logical_axes, name=name, **kw)
+
+  def _axes(self, *names: str | None) -> tuple[str | None, ...]:
+    return _axes(self.logical_axes, *names)
 
   def _dropout_add(self, y, residual, deterministic: bool):
     y = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)(y, deterministic=deterministic)
@@ -405,18 +426,19 @@ class TransformerLayer(nn.Module):
 
   def _post_ln(self, name: str, x):
     return LayerNorm(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-                     zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype, param_dtype=self.param_dtype,
-                     name=name)(x)
+                     zero_centered_gamma=self.zero_centered_gamma, scale_axes=self._axes(EMBED),
+                     bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype, name=name)(x)
 
   def _plain_mlp(self, x, deterministic: bool):
     names = tuple(self.mlp_activations)
     n_act = 2 if len(names) == 2 else 1
     dense = functools.partial(DenseGeneral, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype,
                               param_dtype=self.param_dtype)
-    h = dense(features=(n_act, self.mlp_hidden_size), name="wi")(x)
+    h = dense(features=(n_act, self.mlp_hidden_size), kernel_axes=self._axes(EMBED, ACT, MLP),
+              bias_axes=self._axes(ACT, MLP), name="wi")(x)
     a = activation(h if n_act == 2 else h[..., 0, :], names)
     a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=deterministic)
-    return dense(features=x.shape[-1], name="wo")(a)
+    return dense(features=x.shape[-1], kernel_axes=self._axes(MLP, EMBED), bias_axes=self._axes(EMBED), name="wo")(a)
 
   @nn.compact
   def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
@@ -446,7 +468,8 @@ class TransformerLayer(nn.Module):
     if self.enable_relative_embedding:
       length = x.shape[seq_axis]
       bias = RelativePositionBiases(self.relative_embedding_buckets, self.relative_embedding_max_distance,
-                                    self.num_attention_heads, dtype=jnp.float32, name="relpos_bias")(
+                                    self.num_attention_heads, embedding_axes=self._axes(HEADS, None),
+                                    dtype=jnp.float32, name="relpos_bias")(
                                         length, length, bidirectional=self.layer_type == "encoder")
       bias_type = "post_scale_bias"
 
@@ -479,7 +502,10 @@ class TransformerLayer(nn.Module):
                        intermediate_dropout_rate=self.intermediate_dropout, use_bias=self.use_bias,
                        layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
                        zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
-                       dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")(x, deterministic=deterministic)
+                       kernel_axes_1=self._axes(EMBED, ACT, MLP), kernel_axes_2=self._axes(MLP, EMBED),
+                       bias_axes_1=self._axes(ACT, MLP), bias_axes_2=self._axes(EMBED),
+                       scale_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
+                       name="mlp")(x, deterministic=deterministic)
     x = self._dropout_add(y, x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("mlp_layernorm", x)
