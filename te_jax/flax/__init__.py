@@ -7,6 +7,7 @@ from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
 from te_jax.flax.normalization import LayerNorm as LayerNorm
 from te_jax.flax.fused import LayerNormDenseGeneral as LayerNormDenseGeneral
 from te_jax.flax.fused import LayerNormMLP as LayerNormMLP
+from te_jax.flax.transformer import LOGICAL_AXES as LOGICAL_AXES
 from te_jax.flax.transformer import MultiHeadAttention as MultiHeadAttention
 from te_jax.flax.transformer import RelativePositionBiases as RelativePositionBiases
 from te_jax.flax.transformer import TransformerLayer as TransformerLayer
