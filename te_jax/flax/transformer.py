@@ -147,8 +147,9 @@ class MultiHeadAttention(nn.Module):
     window_size: a sliding window (left, right), -1 = unbounded.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     kernel_init, bias_init: the projections' initializers.
-    logical_axes: name the parameters' axes with the logical names of ``te_jax.flax.LOGICAL_AXES`` (map them to mesh axes with
-      ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed replicated).
+    logical_axes: name the parameters' axes with the logical names of ``te_jax.flax.LOGICAL_AXES`` (map them to
+      mesh axes with ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed
+      replicated).
     dtype, param_dtype, backend: compute dtype, parameter dtype, attention backend ("auto", "fused", "unfused").
     fp8_attention: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks,
       where the configuration allows it.
