@@ -95,7 +95,7 @@ def test_docstring_examples():
   assert result.attempted > 0 and result.failed == 0, result
 
 
-# ---- float32: tight agreement -----------------------------------------------------------------------------------------
+# ---- float32: tight agreement ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -249,7 +249,9 @@ def test_fp8_layer_trains_close_to_high_precision(rec):
 
       @jax.jit
       def step(state):
-        loss_fn = lambda v: jnp.mean((state.apply_fn(v, x, deterministic=True).astype(jnp.float32) - y) ** 2)  # noqa: E731
+        def loss_fn(v):
+          return jnp.mean((state.apply_fn(v, x, deterministic=True).astype(jnp.float32) - y) ** 2)
+
         loss, g = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=g), loss
 
@@ -319,7 +321,7 @@ def test_gpu_bf16_layer_matches_reference(gpu):
   assert _rel(ours, ref) < 2e-2
 
 
-# ---- FP8 attention through the recipe ---------------------------------------------------------------------------------
+# ---- FP8 attention through the recipe --------------------------------------------------------------------------------
 
 
 def test_recipe_fp8_dpa_is_validated():
@@ -363,7 +365,7 @@ def test_recipe_fp8_dpa_routes_attention_where_supported(monkeypatch):
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-# ---- sharding ----------------------------------------------------------------------------------------------------------
+# ---- sharding --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
