@@ -225,13 +225,14 @@ class MultiHeadAttention(nn.Module):
     return rope(q), rope(k)
 
   def _decode_cache(self, k, v):
-    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache, the index before, the mask."""
+    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache and the mask of its unfilled part
+    (True = masked out), or k, v and None at init."""
     initialized = self.has_variable("cache", "cached_key")
     cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
     cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # init: the cache takes the shape of this (full-length) input
-      return k, v, None, None
+      return k, v, None
     batch, max_len, heads, dim = cached_k.value.shape
     steps = k.shape[1]
     if k.shape[0] != batch or k.shape[2:] != (heads, dim) or steps > max_len:
@@ -244,7 +245,7 @@ class MultiHeadAttention(nn.Module):
     key_pos = jnp.arange(max_len)[None, :]
     query_pos = i + jnp.arange(steps)[:, None]
     mask = (key_pos > query_pos)[None, None]
-    return cached_k.value, cached_v.value, i, mask
+    return cached_k.value, cached_v.value, mask
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
@@ -295,20 +296,18 @@ class MultiHeadAttention(nn.Module):
       kv, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in)
       k, v = kv[..., 0, :], kv[..., 1, :]
 
-    cache_offset = None
     mask_type = self.attn_mask_type
     if decode:
       if self.enable_rotary_pos_emb:
         initialized = self.has_variable("cache", "cache_index")
         offset = self.get_variable("cache", "cache_index") if initialized else None
         q, k = self._rope(q, k, positions, rotary_dim, offset)
-      k, v, cache_offset, decode_mask = self._decode_cache(k, v)
+      k, v, decode_mask = self._decode_cache(k, v)
       if decode_mask is not None:
         mask = decode_mask if mask is None else jnp.logical_or(mask, decode_mask)
         mask_type = "arbitrary"
     elif self.enable_rotary_pos_emb:
       q, k = self._rope(q, k, positions, rotary_dim, None)
-    del cache_offset
 
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
