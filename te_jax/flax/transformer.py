@@ -44,7 +44,10 @@ LAYER_TYPES = ("encoder", "decoder")
 # Logical axis names of the parameters (with ``logical_axes=True``): the hidden size, attention heads, the head dim,
 # the q/k/v (or k/v) packing axis, the MLP's intermediate size and its gated-pair axis.
 EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT = "embed", "heads", "kv", "qkv", "mlp", "act"
-LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT)
+# ... and of the activations between the blocks (the residual stream): batch, sequence, hidden. Mapping "seq" to the
+# tensor-parallel mesh axis gives sequence parallelism (norms, dropout and residual adds on sequence shards).
+BATCH, SEQ, ACT_EMBED = "batch", "seq", "act_embed"
+LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
 
 
 def _axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
@@ -149,7 +152,7 @@ class MultiHeadAttention(nn.Module):
     kernel_init, bias_init: the projections' initializers.
     logical_axes: name the parameters' axes with the logical names of ``te_jax.flax.LOGICAL_AXES`` (map them to
       mesh axes with ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed
-      replicated).
+      replicated); in TransformerLayer also the residual stream's (batch, seq, act_embed).
     dtype, param_dtype, backend: compute dtype, parameter dtype, attention backend ("auto", "fused", "unfused").
     fp8_attention: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks,
       where the configuration allows it.
@@ -422,7 +425,15 @@ class TransformerLayer(nn.Module):
 
   def _dropout_add(self, y, residual, deterministic: bool):
     y = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)(y, deterministic=deterministic)
-    return y.astype(residual.dtype) + residual
+    return self._residual_stream(y.astype(residual.dtype) + residual)
+
+  def _residual_stream(self, x):
+    """With ``logical_axes``, pins the residual stream's sharding to the logical (batch, seq, hidden) names (a no-op
+    outside ``nn.logical_axis_rules``)."""
+    if not self.logical_axes:
+      return x
+    names = (SEQ, BATCH, ACT_EMBED) if self.transpose_batch_sequence else (BATCH, SEQ, ACT_EMBED)
+    return nn.with_logical_constraint(x, names)
 
   def _post_ln(self, name: str, x):
     return LayerNorm(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
@@ -462,7 +473,7 @@ class TransformerLayer(nn.Module):
     mask_type = self.self_attn_mask_type or ("causal" if self.layer_type == "decoder" else "padding")
     if mask_type in ("padding", "padding_causal") and attention_mask is None and segment_ids is None:
       mask_type = "no_mask" if mask_type == "padding" else "causal"
-    x = inputs
+    x = self._residual_stream(inputs)
     bias, bias_type = None, self.self_attn_bias_type
     seq_axis = 0 if self.transpose_batch_sequence else 1
     if self.enable_relative_embedding:
