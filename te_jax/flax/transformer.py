@@ -14,6 +14,8 @@ KV cache (decoding): ``decode=True`` keeps the keys and values of past steps in 
 (``cached_key``, ``cached_value``: ``(batch, max_length, kv_heads, head_dim)``, and ``cache_index``). Initialise it
 by calling ``init`` with ``decode=True`` on an input of the full length (the cache takes its shape); then each call
 appends its tokens at ``cache_index`` and attends over the filled part of the cache, as Flax's own attention does.
+The index is a traced value, so appending past the cache's length cannot raise inside ``jit``: as in Flax,
+``lax.dynamic_update_slice`` then clamps the write position. Keep the tokens decoded within ``max_length``.
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ class MultiHeadAttention(nn.Module):
   backend: str = "auto"
   fp8_attention: bool | None = None
 
-  def _check(self, hidden: int):
+  def _check(self):
     if self.attn_mask_type not in ATTN_MASK_TYPES:
       raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
     kv_heads = self.num_gqa_groups or self.num_attention_heads
@@ -198,7 +200,6 @@ class MultiHeadAttention(nn.Module):
     rotary_dim = int(self.head_dim * self.rotary_percent) // 2 * 2
     if self.enable_rotary_pos_emb and rotary_dim < 2:
       raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} leaves no feature pair")
-    del hidden
     return kv_heads, rotary_dim
 
   def _axes(self, *names: str | None) -> tuple[str | None, ...]:
@@ -276,7 +277,7 @@ class MultiHeadAttention(nn.Module):
     if decode and segment_ids is not None:
       raise ValueError("decode=True does not take segment_ids")
     hidden = inputs_q.shape[-1]
-    kv_heads, rotary_dim = self._check(hidden)
+    kv_heads, rotary_dim = self._check()
     h = self.num_attention_heads
     xq = _seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
     xkv = xq if self_attention else _seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
