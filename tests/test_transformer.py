@@ -5,6 +5,7 @@ state, argument errors, and on the GPU the fused path (cuDNN attention, FP8 GEMM
 import doctest
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -417,7 +418,6 @@ def test_tensor_parallel_layer_matches_one_device(fp8):
   """Heads and the MLP's intermediate dim sharded over a "model" axis (logical axis rules), the batch over "data":
   the same output and gradients as one device, and no all-gather at all (every shard keeps whole heads of q, k and v,
   the output projections end in all-reduces)."""
-  import flax.linen as nn  # noqa: PLC0415
   from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -453,7 +453,6 @@ def test_tensor_parallel_layer_matches_one_device(fp8):
 def test_sequence_parallel_layer_matches_one_device(fp8):
   """The residual stream's sequence axis mapped to the tensor-parallel mesh axis as well (sequence parallelism): the
   same output and gradients as one device, and the output stays (batch, sequence)-sharded."""
-  import flax.linen as nn  # noqa: PLC0415
   from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -479,3 +478,55 @@ def test_sequence_parallel_layer_matches_one_device(fp8):
       y8, g8 = jax.jit(step)(jax.device_put(v, shardings), jax.device_put(x, NamedSharding(mesh, P("data", "model"))))
   assert y8.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), y8.ndim), y8.sharding
   _assert_same_step(y8, g8, y1, g1, fp8)
+
+
+class _ScanBody(nn.Module):
+  """One decoder layer as nn.scan's body: (carry, x) -> (carry, y), the layer's output the carry."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder",
+                                     enable_rotary_pos_emb=True, hidden_dropout=0.1, dtype=jnp.bfloat16,
+                                     backend="unfused", name="layer")
+    return layer(x, deterministic=False), None
+
+
+class _ScannedStack(nn.Module):
+  """Three layers through nn.scan, each with its own parameters, FP8 state and dropout key."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(_ScanBody, variable_axes={"params": 0, te_jax.FP8_COLLECTION: 0},
+                    split_rngs={"params": True, "dropout": True}, length=3)
+    return stack(name="layers")(x, None)[0]
+
+
+def test_scanned_layer_stack_trains_with_fp8_state_per_layer():
+  """The usual way to stack layers, nn.scan over the layer: parameters and FP8 state stacked per layer, trained."""
+  x = _x((4, 16, 32), 30, jnp.bfloat16)
+  y = _x((4, 16, 32), 31)
+  model = _ScannedStack()
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    v = model.init({"params": jax.random.key(32), "dropout": jax.random.key(33)}, x)
+    leaves = jax.tree.leaves(v[te_jax.FP8_COLLECTION])
+    assert leaves and all(leaf.shape[0] == 3 for leaf in leaves)  # one state per layer
+    state = train_state.TrainState.create(apply_fn=model.apply, params=v, tx=optax.adam(3e-3))
+
+    @jax.jit
+    def step(state, key):
+      def loss_fn(v):
+        out = state.apply_fn(v, x, rngs={"dropout": key})
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+      loss, g = jax.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=g), loss
+
+    losses = []
+    for i in range(20):
+      state, loss = step(state, jax.random.key(i))
+      losses.append(float(loss))
+  assert losses[-1] < 0.7 * losses[0], losses
+  fp8 = state.params[te_jax.FP8_COLLECTION]
+  scales = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(fp8)
+            if jax.tree_util.keystr(path).endswith("x_scale']")]
+  assert scales and all(s.shape == (3,) and np.all(s != 1.0) for s in scales)  # every layer's scales moved
