@@ -413,16 +413,19 @@ def test_data_parallel_layer_matches_one_device(fp8):
   _assert_same_step(y8, g8, y1, g1, fp8)
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "tp+fsdp"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_tensor_parallel_layer_matches_one_device(fp8):
+def test_tensor_parallel_layer_matches_one_device(fp8, fsdp):
   """Heads and the MLP's intermediate dim sharded over a "model" axis (logical axis rules), the batch over "data":
   the same output and gradients as one device, and no all-gather at all (every shard keeps whole heads of q, k and v,
-  the output projections end in all-reduces)."""
+  the output projections end in all-reduces). With FSDP the parameters' hidden axis is sharded over "data" too, and
+  the weights are all-gathered where they are used."""
   from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "model"))
-  rules = (("embed", None), ("heads", "model"), ("kv", None), ("qkv", None), ("mlp", "model"), ("act", None))
+  rules = (("embed", "data" if fsdp else None), ("heads", "model"), ("kv", None), ("qkv", None), ("mlp", "model"),
+           ("act", None))
   layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
                                    enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused",
                                    logical_axes=True)
@@ -432,8 +435,9 @@ def test_tensor_parallel_layer_matches_one_device(fp8):
     boxed = layer.init(jax.random.key(27), x, deterministic=True)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
     v = nn.meta.unbox(boxed)
-    assert shardings["params"]["self_attention"]["qkv"]["kernel"].spec == P(None, "model", None, None)
-    assert shardings["params"]["mlp"]["wo_kernel"].spec == P("model", None)
+    embed = "data" if fsdp else None
+    assert shardings["params"]["self_attention"]["qkv"]["kernel"].spec == P(embed, "model", None, None)
+    assert shardings["params"]["mlp"]["wo_kernel"].spec == P("model", embed)
 
     @jax.jit
     def step(v, x):
@@ -444,7 +448,8 @@ def test_tensor_parallel_layer_matches_one_device(fp8):
     vs, xs = jax.device_put(v, shardings), jax.device_put(x, NamedSharding(mesh, P("data")))
     hlo = step.lower(vs, xs).compile().as_text()
     y8, g8 = step(vs, xs)
-  assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
+  if not fsdp:  # (with FSDP the weights are all-gathered for use, by design)
+    assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
   assert " all-reduce(" in hlo or " all-reduce-start(" in hlo
   _assert_same_step(y8, g8, y1, g1, fp8)
 
