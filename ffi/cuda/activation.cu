@@ -27,6 +27,7 @@
 #include "te_jax/activation_view.h"
 #include "te_jax/cuda_check.h"
 #include "te_jax/fp8_tile.cuh"
+#include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -61,10 +62,6 @@ struct Params {
   bool e5m2;            // FP8 format
   HpType hp;            // high-precision output dtype
 };
-
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 
 // 8 consecutive elements of one row, kept as loaded (16-bit types stay packed: half the registers of float32 while
 // the loads are in flight) and converted to float32 on use.
@@ -123,13 +120,6 @@ __device__ __forceinline__ void StoreFp8(uint8_t* row, int64_t col, int64_t cols
   } else {
     for (int j = 0; j < kVec && col + j < cols; ++j) row[col + j] = (j < 4 ? p.x >> (8 * j) : p.y >> (8 * (j - 4))) & 0xFF;
   }
-}
-
-template <typename H>
-__device__ __forceinline__ H FromFloat(float v) {
-  if constexpr (std::is_same_v<H, float>) return v;
-  if constexpr (std::is_same_v<H, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  if constexpr (std::is_same_v<H, __half>) return __float2half_rn(v);
 }
 
 template <typename H>

@@ -45,13 +45,6 @@ struct Params {
   float sin_sign;  // -1 backward: a sign flip, exact
 };
 
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
-}
-
 // 8 results converted to T and written with 16-byte stores (two for float32).
 template <typename T>
 __device__ __forceinline__ void Store8(T* p, const float (&v)[kVec]) {

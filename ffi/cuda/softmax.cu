@@ -77,13 +77,6 @@ __device__ __forceinline__ float Exp(float d) {
   return r;
 }
 
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
-}
-
 // Chunk `col` (8 elements) of a row: 16-byte loads when whole and vector-accessible; else elements [col, limit).
 template <typename T>
 __device__ __forceinline__ void LoadChunk(Chunk<T>& c, const T* row, int64_t col, int64_t limit, int64_t cols,

@@ -14,6 +14,14 @@ __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 
+// A float32 result rounded to nearest even in T (float32, bfloat16 or float16).
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
+}
+
 // 8 consecutive input elements, loaded with 16-byte accesses (two for float32).
 template <typename T>
 struct Chunk {
