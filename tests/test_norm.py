@@ -696,8 +696,9 @@ def test_shard_map_outputs_keep_varying_axes():
 # ---- CUDA handlers -------------------------------------------------------------------------------------------------
 
 # The fast kernels (hidden % 8 == 0) with 1, 2 and 4 chunks per thread, sub-warp rows (hidden 8..128), multi-warp
-# rows up to 512 threads, several rows per block with a partial last block, the transposed copy staged over several
-# passes (rows a multiple of 16 for its vector stores, and not); backward workers with several rows each and idle
+# rows up to 512 threads, several rows per block with a partial last block, the transposed copy through the tiled
+# FP8 transpose kernel (rows and hidden multiples of 16: (64, 2048), (600, 4096)... ) and staged in the normalizing
+# kernel otherwise (e.g. (17, 4096), (301, 64)); backward workers with several rows each and idle
 # workers in the last block ((600, 4096), (5000, 512)); the generic kernels (hidden % 8 != 0, or beyond the fast
 # kernels: 16-bit hidden > 16384, float32 backward > 8192); and 1-element rows.
 GPU_SHAPES = [(1, 128), (3, 136), (5, 16), (301, 64), (7, 1000), (2, 3, 768), (32, 1024), (17, 4096), (48, 5120),
