@@ -697,7 +697,7 @@ def test_shard_map_outputs_keep_varying_axes():
 
 # The fast kernels (hidden % 8 == 0) with 1, 2 and 4 chunks per thread, sub-warp rows (hidden 8..128), multi-warp
 # rows up to 512 threads, several rows per block with a partial last block, the transposed copy through the tiled
-# FP8 transpose kernel (rows and hidden multiples of 16: (64, 2048), (600, 4096)... ) and staged in the normalizing
+# FP8 transpose kernel (rows and hidden multiples of 16: (32, 1024), (64, 2048)) and staged in the normalizing
 # kernel otherwise (e.g. (17, 4096), (301, 64)); backward workers with several rows each and idle
 # workers in the last block ((600, 4096), (5000, 512)); the generic kernels (hidden % 8 != 0, or beyond the fast
 # kernels: 16-bit hidden > 16384, float32 backward > 8192); and 1-element rows.
