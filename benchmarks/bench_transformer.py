@@ -4,7 +4,8 @@
 four such layers.
 
 Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal self attention, no biases, float32
-parameters, bfloat16 compute. The timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input,
+parameters, bfloat16 compute; one more te_jax row also runs attention's forward in FP8 (the recipe's ``fp8_dpa``,
+where cuDNN supports it). The timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input,
 applied to a random output gradient, with the output. Rates count the GEMMs and causal attention (half the score
 matrix), forward and backward (``_flops``).
 
@@ -86,12 +87,16 @@ def _impls(c, layers: int | None = None):
   delayed = recipe.DelayedScaling()
   make = {
       "te_jax TransformerLayer fp8": (lambda **k: _te_layer(c, **k), delayed, te_kw),
+      "te_jax TransformerLayer fp8 + fp8 attention": (lambda **k: _te_layer(c, **k),
+                                                      recipe.DelayedScaling(fp8_dpa=True), te_kw),
       "flax layer fp8": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], True, **k), None, {}),
       "flax layer bf16": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], False, **k), None, {}),
       "te_jax TransformerLayer bf16": (lambda **k: _te_layer(c, **k), None, te_kw),
   }
   out = {}
   for name, (fn, rec, kw) in make.items():
+    if layers is not None and name.endswith("fp8 attention"):
+      continue  # the stack's memory is compared for the main four only
     if layers is None:
       model = fn()
     elif kw:  # te_jax layers take deterministic=True: wrapped, since Stack passes x only
@@ -134,8 +139,10 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
     targets = row.pop("targets")
     if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
       problems.append("no cuDNN attention in HLO")
-    if ctx.gpu and name == "te_jax TransformerLayer fp8" and "te_gemm_cuda" not in targets:
+    if ctx.gpu and name.startswith("te_jax TransformerLayer fp8") and "te_gemm_cuda" not in targets:
       problems.append("no te_gemm_cuda in HLO")
+    if ctx.gpu and name.endswith("fp8 attention") and not any("F8" in t for t in targets if "fmha" in t):
+      problems.append("no cuDNN FP8 attention in HLO")
     acceptance = "acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16" if name == "te_jax TransformerLayer fp8" else ""
     rows.append({"bench": "transformer", "impl": name, **row, "ok": not problems,
                  "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads "

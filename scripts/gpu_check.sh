@@ -3,7 +3,7 @@
 # benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
-#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo
+#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -95,6 +95,7 @@ want doctor && step "doctor" 60 doctor.log 40 doctor
 want bench && step "benchmarks" "${GPU_BENCH_S:-240}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
 want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
+want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 'python3 examples/train_lm.py'
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
 fi
