@@ -74,16 +74,6 @@ class Sink {
   uint32_t amax_bits_ = 0;
 };
 
-bool ValidOut(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN: case ffi::DataType::F8E5M2: case ffi::DataType::F32:
-    case ffi::DataType::BF16: case ffi::DataType::F16:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // Calls f(loader) with a loader for `buffer`'s dtype: element i as float32.
 template <typename F>
 ffi::Error WithLoader(const ffi::AnyBuffer& buffer, F&& f) {
@@ -105,45 +95,16 @@ ffi::Error WithLoader(const ffi::AnyBuffer& buffer, F&& f) {
   }
 }
 
-// Calls f(Act constant, gated constant) for the runtime activation code.
-template <typename F>
-ffi::Error WithAct(int64_t act, bool gated, F&& f) {
-  auto with_gated = [&](auto a) -> ffi::Error {
-    if (gated) return f(a, std::true_type{});
-    return f(a, std::false_type{});
-  };
-  switch (act) {
-    case 0: return with_gated(std::integral_constant<Act, Act::kGelu>{});
-    case 1: return with_gated(std::integral_constant<Act, Act::kRelu>{});
-    case 2: return with_gated(std::integral_constant<Act, Act::kSilu>{});
-    case 3: return with_gated(std::integral_constant<Act, Act::kQuickGelu>{});
-    case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
-    default: return ffi::Error::InvalidArgument("activation: unknown activation code");
-  }
-}
-
-ffi::Error CheckOutputs(const ffi::Result<ffi::AnyBuffer>& out, const ffi::Result<ffi::AnyBuffer>& out_t,
-                        int64_t n) {
-  if (!ValidOut(out->element_type()) || static_cast<int64_t>(out->element_count()) != n) {
-    return ffi::Error::InvalidArgument("activation: out must be FP8, f32, bf16 or f16 with the result's size");
-  }
-  const bool fp8 = out->element_type() == ffi::DataType::F8E4M3FN || out->element_type() == ffi::DataType::F8E5M2;
-  if (out_t->element_count() != 0 && (!fp8 || static_cast<int64_t>(out_t->element_count()) != n)) {
-    return ffi::Error::InvalidArgument("activation: out_t must be empty, or an FP8 array of the result's size");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error ActFwdCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::AnyBuffer> out_t, ffi::Result<ffi::BufferR0<ffi::F32>> amax, int64_t act,
                      bool gated, int64_t batch_ndim) {
   auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
   if (view.has_error()) return view.error();
   const ActivationView v = *view;
-  if (auto err = CheckOutputs(out, out_t, v.out_elements()); err.failure()) return err;
+  if (auto err = CheckActivationOutputs(*out, *out_t, v.out_elements()); err.failure()) return err;
   Sink sink(v, v.cols, out, out_t, *scale.typed_data(), nullptr);
   auto err = WithLoader(x, [&](auto load) {
-    return WithAct(act, gated, [&](auto a, auto g) {
+    return DispatchActivation(act, gated, [&](auto a, auto g) {
       constexpr Act kAct = decltype(a)::value;
       constexpr bool kGated = decltype(g)::value;
       for (int64_t b = 0; b < v.batch; ++b) {
@@ -172,7 +133,7 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
   if (static_cast<int64_t>(g.element_count()) != v.out_elements() || g.element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("activation: g must have x's dtype and the forward output's size");
   }
-  if (auto err = CheckOutputs(dx, dx_t, v.in_elements()); err.failure()) return err;
+  if (auto err = CheckActivationOutputs(*dx, *dx_t, v.in_elements()); err.failure()) return err;
   const int64_t out_cols = v.halves() * v.cols;
   const bool want_dbias = dbias->element_count() > 0;
   if (want_dbias && (dbias->element_type() != ffi::DataType::F32 || static_cast<int64_t>(dbias->element_count()) != out_cols)) {
@@ -182,7 +143,7 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
   Sink sink(v, out_cols, dx, dx_t, *scale.typed_data(), db);
   auto err = WithLoader(x, [&](auto load) {
     return WithLoader(g, [&](auto load_g) {  // g has x's dtype
-      return WithAct(act, gated, [&](auto a, auto gt) {
+      return DispatchActivation(act, gated, [&](auto a, auto gt) {
         constexpr Act kAct = decltype(a)::value;
         constexpr bool kGated = decltype(gt)::value;
         for (int64_t b = 0; b < v.batch; ++b) {

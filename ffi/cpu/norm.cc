@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "te_jax/host_types.h"
+#include "te_jax/norm_view.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,8 +53,6 @@ bool WithReader(const ffi::AnyBuffer& b, F&& f) {
   }
 }
 
-bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
-
 // Calls f with a writer `uint8_t(int64_t i, float v)` for the buffer's element type (f32, bf16, f16, or FP8 with
 // v * scale cast saturating, returning the FP8 byte for the transposed copy); false for any other type.
 template <typename F>
@@ -78,17 +77,6 @@ bool WithWriter(ffi::Result<ffi::AnyBuffer>& b, float scale, F&& f) {
     default:
       return false;
   }
-}
-
-int64_t Cols(const ffi::AnyBuffer& x) {
-  auto dims = x.dimensions();
-  return dims.size() == 0 ? 0 : dims.back();
-}
-
-// element_count() as a signed count, to compare with dims.
-template <typename B>
-int64_t Count(const B& b) {
-  return static_cast<int64_t>(b.element_count());
 }
 
 // sum(v - shift) or sum((v - shift)^2) in double, over 8 interleaved partial sums: independent additions run in
@@ -148,16 +136,9 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma, ffi::Buff
                       ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_t,
                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> mean,
                       ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm, float epsilon, bool zero_centered_gamma) {
-  const int64_t cols = Cols(x);
-  if (cols < 1) return ffi::Error::InvalidArgument("norm_fwd: x's last dim must be >= 1");
-  const int64_t rows = Count(x) / cols;
-  const bool fp8 = IsFp8(out->element_type());
-  const bool want_t = Count(*out_t) > 0;
-  if (Count(*out) != Count(x) || Count(gamma) != cols || Count(beta) != (rmsnorm ? 0 : cols) ||
-      Count(*rsigma) != rows || Count(*mean) != (rmsnorm ? 0 : rows) || Count(*amax) != (fp8 ? 1 : 0) ||
-      (want_t && (!fp8 || Count(*out_t) != Count(x)))) {
-    return ffi::Error::InvalidArgument("norm_fwd: operand or result sizes do not match x");
-  }
+  auto shape = CheckNormFwd(x, Count(gamma), Count(beta), *out, *out_t, *amax, *mean, *rsigma, rmsnorm);
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols, fp8, want_t] = *shape;
   std::vector<float> g(cols);
   for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
   const FwdRows a{rows, cols, rmsnorm, epsilon, g.data(), beta.typed_data(),
@@ -216,17 +197,9 @@ void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, Store store) {
 ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma, ffi::BufferR1<ffi::F32> gamma,
                       ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::BufferR1<ffi::F32>> dgamma,
                       ffi::Result<ffi::BufferR1<ffi::F32>> dbeta, bool rmsnorm, bool zero_centered_gamma) {
-  const int64_t cols = Cols(x);
-  if (cols < 1 || dx->element_type() != x.element_type() ||
-      (dz.element_type() != x.element_type() && dz.element_type() != ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("norm_bwd: dx must be x's type, dz x's type or f32, x's last dim >= 1");
-  }
-  const int64_t rows = Count(x) / cols;
-  if (Count(dz) != Count(x) || Count(*dx) != Count(x) || rsigma.element_type() != ffi::DataType::F32 ||
-      Count(rsigma) != rows || mean.element_type() != ffi::DataType::F32 || Count(mean) != (rmsnorm ? 0 : rows) ||
-      Count(gamma) != cols || Count(*dgamma) != cols || Count(*dbeta) != (rmsnorm ? 0 : cols)) {
-    return ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
-  }
+  auto shape = CheckNormBwd(dz, x, rsigma, Count(gamma), mean, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
+  if (shape.has_error()) return shape.error();
+  const int64_t rows = shape->rows, cols = shape->cols;
   std::vector<float> g(cols);
   for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
   const BwdRows a{rows, cols, rmsnorm, g.data(), static_cast<const float*>(mean.untyped_data()),

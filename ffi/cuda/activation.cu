@@ -296,25 +296,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
   if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
 }
 
-template <typename F>
-ffi::Error Dispatch(int64_t act, bool gated, F&& f) {
-  auto with_gated = [&](auto a) -> ffi::Error {
-    if (gated) return f(a, std::true_type{});
-    return f(a, std::false_type{});
-  };
-  switch (act) {
-    case 0: return with_gated(std::integral_constant<Act, Act::kGelu>{});
-    case 1: return with_gated(std::integral_constant<Act, Act::kRelu>{});
-    case 2: return with_gated(std::integral_constant<Act, Act::kSilu>{});
-    case 3: return with_gated(std::integral_constant<Act, Act::kQuickGelu>{});
-    case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
-    default: return ffi::Error::InvalidArgument("activation: unknown activation code");
-  }
-}
-
 bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
-
-bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
 // Launches the kernel for x's dtype and the output kind, then the dbias column sum.
 template <bool kBwd>
@@ -333,7 +315,7 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
   const bool fp8 = IsFp8(out_type);
   auto launch = [&](auto dtype_tag) -> ffi::Error {
     using T = decltype(dtype_tag);
-    return Dispatch(act, v.gated, [&](auto a, auto gt) -> ffi::Error {
+    return DispatchActivation(act, v.gated, [&](auto a, auto gt) -> ffi::Error {
       constexpr Act kAct = decltype(a)::value;
       constexpr bool kGated = decltype(gt)::value;
       auto kernel = fp8 ? ActivationKernel<kAct, kGated, kBwd, T, true> : ActivationKernel<kAct, kGated, kBwd, T, false>;
@@ -358,18 +340,6 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
   return ffi::Error::Success();
 }
 
-ffi::Error CheckOut(const ffi::Result<ffi::AnyBuffer>& out, const ffi::Result<ffi::AnyBuffer>& out_t, int64_t n) {
-  const ffi::DataType t = out->element_type();
-  const bool valid = IsFp8(t) || t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-  if (!valid || static_cast<int64_t>(out->element_count()) != n) {
-    return ffi::Error::InvalidArgument("activation: out must be FP8, f32, bf16 or f16 with the result's size");
-  }
-  if (out_t->element_count() != 0 && (!IsFp8(t) || static_cast<int64_t>(out_t->element_count()) != n)) {
-    return ffi::Error::InvalidArgument("activation: out_t must be empty, or an FP8 array of the result's size");
-  }
-  return ffi::Error::Success();
-}
-
 // Zeroes amax, which the kernel folds block maxima into (and which stays 0 for an empty input).
 ffi::Error Prologue(cudaStream_t stream, ffi::Result<ffi::BufferR0<ffi::F32>>& amax) {
   return CudaError(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float), stream), "amax memset");
@@ -380,7 +350,7 @@ ffi::Error ActFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::
                       ffi::Result<ffi::BufferR0<ffi::F32>> amax, int64_t act, bool gated, int64_t batch_ndim) {
   auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
   if (view.has_error()) return view.error();
-  if (auto err = CheckOut(out, out_t, view->out_elements()); err.failure()) return err;
+  if (auto err = CheckActivationOutputs(*out, *out_t, view->out_elements()); err.failure()) return err;
   if (auto err = Prologue(stream, amax); err.failure()) return err;
   if (view->out_elements() == 0) return ffi::Error::Success();
   Params p{};
@@ -402,7 +372,7 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
   if (static_cast<int64_t>(g.element_count()) != v.out_elements() || g.element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("activation: g must have x's dtype and the forward output's size");
   }
-  if (auto err = CheckOut(dx, dx_t, v.in_elements()); err.failure()) return err;
+  if (auto err = CheckActivationOutputs(*dx, *dx_t, v.in_elements()); err.failure()) return err;
   const int64_t out_cols = v.halves() * v.cols;
   const bool want_dbias = dbias->element_count() > 0;
   if (want_dbias && (dbias->element_type() != ffi::DataType::F32 ||

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "te_jax/buffer_checks.h"
 #include "te_jax/cuda_check.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,8 +52,6 @@ ffi::Error CublasError(cublasStatus_t status, const char* what) {
     auto _te_err = CublasError((expr), (what));         \
     if (_te_err.failure()) return _te_err;              \
   } while (0)
-
-bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
 ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
   switch (t) {

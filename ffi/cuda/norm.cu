@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/norm_view.h"
 #include "te_jax/fp8_tile.cuh"
 #include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -851,29 +852,16 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
 
 // ---- handlers -----------------------------------------------------------------------------------------------------
 
-int64_t Count(const ffi::AnyBuffer& b) { return static_cast<int64_t>(b.element_count()); }
-
-int64_t Cols(const ffi::AnyBuffer& x) {
-  auto dims = x.dimensions();
-  return dims.size() == 0 ? 0 : dims.back();
-}
-
 ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma,
                        ffi::BufferR0<ffi::F32> scale, ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> out_t, ffi::Result<ffi::AnyBuffer> amax,
                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm,
                        float epsilon, bool zero_centered_gamma) {
-  const int64_t cols = Cols(x);
-  if (cols < 1 || cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_fwd: x's last dim must be in [1, 2^30]");
-  const int64_t rows = Count(x) / cols;
-  const bool fp8 = out->element_type() == ffi::DataType::F8E4M3FN || out->element_type() == ffi::DataType::F8E5M2;
-  const bool want_t = Count(*out_t) > 0;
-  if (Count(*out) != Count(x) || static_cast<int64_t>(gamma.element_count()) != cols ||
-      static_cast<int64_t>(beta.element_count()) != (rmsnorm ? 0 : cols) || Count(*rsigma) != rows ||
-      Count(*mean) != (rmsnorm ? 0 : rows) || Count(*amax) != (fp8 ? 1 : 0) ||
-      (want_t && (!fp8 || Count(*out_t) != Count(x)))) {
-    return ffi::Error::InvalidArgument("norm_fwd: operand or result sizes do not match x");
-  }
+  auto shape = CheckNormFwd(x, Count(gamma), Count(beta), *out, *out_t, *amax, *mean, *rsigma, rmsnorm);
+  if (shape.has_error()) return shape.error();
+  const int64_t rows = shape->rows, cols = shape->cols;
+  const bool fp8 = shape->fp8, want_t = shape->want_t;
+  if (cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_fwd: x's last dim must be in [1, 2^30]");
   if (rows > INT32_MAX) return ffi::Error::InvalidArgument("norm_fwd: more than 2^31 - 1 rows");
   if (fp8) TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream), "amax memset");
   if (rows == 0) return ffi::Error::Success();
@@ -916,19 +904,11 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
                        ffi::BufferR1<ffi::F32> gamma, ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::BufferR1<ffi::F32>> dgamma, ffi::Result<ffi::BufferR1<ffi::F32>> dbeta,
                        ffi::Result<ffi::AnyBuffer> workspace, bool rmsnorm, bool zero_centered_gamma) {
-  const int64_t cols = Cols(x);
-  if (cols < 1 || cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_bwd: x's last dim must be in [1, 2^30]");
-  const int64_t rows = Count(x) / cols;
+  auto shape = CheckNormBwd(dz, x, rsigma, Count(gamma), mean, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
+  if (shape.has_error()) return shape.error();
+  const int64_t rows = shape->rows, cols = shape->cols;
+  if (cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_bwd: x's last dim must be in [1, 2^30]");
   const bool dz_f32 = dz.element_type() == ffi::DataType::F32;
-  if ((dz.element_type() != x.element_type() && !dz_f32) || dx->element_type() != x.element_type() ||
-      Count(dz) != Count(x) ||
-      Count(*dx) != Count(x) || rsigma.element_type() != ffi::DataType::F32 || Count(rsigma) != rows ||
-      mean.element_type() != ffi::DataType::F32 || Count(mean) != (rmsnorm ? 0 : rows) ||
-      static_cast<int64_t>(gamma.element_count()) != cols ||
-      static_cast<int64_t>(dgamma->element_count()) != cols ||
-      static_cast<int64_t>(dbeta->element_count()) != (rmsnorm ? 0 : cols)) {
-    return ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
-  }
   // The partial rows: te_jax/ops/norm.py's _bwd_partial_rows, which sized the workspace.
   const int64_t partial_rows = std::min(rows, std::max<int64_t>(kBwdMinPartials, kBwdPartialElems / cols));
   if (workspace->element_type() != ffi::DataType::F32 || Count(*workspace) != partial_rows * cols * (rmsnorm ? 1 : 2)) {

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "te_jax/activation_math.h"
+#include "te_jax/buffer_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace te_jax {
@@ -37,6 +40,39 @@ inline xla::ffi::ErrorOr<ActivationView> MakeActivationView(xla::ffi::Span<const
   for (int64_t i = batch_ndim; i < lead; ++i) v.rows *= dims[i];
   v.cols = dims[rank - 1];
   return v;
+}
+
+// The result `out` (FP8, float32, bfloat16 or float16, n elements) and its transposed copy `out_t` (empty, or FP8
+// with n elements).
+inline xla::ffi::Error CheckActivationOutputs(const xla::ffi::AnyBuffer& out, const xla::ffi::AnyBuffer& out_t,
+                                              int64_t n) {
+  const xla::ffi::DataType t = out.element_type();
+  const bool valid = IsFp8(t) || t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16 ||
+                     t == xla::ffi::DataType::F16;
+  if (!valid || Count(out) != n) {
+    return xla::ffi::Error::InvalidArgument("activation: out must be FP8, f32, bf16 or f16 with the result's size");
+  }
+  if (Count(out_t) != 0 && (!IsFp8(t) || Count(out_t) != n)) {
+    return xla::ffi::Error::InvalidArgument("activation: out_t must be empty, or an FP8 array of the result's size");
+  }
+  return xla::ffi::Error::Success();
+}
+
+// Calls f(Act constant, gated constant) for the runtime activation code (te_jax/ops/activation.py's ACTIVATIONS).
+template <typename F>
+xla::ffi::Error DispatchActivation(int64_t act, bool gated, F&& f) {
+  auto with_gated = [&](auto a) -> xla::ffi::Error {
+    if (gated) return f(a, std::true_type{});
+    return f(a, std::false_type{});
+  };
+  switch (act) {
+    case 0: return with_gated(std::integral_constant<Act, Act::kGelu>{});
+    case 1: return with_gated(std::integral_constant<Act, Act::kRelu>{});
+    case 2: return with_gated(std::integral_constant<Act, Act::kSilu>{});
+    case 3: return with_gated(std::integral_constant<Act, Act::kQuickGelu>{});
+    case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
+    default: return xla::ffi::Error::InvalidArgument("activation: unknown activation code");
+  }
 }
 
 }  // namespace te_jax
