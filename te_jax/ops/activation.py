@@ -326,28 +326,25 @@ def _cast_rule(dims: list[str], feature_ndim: int, config: ActivationConfig, dbi
   return results
 
 
+def _gated_dims(ndim: int, gated: bool) -> tuple[list[str], list[str]]:
+  """Factor names of the pre-activation input (a gated pair's axis is "k", never sharded) and of the output."""
+  dims = [f"d{i}" for i in range(ndim)]
+  if not gated:
+    return dims, dims
+  dims[-2] = "k"
+  return dims, dims[:-2] + dims[-1:]
+
+
 def _fwd_sharding_rule(config: ActivationConfig, mesh, value_types, result_types):
   del mesh, result_types
-  ndim = len(value_types[0].shape)
-  dims = [f"d{i}" for i in range(ndim)]
-  if config.gated:
-    dims[-2] = "k"
-    out = dims[:-2] + dims[-1:]
-  else:
-    out = dims
+  dims, out = _gated_dims(len(value_types[0].shape), config.gated)
   rule = f"{' '.join(dims)}, -> {', '.join(_cast_rule(out, 1, config, dbias=False))}"
   return str_to_sdy_sharding_rule(rule, need_replication_factors=("k",) if config.gated else ())
 
 
 def _bwd_sharding_rule(config: ActivationConfig, mesh, value_types, result_types):
   del mesh, result_types
-  ndim = len(value_types[1].shape)
-  dims = [f"d{i}" for i in range(ndim)]
-  if config.gated:
-    dims[-2] = "k"
-    g = dims[:-2] + dims[-1:]
-  else:
-    g = dims
+  dims, g = _gated_dims(len(value_types[1].shape), config.gated)
   results = _cast_rule(dims, 2 if config.gated else 1, config, dbias=config.dbias)
   rule = f"{' '.join(g)}, {' '.join(dims)}, -> {', '.join(results)}"
   return str_to_sdy_sharding_rule(rule, need_replication_factors=("k",) if config.gated else ())
