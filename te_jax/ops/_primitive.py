@@ -71,7 +71,7 @@ def define_op(
     *,
     abstract_eval: Callable[..., Sequence[jax.core.ShapedArray]],
     reference: Callable[..., Sequence[jax.Array]],
-    native_targets: dict[str, Callable[[Any], str]],
+    native_platforms: Sequence[str],
     ffi_attributes: Callable[[Any], dict[str, Any]],
     native_signature: Callable[[str, Any, Sequence[Any], Sequence[Any]], "NativeSignature"] | None = None,
     partition: Callable[..., Any],
@@ -84,7 +84,7 @@ def define_op(
     name: the op name; primitives are ``te_<name>`` and ``te_<name>_outer``.
     abstract_eval: ``(*avals, config) -> [ShapedArray]``.
     reference: the pure-jnp reference, ``(*args, config) -> [Array]``; also the default lowering.
-    native_targets: platform ("cpu", "cuda") -> ``config -> FFI target name``.
+    native_platforms: the platforms ("cpu", "cuda") with an FFI handler, whose target is ``te_<name>_<platform>``.
     ffi_attributes: ``config -> {attribute: numpy scalar}`` passed to the FFI handler.
     native_signature: for handlers with a fixed signature whose optional operands/results the primitive omits,
       ``(platform, config, avals_in, avals_out) -> NativeSignature``.
@@ -99,10 +99,11 @@ def define_op(
   inner.def_abstract_eval(abstract_eval)
   reference_lowering = mlir.lower_fun(reference, multiple_results=True)
   mlir.register_lowering(inner, reference_lowering)
-  for platform, target_of in native_targets.items():
+  for platform in native_platforms:
     mlir.register_lowering(
         inner,
-        _native_lowering(name, platform, target_of, ffi_attributes, native_signature, reference_lowering),
+        _native_lowering(name, platform, f"te_{name}_{platform}", ffi_attributes, native_signature,
+                         reference_lowering),
         platform=platform,
     )
 
@@ -141,9 +142,8 @@ class NativeSignature(NamedTuple):
   keep: Sequence[int]
 
 
-def _native_lowering(name, platform, target_of, ffi_attributes, native_signature, reference_lowering):
+def _native_lowering(name, platform, target, ffi_attributes, native_signature, reference_lowering):
   def lowering(ctx, *args, config):
-    target = target_of(config)
     if not _native.has_target(platform, target):
       _native.warn_fallback(platform, name)
       return reference_lowering(ctx, *args, config=config)

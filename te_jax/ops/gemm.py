@@ -162,7 +162,7 @@ _GEMM = define_op(
     "gemm",
     abstract_eval=_abstract_eval,
     reference=gemm_ref,
-    native_targets={"cuda": lambda config: "te_gemm_cuda"},
+    native_platforms=("cuda",),
     ffi_attributes=_attributes,
     native_signature=_native_signature,
     partition=_partition,

@@ -273,10 +273,7 @@ _NORM_FWD = define_op(
     "norm_fwd",
     abstract_eval=_fwd_abstract_eval,
     reference=norm_fwd_ref,
-    native_targets={
-        "cpu": lambda config: "te_norm_fwd_cpu",
-        "cuda": lambda config: "te_norm_fwd_cuda",
-    },
+    native_platforms=("cpu", "cuda"),
     ffi_attributes=_attributes,
     native_signature=_fwd_native_signature,
     partition=_fwd_partition,
@@ -347,10 +344,7 @@ _NORM_BWD = define_op(
     "norm_bwd",
     abstract_eval=_bwd_abstract_eval,
     reference=norm_bwd_ref,
-    native_targets={
-        "cpu": lambda config: "te_norm_bwd_cpu",
-        "cuda": lambda config: "te_norm_bwd_cuda",
-    },
+    native_platforms=("cpu", "cuda"),
     ffi_attributes=_bwd_attributes,
     native_signature=_bwd_native_signature,
     partition=_bwd_partition,

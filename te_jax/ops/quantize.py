@@ -205,10 +205,7 @@ _QUANTIZE = define_op(
     "quantize",
     abstract_eval=_abstract_eval,
     reference=quantize_ref,
-    native_targets={
-        "cpu": lambda config: "te_quantize_cpu",
-        "cuda": lambda config: "te_quantize_cuda",
-    },
+    native_platforms=("cpu", "cuda"),
     ffi_attributes=_attributes,
     native_signature=_native_signature,
     partition=_partition,
