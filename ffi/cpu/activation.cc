@@ -127,18 +127,11 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias, int64_t act,
                      bool gated, int64_t batch_ndim) {
-  auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
+  auto view = CheckActivationBwd(g, x, *dx, *dx_t, *dbias, gated, batch_ndim);
   if (view.has_error()) return view.error();
   const ActivationView v = *view;
-  if (static_cast<int64_t>(g.element_count()) != v.out_elements() || g.element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("activation: g must have x's dtype and the forward output's size");
-  }
-  if (auto err = CheckActivationOutputs(*dx, *dx_t, v.in_elements()); err.failure()) return err;
   const int64_t out_cols = v.halves() * v.cols;
   const bool want_dbias = dbias->element_count() > 0;
-  if (want_dbias && (dbias->element_type() != ffi::DataType::F32 || static_cast<int64_t>(dbias->element_count()) != out_cols)) {
-    return ffi::Error::InvalidArgument("activation: dbias must be empty or f32 of the feature dims' size");
-  }
   float* db = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;
   Sink sink(v, out_cols, dx, dx_t, *scale.typed_data(), db);
   auto err = WithLoader(x, [&](auto load) {

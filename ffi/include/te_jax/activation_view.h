@@ -58,6 +58,26 @@ inline xla::ffi::Error CheckActivationOutputs(const xla::ffi::AnyBuffer& out, co
   return xla::ffi::Error::Success();
 }
 
+// The backward's view of x, once g (x's dtype, the forward output's size), dx and dx_t (as CheckActivationOutputs,
+// x's size) and dbias (empty, or float32 of the feature dims' size) are checked.
+inline xla::ffi::ErrorOr<ActivationView> CheckActivationBwd(const xla::ffi::AnyBuffer& g, const xla::ffi::AnyBuffer& x,
+                                                           const xla::ffi::AnyBuffer& dx,
+                                                           const xla::ffi::AnyBuffer& dx_t,
+                                                           const xla::ffi::AnyBuffer& dbias, bool gated,
+                                                           int64_t batch_ndim) {
+  auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
+  if (view.has_error()) return view.error();
+  const ActivationView v = *view;
+  if (Count(g) != v.out_elements() || g.element_type() != x.element_type()) {
+    return xla::ffi::Error::InvalidArgument("activation: g must have x's dtype and the forward output's size");
+  }
+  if (auto err = CheckActivationOutputs(dx, dx_t, v.in_elements()); err.failure()) return err;
+  if (Count(dbias) > 0 && (dbias.element_type() != xla::ffi::DataType::F32 || Count(dbias) != v.halves() * v.cols)) {
+    return xla::ffi::Error::InvalidArgument("activation: dbias must be empty or f32 of the feature dims' size");
+  }
+  return v;
+}
+
 // Calls f(Act constant, gated constant) for the runtime activation code (te_jax/ops/activation.py's ACTIVATIONS).
 template <typename F>
 xla::ffi::Error DispatchActivation(int64_t act, bool gated, F&& f) {
