@@ -45,20 +45,24 @@ class FlaxMLP(nn.Module):
     return nn.Dense(self.hidden, **kw)(h)
 
 
+def impls(hidden: int, intermediate: int) -> dict:
+  """{name: (model, recipe or None)}: te_jax's block and Flax's, in FP8 and BF16."""
+  te_mlp = te_flax.LayerNormMLP(intermediate_dim=intermediate, activations=("gelu",), dtype=jnp.bfloat16)
+  return {
+      "te_jax LayerNormMLP fp8": (te_mlp, recipe.DelayedScaling()),
+      "flax block fp8": (FlaxMLP(hidden, intermediate, fp8=True), None),
+      "flax block bf16": (FlaxMLP(hidden, intermediate, fp8=False), None),
+      "te_jax LayerNormMLP bf16": (te_mlp, None),
+  }
+
+
 def bench_shape(ctx: harness.Context, shape, key) -> list[dict]:
   m, h, f = (d // ctx.shrink for d in shape)
   kx, kd, ki = jax.random.split(key, 3)
   x = jax.random.normal(kx, (m, h), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (m, h), jnp.float32).astype(jnp.bfloat16)
-  te_mlp = te_flax.LayerNormMLP(intermediate_dim=f, activations=("gelu",), dtype=jnp.bfloat16)
-  impls = {
-      "te_jax LayerNormMLP fp8": (te_mlp, recipe.DelayedScaling()),
-      "flax block fp8": (FlaxMLP(h, f, fp8=True), None),
-      "flax block bf16": (FlaxMLP(h, f, fp8=False), None),
-      "te_jax LayerNormMLP bf16": (te_mlp, None),
-  }
   rows = []
-  for name, (model, rec) in impls.items():
+  for name, (model, rec) in impls(h, f).items():
     fn = harness.layer_fwd_bwd(model, rec)
     variables, out = harness.warm_layer(model, rec, fn, ki, x, dy)
     problems = []

@@ -3,7 +3,8 @@
 # benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
-#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example)
+#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example;
+#                                             # profile, kernel times of a layer step: PROFILE_ARGS for profile_layer.py)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -95,6 +96,8 @@ want doctor && step "doctor" 60 doctor.log 40 doctor
 want bench && step "benchmarks" "${GPU_BENCH_S:-240}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
 want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
+want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
+  "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 'python3 examples/train_lm.py'
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
@@ -127,9 +130,9 @@ PY
   printf '%s\n' "${STEPS[@]}"
 } > "$LOGS/summary.txt"
 
-if [ -n "${OUT:-}" ]; then  # at most 8 files: 6 logs and the benchmark results (json + md)
+if [ -n "${OUT:-}" ]; then  # at most 9 files: 7 logs and the benchmark results (json + md)
   mkdir -p "$OUT"
-  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
+  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo,profile}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
   find benchmarks/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.md' \) -newer "$LOGS/.start" \
     | head -n 2 | xargs -r cp -t "$OUT"/
 fi

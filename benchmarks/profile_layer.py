@@ -1,0 +1,126 @@
+"""Where a layer's time goes: device time per kernel of one fwd+bwd step, from a ``jax.profiler`` trace.
+
+Profiles the GPT layer of ``bench_transformer`` (or the block of ``bench_layernorm_mlp``) for each implementation,
+sums the device time of every kernel over the traced steps, and prints per step: the total, a split by kind (GEMM,
+attention, te_jax kernels, XLA fusions, copies/transposes) and the slowest kernels with the HLO op that launched them.
+
+  python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
+  python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.profiler import ProfileData
+
+import bench_layernorm_mlp
+import bench_transformer
+import harness
+
+# Kernel kinds, by kernel name (first match wins).
+KINDS = (
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|Kernel2", re.I)),
+    ("attention", re.compile(r"fmha|flash|cudnn|attn", re.I)),
+    ("te_jax", re.compile(r"Norm|Act|Quantiz|Fp8Transpose|ColSum|Softmax|Rope|Amax|Dbias", re.I)),
+    ("copy/transpose", re.compile(r"copy|transpose|memcpy|memset", re.I)),
+    ("xla fusion", re.compile(r"fusion|loop_|input_|reduce|convert|triton|wrapped|concatenate|slice", re.I)),
+)
+
+
+def _kind(name: str) -> str:
+  return next((k for k, pattern in KINDS if pattern.search(name)), "other")
+
+
+def _stat(event, key: str) -> str:
+  for k, v in event.stats:
+    if k == key:
+      return str(v)
+  return ""
+
+
+def kernel_times(fn, args, steps: int) -> dict[tuple[str, str], list[float]]:
+  """{(kernel name, hlo op): [total ns, launches]} over ``steps`` traced calls of ``fn``."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(steps):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(path)
+  totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  planes = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
+  for plane in planes or [p for p in profile.planes if p.name == "/host:CPU"]:  # no GPU: the host's XLA threads
+    lines = ([line for line in plane.lines if line.name.startswith("Stream")] if planes else
+             [line for line in plane.lines if line.name.startswith("tf_XLA")])
+    for line in lines:
+      for e in line.events:
+        t = totals[(e.name, _stat(e, "hlo_op"))]
+        t[0] += e.duration_ns
+        t[1] += 1
+  return totals
+
+
+def report(name: str, totals, steps: int, top: int) -> None:
+  total = sum(t for t, _ in totals.values()) / steps / 1e6
+  by_kind = collections.defaultdict(float)
+  for (kernel, _), (t, _) in totals.items():
+    by_kind[_kind(kernel)] += t / steps / 1e6
+  print(f"\n## {name}: {total:.3f} ms of kernels per step")
+  print("| kind | ms | share |\n|---|---|---|")
+  for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+    print(f"| {kind} | {ms:.3f} | {ms / total:.1%} |")
+  print("\n| kernel | hlo op | kind | ms | launches |\n|---|---|---|---|---|")
+  for (kernel, op), (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+    short = kernel if len(kernel) <= 90 else kernel[:87] + "..."
+    print(f"| `{short}` | {op} | {_kind(kernel)} | {t / steps / 1e6:.3f} | {n / steps:g} |")
+
+
+def _cases(bench: str, shrink: int):
+  """(impls {name: (model, recipe)}, x, dy, apply kwargs of te_jax impls) of the benchmark's acceptance shape, every
+  dimension but the batch divided by ``shrink``."""
+  kx, kd = jax.random.split(jax.random.key(7))
+  if bench == "transformer":
+    c = {k: v if k == "batch" else max(1, v // shrink) for k, v in bench_transformer.LAYER.items()}
+    impls = bench_transformer._impls(c)  # noqa: SLF001 - the benchmark's own definitions
+    shape = (c["batch"], c["seq"], c["hidden"])
+    te_kw = {"deterministic": True}
+  else:
+    tokens, hidden, intermediate = (d // shrink for d in bench_layernorm_mlp.SHAPES[0])
+    impls = bench_layernorm_mlp.impls(hidden, intermediate)
+    shape = (tokens, hidden)
+    te_kw = {}
+  x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
+  return impls, x, dy, te_kw
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--bench", choices=("transformer", "layernorm_mlp"), default="transformer")
+  parser.add_argument("--impl", action="append", help="implementation name (repeatable; default: the two FP8 ones)")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--shrink", type=int, default=1, help="divide the dimensions by this (a quick CPU run)")
+  a = parser.parse_args(argv)
+  impls, x, dy, te_kw = _cases(a.bench, a.shrink)
+  wanted = a.impl or [n for n in impls if n.endswith("fp8") and "attention" not in n]
+  for name in wanted:
+    model, rec = impls[name]
+    kw = te_kw if name.startswith("te_jax") else {}
+    fn = harness.layer_fwd_bwd(model, rec, **kw)
+    variables, _ = harness.warm_layer(model, rec, fn, jax.random.key(8), x, dy, **kw)
+    report(name, kernel_times(fn, (variables, x, dy), a.steps), a.steps, a.top)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
