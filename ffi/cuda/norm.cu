@@ -834,7 +834,9 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
           if (err.failure()) return;
         }
         kernel<<<blocks, threads, smem, stream>>>(a);
-        err = LastCudaError("norm_bwd kernel launch");
+        err = LastCudaError("norm_bwd kernel launch (" + std::to_string(a.rows) + " x " + std::to_string(a.cols) +
+                            ", n=" + std::to_string(n) + ", " + std::to_string(blocks) + " blocks of " +
+                            std::to_string(threads) + " threads, " + std::to_string(smem) + " bytes of shared memory)");
       };
       if constexpr (k32) {
         DispatchN<1, 2>(shape.n, launch);

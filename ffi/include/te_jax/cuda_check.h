@@ -9,13 +9,13 @@
 
 namespace te_jax {
 
-inline xla::ffi::Error CudaError(cudaError_t err, const char* what) {
+inline xla::ffi::Error CudaError(cudaError_t err, const std::string& what) {
   if (err == cudaSuccess) return xla::ffi::Error::Success();
-  return xla::ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  return xla::ffi::Error::Internal(what + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
 // Checks the error state after a kernel launch.
-inline xla::ffi::Error LastCudaError(const char* what) { return CudaError(cudaGetLastError(), what); }
+inline xla::ffi::Error LastCudaError(const std::string& what) { return CudaError(cudaGetLastError(), what); }
 
 }  // namespace te_jax
 
