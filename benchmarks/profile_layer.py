@@ -46,8 +46,10 @@ def _stat(event, key: str) -> str:
   return ""
 
 
-def kernel_times(fn, args, steps: int) -> dict[tuple[str, str], list[float]]:
-  """{(kernel name, hlo op): [total ns, launches]} over ``steps`` traced calls of ``fn``."""
+def kernel_times(fn, args, steps: int) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]], float]:
+  """{(kernel name, hlo op): [total ns, launches]} over ``steps`` traced calls of ``fn``; the device's idle time
+  before each kernel {hlo op of the kernel after the gap: [total ns, gaps]}; the traced span in ns (first kernel's
+  start to last kernel's end)."""
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
@@ -57,24 +59,40 @@ def kernel_times(fn, args, steps: int) -> dict[tuple[str, str], list[float]]:
     (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
     profile = ProfileData.from_file(path)
   totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  events = []  # (start, end, hlo op or kernel name)
   planes = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
   for plane in planes or [p for p in profile.planes if p.name == "/host:CPU"]:  # no GPU: the host's XLA threads
     lines = ([line for line in plane.lines if line.name.startswith("Stream")] if planes else
              [line for line in plane.lines if line.name.startswith("tf_XLA")])
     for line in lines:
       for e in line.events:
-        t = totals[(e.name, _stat(e, "hlo_op"))]
+        op = _stat(e, "hlo_op")
+        t = totals[(e.name, op)]
         t[0] += e.duration_ns
         t[1] += 1
-  return totals
+        events.append((e.start_ns, e.start_ns + e.duration_ns, op or e.name))
+  gaps: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  events.sort()
+  busy_until = events[0][1] if events else 0.0
+  for start, end, op in events[1:]:
+    if start > busy_until:  # the device idle (no kernel on any stream) until this one starts
+      g = gaps[op]
+      g[0] += start - busy_until
+      g[1] += 1
+    busy_until = max(busy_until, end)
+  span = busy_until - events[0][0] if events else 0.0
+  return totals, gaps, span
 
 
-def report(name: str, totals, steps: int, top: int) -> None:
+def report(name: str, profiled, steps: int, top: int) -> None:
+  totals, gaps, span = profiled
   total = sum(t for t, _ in totals.values()) / steps / 1e6
+  idle = sum(t for t, _ in gaps.values()) / steps / 1e6
   by_kind = collections.defaultdict(float)
   for (kernel, _), (t, _) in totals.items():
     by_kind[_kind(kernel)] += t / steps / 1e6
-  print(f"\n## {name}: {total:.3f} ms of kernels per step")
+  print(f"\n## {name}: {total:.3f} ms of kernels per step; {span / steps / 1e6:.3f} ms traced per step, of which "
+        f"{idle:.3f} ms the device was idle")
   print("| kind | ms | share |\n|---|---|---|")
   for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
     print(f"| {kind} | {ms:.3f} | {ms / total:.1%} |")
@@ -82,6 +100,9 @@ def report(name: str, totals, steps: int, top: int) -> None:
   for (kernel, op), (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
     short = kernel if len(kernel) <= 90 else kernel[:87] + "..."
     print(f"| `{short}` | {op} | {_kind(kernel)} | {t / steps / 1e6:.3f} | {n / steps:g} |")
+  print("\n| idle before | ms | gaps |\n|---|---|---|")
+  for op, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top // 2]:
+    print(f"| {op[:90]} | {t / steps / 1e6:.3f} | {n / steps:g} |")
 
 
 def _cases(bench: str, shrink: int):

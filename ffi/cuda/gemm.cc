@@ -10,8 +10,9 @@
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
-// call of a problem also times the heuristic's best few algorithms on it and keeps the fastest. Later calls only
-// look their plan up. The workspace is an extra result buffer, allocated by XLA.
+// call of a problem outside a CUDA-graph capture also times the heuristic's best few algorithms on it and keeps the
+// fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated by XLA. The
+// handler is CUDA-graph compatible, so XLA can capture it into its command buffers with the kernels around it.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -180,7 +181,8 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
 // Times each candidate and returns the fastest. The GPU is warmed up first (its clocks ramp up under load, which
 // would favour candidates timed late), then every candidate is timed in two rounds of kTimedRuns runs between two
 // events on the stream, keeping its faster round. Candidates that fail to run are skipped. Synchronizes with the
-// stream, which is why the handler is not declared CUDA-graph compatible.
+// stream, so it never runs while the stream is being captured into a CUDA graph (an XLA command buffer): a captured
+// call runs the heuristic's first choice and leaves the timing to the first call outside a capture.
 template <typename Run>
 ffi::ErrorOr<cublasLtMatmulAlgo_t> FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, Run&& run,
                                                     cudaStream_t stream) {
@@ -296,7 +298,9 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                           &beta, out->untyped_data(), plan->d, out->untyped_data(), plan->d, &algo,
                           workspace->untyped_data(), kWorkspaceBytes, stream);
   };
-  if (!plan->candidates.empty()) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
+  if (!plan->candidates.empty() && capture == cudaStreamCaptureStatusNone) {
     auto tuned = FastestAlgorithm(plan->candidates, run, stream);
     if (tuned.has_error()) return tuned.error();
     plan->algo = *tuned;
@@ -320,6 +324,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                                   .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB]
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
-                                  .Attr<bool>("fast_accum"));                // FP8 fast accumulation
+                                  .Attr<bool>("fast_accum"),                 // FP8 fast accumulation
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax
