@@ -3,13 +3,9 @@
 //
 // Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
 // up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
-// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics take one reduction: each
-// thread sums its elements and their squared deviations from its own mean (two passes over its registers), and the
-// (sum, squared deviations, count) triples are merged by a warp butterfly and then the row's warps in order (Chan,
-// Golub and LeVeque's pairwise update, written so that both butterfly partners get the same bits). The sum merges
-// exactly as a plain sum reduction, so the mean has the same bits as sum / n; the variance is the two-pass one up to
-// float32 rounding (tests/test_norm.py bounds both against float64). RMSNorm reduces the sum of squares alone. P rows
-// share a block. amax is reduced on the
+// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
+// registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
+// row's warps in order, so every thread of the row gets the same bits. P rows share a block. amax is reduced on the
 // bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
 // one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
@@ -185,45 +181,6 @@ __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[
   }
 }
 
-// One step of the statistics' merge: (sum, squared deviations from the mean, count) of two disjoint sets of elements
-// into those of their union, m2 = m2a + m2b + (sa nb - sb na)^2 / (na nb (na + nb)). Symmetric to the bit: swapping a
-// and b negates d exactly and adds the same terms in the same order.
-__device__ __forceinline__ void MergeStats(float (&a)[3], float sb, float m2b, float nb) {
-  const float nn = __fmul_rn(a[2], nb);
-  float corr = 0.0f;
-  if (nn > 0.0f) {
-    const float d = __fsub_rn(__fmul_rn(a[0], nb), __fmul_rn(sb, a[2]));
-    corr = __fdiv_rn(__fmul_rn(d, d), __fmul_rn(nn, __fadd_rn(a[2], nb)));
-  }
-  a[0] = __fadd_rn(a[0], sb);
-  a[1] = __fadd_rn(__fadd_rn(a[1], m2b), corr);
-  a[2] = __fadd_rn(a[2], nb);
-}
-
-// RowSum's reduction of (sum, squared deviations, count) triples with MergeStats: a butterfly within the warp, then
-// the row's warps in order; every thread of the row gets the same bits. buf: as RowSum's, 3 values.
-__device__ __forceinline__ void RowStats(float (&v)[3], int T, float (*buf)[kMaxWarps]) {
-  const int width = T < 32 ? T : 32;
-  for (int o = width / 2; o > 0; o /= 2) {
-    const float sb = __shfl_xor_sync(0xffffffffu, v[0], o);
-    const float m2b = __shfl_xor_sync(0xffffffffu, v[1], o);
-    const float nb = __shfl_xor_sync(0xffffffffu, v[2], o);
-    MergeStats(v, sb, m2b, nb);
-  }
-  if (T <= 32) return;
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) buf[k][warp] = v[k];
-  }
-  __syncthreads();
-  const int first = (threadIdx.x / T) * (T / 32);
-  float acc[3] = {buf[0][first], buf[1][first], buf[2][first]};
-  for (int w = 1; w < T / 32; ++w) MergeStats(acc, buf[0][first + w], buf[1][first + w], buf[2][first + w]);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) v[k] = acc[k];
-}
-
 // Folds this block's amax bits into *amax with one atomic (unsigned max: exact and order independent).
 __device__ __forceinline__ void BlockAmax(uint32_t bits, unsigned* amax, uint32_t* scratch) {
   bits = __reduce_max_sync(0xffffffffu, bits);
@@ -296,7 +253,7 @@ constexpr int FwdMinBlocks() {
 template <typename Tin, typename Tout, bool kRms, int kN>
 __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKernel(FwdArgs a) {
   extern __shared__ __align__(16) uint8_t staged[];  // transposed copy: R rows x pitch FP8 bytes
-  __shared__ float red[2][3][kMaxWarps];
+  __shared__ float red[2][1][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
   using O = Out<Tout>;
   const int T = a.threads_per_row;
@@ -326,42 +283,30 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
         v[j].Zero();  // adds nothing to the sum; excluded from the deviations below
       }
     }
-    float mean = 0.0f, var;
-    if constexpr (kRms) {
-      float s2[1] = {0.0f};
+    float mean = 0.0f;
+    if constexpr (!kRms) {
+      float s[1] = {0.0f};
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) s2[0] = fmaf(v[j].Get(i), v[j].Get(i), s2[0]);  // zero chunks add 0
+        for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
       }
-      RowSum(s2, T, red[slot++ & 1]);
-      var = s2[0] / n;
-    } else {
-      float st[3] = {0.0f, 0.0f, 0.0f};  // this thread's sum, squared deviations from its mean, count
-      int valid = 0;
+      RowSum(s, T, red[slot++ & 1]);
+      mean = s[0] / n;
+    }
+    float s2[1] = {0.0f};
 #pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        valid += t + j * T < chunks;
+    for (int j = 0; j < kN; ++j) {
+      if (t + j * T < chunks) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) st[0] += v[j].Get(i);
-      }
-      st[2] = static_cast<float>(valid * kVec);
-      const float own_mean = valid > 0 ? st[0] / st[2] : 0.0f;
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        if (t + j * T < chunks) {
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float d = v[j].Get(i) - own_mean;
-            st[1] = fmaf(d, d, st[1]);
-          }
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v[j].Get(i) - mean;
+          s2[0] = fmaf(d, d, s2[0]);
         }
       }
-      RowStats(st, T, red[slot++ & 1]);
-      mean = st[0] / n;
-      var = st[1] / n;
     }
-    const float rsigma = __frsqrt_rn(var + a.epsilon);
+    RowSum(s2, T, red[slot++ & 1]);
+    const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
     if (t == 0 && row_ok) {
       if constexpr (!kRms) a.mean[row] = mean;
       a.rsigma[row] = rsigma;
