@@ -278,14 +278,20 @@ def _reduce(outs: list, config: ActivationConfig, spec, feature_ndim: int, dbias
   return tuple(outs)
 
 
+def _input_and_output_specs(config: ActivationConfig, x_shape) -> tuple[tuple, tuple]:
+  """The partition specs of the pre-activation input, as ``x_shape`` is sharded but with a gated pair's axis of
+  (..., 2, N) replicated (it pairs the halves), and of the activation's output (that axis dropped)."""
+  spec = full_spec(x_shape.sharding, len(x_shape.shape))
+  if not config.gated:
+    return spec, spec
+  spec = spec[:-2] + (None, spec[-1])
+  return spec, spec[:-2] + spec[-1:]
+
+
 def _fwd_partition(config: ActivationConfig, mesh, arg_shapes, result_shape):
   """Elementwise: every dim of x may stay sharded except the gate dim of (..., 2, N), which pairs the halves."""
   del result_shape
-  ndim = len(arg_shapes[0].shape)
-  spec = full_spec(arg_shapes[0].sharding, ndim)
-  if config.gated:
-    spec = spec[:-2] + (None, spec[-1])
-  out_spec = spec[:-2] + spec[-1:] if config.gated else spec
+  spec, out_spec = _input_and_output_specs(config, arg_shapes[0])
   x_sharding = NamedSharding(mesh, P(*spec))
   out_shardings = _cast_shardings(mesh, out_spec, 1, config, dbias=False)
 
@@ -299,11 +305,7 @@ def _fwd_partition(config: ActivationConfig, mesh, arg_shapes, result_shape):
 def _bwd_partition(config: ActivationConfig, mesh, arg_shapes, result_shape):
   """x's sharding (gate dim replicated) decides; g follows it."""
   del result_shape
-  ndim = len(arg_shapes[1].shape)
-  spec = full_spec(arg_shapes[1].sharding, ndim)
-  if config.gated:
-    spec = spec[:-2] + (None, spec[-1])
-  g_spec = spec[:-2] + spec[-1:] if config.gated else spec
+  spec, g_spec = _input_and_output_specs(config, arg_shapes[1])
   feature_ndim = 2 if config.gated else 1
   out_shardings = _cast_shardings(mesh, spec, feature_ndim, config, dbias=config.dbias)
 

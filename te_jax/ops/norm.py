@@ -214,14 +214,18 @@ def _fwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out
   return NativeSignature(extra_operands=extra, result_avals=[out, out_t, amax, mean, rsigma], keep=keep)
 
 
+def _row_shardings(mesh, arg_shape):
+  """(row spec, x-shaped sharding with the hidden dim gathered, per-row sharding, replicated) for an operand of
+  ``arg_shape``'s sharding: the norms keep rows sharded as given and need whole rows."""
+  row_spec = full_spec(arg_shape.sharding, len(arg_shape.shape))[:-1]
+  return (row_spec, NamedSharding(mesh, P(*row_spec, None)), NamedSharding(mesh, P(*row_spec)),
+          NamedSharding(mesh, P()))
+
+
 def _fwd_partition(config: NormConfig, mesh, arg_shapes, result_shape):
   """Rows stay sharded as given; the hidden dim is gathered (statistics need whole rows); amax is max-reduced."""
   del result_shape
-  ndim = len(arg_shapes[0].shape)
-  row_spec = full_spec(arg_shapes[0].sharding, ndim)[:-1]
-  x_sharding = NamedSharding(mesh, P(*row_spec, None))
-  rows = NamedSharding(mesh, P(*row_spec))
-  replicated = NamedSharding(mesh, P())
+  row_spec, x_sharding, rows, replicated = _row_shardings(mesh, arg_shapes[0])
   out_shardings = [x_sharding]
   if config.transpose:
     out_shardings.append(NamedSharding(mesh, P(None, *row_spec)))
@@ -312,11 +316,7 @@ def _bwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out
 def _bwd_partition(config: NormConfig, mesh, arg_shapes, result_shape):
   """Rows stay sharded as dz's are; the hidden dim is gathered; dgamma and dbeta are summed over the row shards."""
   del result_shape
-  ndim = len(arg_shapes[0].shape)
-  row_spec = full_spec(arg_shapes[0].sharding, ndim)[:-1]
-  x_sharding = NamedSharding(mesh, P(*row_spec, None))
-  rows = NamedSharding(mesh, P(*row_spec))
-  replicated = NamedSharding(mesh, P())
+  row_spec, x_sharding, rows, replicated = _row_shardings(mesh, arg_shapes[0])
   arg_shardings = [x_sharding, x_sharding, rows, replicated] + ([] if config.rms else [rows])
   out_shardings = [x_sharding] + [replicated] * (1 if config.rms else 2)
   row_axes = mesh_axes(*row_spec)
