@@ -209,7 +209,7 @@ def _bwd_abstract_eval(g, x, scale, *, config: ActivationConfig):
 def _signature(platform: str, config: ActivationConfig, avals_out, *, backward: bool, rows: int) -> NativeSignature:
   """The handlers return (out, out_t, amax) forward and (dx, dx_t, amax, dbias, [workspace]) backward, the ones not
   asked for empty; the CUDA backward one also returns its dbias workspace: float32 column partials, one row per
-  128-row tile (see activation.cu)."""
+  128-row tile (see ffi/cuda/activation.cuh)."""
   out_dtype = config.out_dtype
   empty_out = jax.core.ShapedArray((0,), out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)

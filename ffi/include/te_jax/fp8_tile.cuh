@@ -1,4 +1,4 @@
-// Device helpers of the FP8 cast kernels (quantize.cu, activation.cu): packed FP8 conversion, the block amax on bit
+// Device helpers of the FP8 cast kernels (quantize.cu, activation.cuh): packed FP8 conversion, the block amax on bit
 // patterns, the byte gather of the 8x8 register transpose, and the fixed-order dbias column sum.
 #pragma once
 

@@ -1,4 +1,5 @@
-// CUDA handlers for te_act_fwd / te_act_bwd: the activation (forward) or g * act'(x) (backward) in float32, and in
+// The kernel of te_act_fwd / te_act_bwd, for activation_fwd.cu and activation_bwd.cu (one handler each, so that
+// their 60 kernels each compile in parallel): the activation (forward) or g * act'(x) (backward) in float32, and in
 // the same pass either te_quantize's FP8 outputs (saturating cast of y * scale, amax on bit patterns, the transposed
 // copy, dbias) or a plain float32/bfloat16/float16 result. The formulas are activation_math.h's, compiled with
 // -fmad=false so that every float32 operation rounds once, as in XLA's code for the reference.
@@ -15,6 +16,8 @@
 // Template parameters are the activation, gated, forward/backward, the input dtype and FP8-or-not: 120 kernels.
 // The FP8 format, the high-precision output dtype, the transposed copy and dbias are uniform run-time branches,
 // which cost a few instructions per 8 elements and keep the build small.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -345,87 +348,5 @@ ffi::Error Prologue(cudaStream_t stream, ffi::Result<ffi::BufferR0<ffi::F32>>& a
   return CudaError(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float), stream), "amax memset");
 }
 
-ffi::Error ActFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_t,
-                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, int64_t act, bool gated, int64_t batch_ndim) {
-  auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
-  if (view.has_error()) return view.error();
-  if (auto err = CheckActivationOutputs(*out, *out_t, view->out_elements()); err.failure()) return err;
-  if (auto err = Prologue(stream, amax); err.failure()) return err;
-  if (view->out_elements() == 0) return ffi::Error::Success();
-  Params p{};
-  p.x = x.untyped_data();
-  p.scale = scale.typed_data();
-  p.out = out->untyped_data();
-  p.out_t = out_t->element_count() > 0 ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr;
-  p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
-  return Launch<false>(stream, *view, x.element_type(), out->element_type(), act, p, nullptr);
-}
-
-ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
-                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
-                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                      ffi::Result<ffi::AnyBuffer> workspace, int64_t act, bool gated, int64_t batch_ndim) {
-  auto view = CheckActivationBwd(g, x, *dx, *dx_t, *dbias, gated, batch_ndim);
-  if (view.has_error()) return view.error();
-  const ActivationView v = *view;
-  const int64_t out_cols = v.halves() * v.cols;
-  const bool want_dbias = dbias->element_count() > 0;
-  const int64_t partial_rows = v.batch * ((v.rows + kTile - 1) / kTile);
-  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
-                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols)) {
-    return ffi::Error::InvalidArgument("activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols]");
-  }
-  if (auto err = Prologue(stream, amax); err.failure()) return err;
-  if (v.in_elements() == 0) {
-    if (want_dbias) {
-      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream),
-                                  "dbias memset");
-    }
-    return ffi::Error::Success();
-  }
-  Params p{};
-  p.x = x.untyped_data();
-  p.g = g.untyped_data();
-  p.scale = scale.typed_data();
-  p.out = dx->untyped_data();
-  p.out_t = dx_t->element_count() > 0 ? static_cast<uint8_t*>(dx_t->untyped_data()) : nullptr;
-  p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
-  p.dbias_partial = want_dbias ? static_cast<float*>(workspace->untyped_data()) : nullptr;
-  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p,
-                      want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
-}
-
 }  // namespace
-
-// Both allocate nothing (the dbias partials go to a workspace result): XLA may capture them into a CUDA graph.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCudaHandler, ActFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, (..., [2,] N)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies y before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()                     // out: FP8 or f32/bf16/f16, (..., N)
-                                  .Ret<ffi::AnyBuffer>()                     // out_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |y| (FP8 outputs)
-                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
-                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by out_t
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // g: the output gradient, x's dtype
-                                  .Arg<ffi::AnyBuffer>()                     // x: the forward input
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies dx before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()                     // dx: FP8 or f32/bf16/f16, x's shape
-                                  .Ret<ffi::AnyBuffer>()                     // dx_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |dx| (FP8 outputs)
-                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
-                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
-                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by dx_t
-                              {ffi::Traits::kCmdBufferCompatible});
-
 }  // namespace te_jax

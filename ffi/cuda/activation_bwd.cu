@@ -1,0 +1,62 @@
+// CUDA handler for te_act_bwd: g * act'(x) (both halves' gradients for a gated pair) in float32, stored as FP8 (times
+// scale, saturating, amax, optional transposed copy) or float32/bfloat16/float16, with optional dbias. The kernel:
+// activation.cuh.
+#include "activation.cuh"
+
+namespace te_jax {
+namespace {
+
+ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
+                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
+                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
+                      ffi::Result<ffi::AnyBuffer> workspace, int64_t act, bool gated, int64_t batch_ndim) {
+  auto view = CheckActivationBwd(g, x, *dx, *dx_t, *dbias, gated, batch_ndim);
+  if (view.has_error()) return view.error();
+  const ActivationView v = *view;
+  const int64_t out_cols = v.halves() * v.cols;
+  const bool want_dbias = dbias->element_count() > 0;
+  const int64_t partial_rows = v.batch * ((v.rows + kTile - 1) / kTile);
+  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
+                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols)) {
+    return ffi::Error::InvalidArgument("activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols]");
+  }
+  if (auto err = Prologue(stream, amax); err.failure()) return err;
+  if (v.in_elements() == 0) {
+    if (want_dbias) {
+      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream),
+                                  "dbias memset");
+    }
+    return ffi::Error::Success();
+  }
+  Params p{};
+  p.x = x.untyped_data();
+  p.g = g.untyped_data();
+  p.scale = scale.typed_data();
+  p.out = dx->untyped_data();
+  p.out_t = dx_t->element_count() > 0 ? static_cast<uint8_t*>(dx_t->untyped_data()) : nullptr;
+  p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
+  p.dbias_partial = want_dbias ? static_cast<float*>(workspace->untyped_data()) : nullptr;
+  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p,
+                      want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
+}
+
+}  // namespace
+
+// Allocates nothing (the dbias partials go to a workspace result): XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // g: the output gradient, x's dtype
+                                  .Arg<ffi::AnyBuffer>()                     // x: the forward input
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies dx before an FP8 cast
+                                  .Ret<ffi::AnyBuffer>()                     // dx: FP8 or f32/bf16/f16, x's shape
+                                  .Ret<ffi::AnyBuffer>()                     // dx_t: FP8 transposed copy, or empty
+                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |dx| (FP8 outputs)
+                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
+                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
+                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
+                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by dx_t
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace te_jax
