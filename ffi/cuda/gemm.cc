@@ -178,6 +178,20 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   return raw;
 }
 
+// While the stream is being captured into a CUDA graph, CUDA forbids this thread the calls that could synchronize
+// implicitly (cudaMalloc, for one). Creating a handle or a plan touches no stream but may make such calls inside
+// cuBLASLt, so the thread relaxes that rule around them, as CUDA's capture-mode API intends for libraries.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // Times each candidate and returns the fastest. The GPU is warmed up first (its clocks ramp up under load, which
 // would favour candidates timed late), then every candidate is timed in two rounds of kTimedRuns runs between two
 // events on the stream, keeping its faster round. Candidates that fail to run are skipped. Synchronizes with the
@@ -266,16 +280,20 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   // Held through the launch: the cached descriptor carries this call's scale and bias pointers.
   std::lock_guard<std::mutex> lock(cache.mu);
   cublasLtHandle_t handle;
-  auto h = cache.handles.find(p.device);
-  if (h == cache.handles.end()) {
-    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle), "create handle");
-    cache.handles.emplace(p.device, handle);
-  } else {
-    handle = h->second;
+  Plan* plan;
+  {
+    RelaxedCapture relaxed;
+    auto h = cache.handles.find(p.device);
+    if (h == cache.handles.end()) {
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle), "create handle");
+      cache.handles.emplace(p.device, handle);
+    } else {
+      handle = h->second;
+    }
+    auto got = GetPlan(handle, p, cache);
+    if (got.has_error()) return got.error();
+    plan = *got;
   }
-  auto got = GetPlan(handle, p, cache);
-  if (got.has_error()) return got.error();
-  Plan* plan = *got;
   if (p.fp8) {
     const float* a_scale = rhs_scale_inv.typed_data();
     const float* b_scale = lhs_scale_inv.typed_data();
