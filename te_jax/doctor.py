@@ -3,8 +3,9 @@
 Reports the package versions, the JAX backend and devices, each GPU's compute capability, the CUDA driver, runtime,
 cuBLASLt and cuDNN versions, which te_jax extension modules loaded (and why not), the XLA FFI targets they registered,
 whether ``TE_JAX_REFERENCE=1`` forces the pure-JAX path, a one-op check that the native handler runs and agrees with
-the reference bit for bit, for each FP8 recipe whether it runs natively here or is emulated by the pure-JAX path, and
-which attention backend (cuDNN or jnp) typical configurations get, and why.
+the reference bit for bit, for each FP8 recipe whether it runs natively here, is emulated by the pure-JAX path, or is
+not in ``te_jax.recipe`` yet (and what hardware it would need), and which attention backend (cuDNN or jnp) typical
+configurations get, and why.
 
 Never fails for want of a GPU or a CUDA library: what is missing is reported and the exit code is 0. Only a failing
 ``import te_jax`` exits non-zero.
@@ -29,6 +30,7 @@ import numpy as np
 
 import te_jax
 from te_jax import _native
+from te_jax import recipe as recipe_module
 
 __all__ = ["RECIPES", "collect", "format_report", "main"]
 
@@ -110,9 +112,23 @@ def _self_check() -> dict[str, Any]:
 
 
 def _recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool) -> dict[str, dict[str, str]]:
+  """{recipe: {"mode": "native" | "emulated" | "unavailable", "reason": ...}}; "unavailable" for a recipe that
+  ``te_jax.recipe`` does not define yet, whatever the machine."""
   def row(native: bool, reason: str) -> dict[str, str]:
     return {"mode": "native" if native else "emulated", "reason": reason}
 
+  rows = _machine_recipes(min_cc, cuda_loaded, row)
+  for name in RECIPES:
+    if not hasattr(recipe_module, name):
+      hardware = ("its GEMMs need compute capability >= 10.0 (Blackwell)" if name in ("MXFP8BlockScaling",
+                                                                                 "NVFP4BlockScaling")
+                  else "its 1x128 / 128x128 scales run on Hopper")
+      rows[name] = {"mode": "unavailable", "reason": f"not in te_jax.recipe yet; {hardware}"}
+  return rows
+
+
+def _machine_recipes(min_cc, cuda_loaded: bool, row) -> dict[str, dict[str, str]]:
+  """What the machine allows each recipe, as if te_jax had them all."""
   if _native.REFERENCE_FORCED:
     return {r: row(False, "TE_JAX_REFERENCE=1 forces the pure-JAX path") for r in RECIPES}
   if min_cc is None:
@@ -223,7 +239,7 @@ def format_report(info: dict[str, Any]) -> str:
     lines.append(f"Check: {check['op']} on {info['backend']} ran {check['handler']}: {agree}")
   lines.append("Recipes:")
   for name, r in info["recipes"].items():
-    lines.append(f"  {name:<21} {r['mode']:<8}  {r['reason']}")
+    lines.append(f"  {name:<21} {r['mode']:<11}  {r['reason']}")
   lines.append("Attention backends:")
   for name, r in info["attention"].items():
     lines.append(f"  {name:<34} {r['name']:<11} {r['reason']}")

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from te_jax import recipe
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KEYS = {"te_jax", "python", "packages", "backend", "devices", "gpus", "cuda", "extensions", "reference_forced", "fp8",
         "check", "recipes", "attention"}
@@ -41,12 +43,15 @@ def test_plain_report_exits_zero():
 def test_json_keys(info):
   assert set(info) == KEYS
   assert set(info["recipes"]) == RECIPES
-  assert {r["mode"] for r in info["recipes"].values()} <= {"native", "emulated"}
+  assert {r["mode"] for r in info["recipes"].values()} <= {"native", "emulated", "unavailable"}
   assert all(r["reason"] for r in info["recipes"].values())
   assert set(info["packages"]) >= {"jax", "jaxlib", "flax", "optax"}
   assert info["cuda"]["cudnn"]["version"]  # a version or "not found", never missing
+  # A recipe te_jax does not define is never reported as runnable, on any machine.
+  for name, r in info["recipes"].items():
+    assert (r["mode"] == "unavailable") is (not hasattr(recipe, name)), (name, r)
   # Block-scaled recipes have no native GEMM handler yet on any machine.
-  assert info["recipes"]["Float8BlockScaling"]["mode"] == "emulated"
+  assert info["recipes"]["Float8BlockScaling"]["mode"] != "native"
 
 
 def test_cpu_module_loaded_and_registered(info):
@@ -67,7 +72,7 @@ def test_native_handler_agrees_with_reference(info):
 def test_recipe_modes_follow_the_machine(info):
   if not info["gpus"]:
     assert info["fp8"]["supported"] is False
-    assert all(r["mode"] == "emulated" for r in info["recipes"].values())
+    assert all(r["mode"] == "emulated" for n, r in info["recipes"].items() if hasattr(recipe, n))
     return
   min_cc = min(tuple(int(v) for v in g["compute_capability"].split(".")) for g in info["gpus"])
   per_tensor = "native" if info["extensions"]["cuda"]["loaded"] and min_cc >= (8, 9) else "emulated"
@@ -75,8 +80,8 @@ def test_recipe_modes_follow_the_machine(info):
   assert info["recipes"]["DelayedScaling"]["mode"] == per_tensor
   assert info["recipes"]["Float8CurrentScaling"]["mode"] == per_tensor
   if min_cc < (10, 0):
-    assert info["recipes"]["MXFP8BlockScaling"]["mode"] == "emulated"
-    assert info["recipes"]["NVFP4BlockScaling"]["mode"] == "emulated"
+    assert info["recipes"]["MXFP8BlockScaling"]["mode"] != "native"
+    assert info["recipes"]["NVFP4BlockScaling"]["mode"] != "native"
 
 
 def test_reference_forced():
@@ -87,6 +92,6 @@ def test_reference_forced():
   for ext in info["extensions"].values():
     assert not ext["loaded"] and not ext["targets"]
     assert "TE_JAX_REFERENCE" in ext["error"]
-  assert all(r["mode"] == "emulated" for r in info["recipes"].values())
+  assert all(r["mode"] == "emulated" for n, r in info["recipes"].items() if hasattr(recipe, n))
   assert info["check"]["handler"] == "the pure-JAX reference"
   assert "TE_JAX_REFERENCE: set" in _doctor(reference=True).stdout
