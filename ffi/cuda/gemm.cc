@@ -10,8 +10,8 @@
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
-// call of a problem outside a CUDA-graph capture also times the heuristic's best few algorithms on it and keeps the
-// fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated by XLA. The
+// call of a problem, unless XLA is capturing it into a CUDA graph, also times the heuristic's best few algorithms on
+// it and keeps the fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated by XLA. The
 // handler is CUDA-graph compatible, so XLA can capture it into its command buffers with the kernels around it.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -195,8 +195,8 @@ class RelaxedCapture {
 // Times each candidate and returns the fastest. The GPU is warmed up first (its clocks ramp up under load, which
 // would favour candidates timed late), then every candidate is timed in two rounds of kTimedRuns runs between two
 // events on the stream, keeping its faster round. Candidates that fail to run are skipped. Synchronizes with the
-// stream, so it never runs while the stream is being captured into a CUDA graph (an XLA command buffer): a captured
-// call runs the heuristic's first choice and leaves the timing to the first call outside a capture.
+// stream, so it never runs while the stream is being captured into a CUDA graph (an XLA command buffer): a problem
+// whose first call is captured keeps the heuristic's first choice.
 template <typename Run>
 ffi::ErrorOr<cublasLtMatmulAlgo_t> FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, Run&& run,
                                                     cudaStream_t stream) {
@@ -318,10 +318,14 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   };
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
-  if (!plan->candidates.empty() && capture == cudaStreamCaptureStatusNone) {
-    auto tuned = FastestAlgorithm(plan->candidates, run, stream);
-    if (tuned.has_error()) return tuned.error();
-    plan->algo = *tuned;
+  if (!plan->candidates.empty()) {
+    // The algorithm is chosen once, at the problem's first call, so that it never changes under a program that
+    // already ran it (its bits would): timed outside a capture, the heuristic's first choice inside one.
+    if (capture == cudaStreamCaptureStatusNone) {
+      auto tuned = FastestAlgorithm(plan->candidates, run, stream);
+      if (tuned.has_error()) return tuned.error();
+      plan->algo = *tuned;
+    }
     plan->candidates.clear();
   }
   TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo), "matmul");
