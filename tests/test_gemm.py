@@ -9,13 +9,18 @@
 - Argument checks, raised in Python with messages that name the problem.
 - Under ``jax.jit`` on 8 CPU devices: column- and row-parallel GEMMs hold exactly the collectives they need.
 - On a GPU (``@pytest.mark.gpu``): the cuBLASLt handler, including M not a multiple of 16 with FP8, 4096^3,
-  fast accumulation, the custom call in the compiled HLO, and bitwise determinism.
+  fast accumulation, the custom call in the compiled HLO, bitwise determinism, and a first call captured into one of
+  XLA's command buffers.
 """
 
 import collections
 import functools
+import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -495,3 +500,44 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
   np.testing.assert_array_equal(first.view(np.uint16), second.view(np.uint16), err_msg="not deterministic")
   base = gpu_reference(lhs, rhs, bias, jnp.bfloat16, gpu)
   assert_gemm_close(first, base, lhs, rhs, bias64_of(bias, jnp.bfloat16), accum_u=accum_u, rows=slice(None, None, 16))
+
+
+# A fresh process whose first te_gemm call is captured into one of XLA's command buffers (CUDA graphs): handle and
+# plan creation inside a capture, no algorithm timing there, and the captured GEMMs' values and bits.
+_CAPTURED_FIRST_CALL = r"""
+import json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+import te_jax
+
+a = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32)
+b = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
+def f(a, b):
+  y = te_jax.gemm(jnp.sin(a), jnp.cos(b), out_dtype=jnp.float32)
+  return jnp.tanh(te_jax.gemm(y, jnp.cos(b).T * 0.01, out_dtype=jnp.float32) + 1.0)
+def ref(a, b):
+  hi = jax.lax.Precision.HIGHEST
+  y = jnp.dot(jnp.sin(a), jnp.cos(b).T, precision=hi)
+  return jnp.tanh(jnp.dot(y, jnp.cos(b) * 0.01, precision=hi) + 1.0)
+jf = jax.jit(f)
+hlo = jf.lower(a, b).compile().as_text()
+# The GEMM custom calls sit in the computations XLA's command-buffer pass made.
+bodies = re.split(r"\n(?=\S)", hlo)
+captured = sum("te_gemm_cuda" in body for body in bodies if "command_buffer" in body.split("\n", 1)[0])
+first, second = np.asarray(jf(a, b)), np.asarray(jf(a, b))
+want = np.asarray(jax.jit(ref)(a, b))
+print(json.dumps({"captured_bodies": captured, "max_err": float(np.max(np.abs(first - want))),
+                  "same_bits": bool(np.array_equal(first.view(np.uint32), second.view(np.uint32)))}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_first_call_inside_a_command_buffer(gpu):
+  del gpu  # the subprocess uses the default (GPU) backend
+  env = {**os.environ, "XLA_FLAGS": "--xla_gpu_graph_min_graph_size=1"}
+  proc = subprocess.run([sys.executable, "-c", _CAPTURED_FIRST_CALL], capture_output=True, text=True, env=env,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["captured_bodies"] >= 1, "XLA put no te_gemm call in a command buffer: the test tests nothing"
+  assert result["max_err"] <= 1e-4, result
+  assert result["same_bits"], result
