@@ -120,14 +120,14 @@ def _recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool) -> dict[str, dic
   rows = _machine_recipes(min_cc, cuda_loaded, row)
   for name in RECIPES:
     if not hasattr(recipe_module, name):
-      hardware = ("its GEMMs need compute capability >= 10.0 (Blackwell)" if name in ("MXFP8BlockScaling",
-                                                                                 "NVFP4BlockScaling")
-                  else "its 1x128 / 128x128 scales run on Hopper")
+      hardware = ("its GEMMs need compute capability >= 10.0 (Blackwell)"
+                  if name in ("MXFP8BlockScaling", "NVFP4BlockScaling")
+                  else "its GEMMs (1x128 / 128x128 scales) need FP8 tensor cores, compute capability >= 8.9")
       rows[name] = {"mode": "unavailable", "reason": f"not in te_jax.recipe yet; {hardware}"}
   return rows
 
 
-def _machine_recipes(min_cc, cuda_loaded: bool, row) -> dict[str, dict[str, str]]:
+def _machine_recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool, row) -> dict[str, dict[str, str]]:
   """What the machine allows each recipe, as if te_jax had them all."""
   if _native.REFERENCE_FORCED:
     return {r: row(False, "TE_JAX_REFERENCE=1 forces the pure-JAX path") for r in RECIPES}

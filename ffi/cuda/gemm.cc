@@ -11,8 +11,9 @@
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
 // call of a problem, unless XLA is capturing it into a CUDA graph, also times the heuristic's best few algorithms on
-// it and keeps the fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated by XLA. The
-// handler is CUDA-graph compatible, so XLA can capture it into its command buffers with the kernels around it.
+// it and keeps the fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated
+// by XLA. The handler is CUDA-graph compatible, so XLA can capture it into its command buffers with the kernels
+// around it.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
