@@ -66,37 +66,6 @@ struct Params {
   HpType hp;            // high-precision output dtype
 };
 
-// 8 consecutive elements of one row, kept as loaded (16-bit types stay packed: half the registers of float32 while
-// the loads are in flight) and converted to float32 on use.
-template <typename T>
-struct Chunk {
-  static constexpr int kWords = sizeof(T) * kVec / 16;
-  uint4 raw[kWords];
-
-  // One or two 16-byte loads for a whole chunk of a vector-accessible row; bounds-checked scalar loads otherwise.
-  // Elements outside the array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
-  __device__ __forceinline__ void Load(const T* row, int64_t col, int64_t cols, bool in_row, bool vec) {
-    if (in_row && vec && col + kVec <= cols) {
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(row + col) + w);
-    } else {
-      T* e = reinterpret_cast<T*>(raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) e[j] = in_row && col + j < cols ? row[col + j] : T(0.0f);
-    }
-  }
-
-  __device__ __forceinline__ float Get(int j) const {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // bf16 is the top half of a float32: integer ops, no conversion instructions.
-      const uint32_t w = reinterpret_cast<const uint32_t*>(raw)[j / 2];
-      return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
-    } else {
-      return ToFloat(reinterpret_cast<const T*>(raw)[j]);
-    }
-  }
-};
-
 // Rows whose loads are issued before the first use: as many as keep the loaded data within ~24 registers per thread
 // (4 for a plain 16-bit forward, 1 for a float32 gated backward), so that the kernel fits its 80-register budget.
 template <typename T, int kInputsPerRow>
@@ -187,15 +156,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
   constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
 #pragma unroll 1
   for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
+    // Kept as loaded (16-bit inputs stay packed while the loads are in flight) and converted on use. Elements past the
+    // array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
     Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
       const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
       const bool in_row = r < rows;
       const int64_t rr = in_row ? r : 0;
-      xa[i].Load(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
-      if constexpr (kGated) xb[i].Load(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
-      if constexpr (kBwd) gv[i].Load(g + rr * cols, col, cols, in_row, p.vec);
+      xa[i].LoadOrZero(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
+      if constexpr (kGated) xb[i].LoadOrZero(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
+      if constexpr (kBwd) gv[i].LoadOrZero(g + rr * cols, col, cols, in_row, p.vec);
     }
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
@@ -250,14 +221,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
         uint8_t* qt = p.out_t + (b * kOutHalves + h) * cols * rows;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          uint2 o;
-          if (j < 4) {
-            o.x = GatherByte(v[0].x, v[1].x, v[2].x, v[3].x, j);
-            o.y = GatherByte(v[4].x, v[5].x, v[6].x, v[7].x, j);
-          } else {
-            o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
-            o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
-          }
+          const uint2 o = TransposedRow(v, j);
           const int64_t c = c_base + j;
           if (c >= cols) break;
           uint8_t* dst = qt + c * rows + qr;

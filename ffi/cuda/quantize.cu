@@ -118,15 +118,7 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias>())
       uint8_t* qtb = qt + b * rows * cols;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        uint2 o;
-        if (j < 4) {
-          o.x = GatherByte(v[0].x, v[1].x, v[2].x, v[3].x, j);
-          o.y = GatherByte(v[4].x, v[5].x, v[6].x, v[7].x, j);
-        } else {
-          o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
-          o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
-        }
-        StoreOut(qtb + (c_base + j) * rows + qr, o);
+        StoreOut(qtb + (c_base + j) * rows + qr, TransposedRow(v, j));
       }
     }
   }

@@ -40,6 +40,20 @@ __device__ __forceinline__ uint32_t GatherByte(uint32_t a, uint32_t b, uint32_t 
   return __byte_perm(ab, cd, 0x5410);
 }
 
+// Column j of an 8x8 block of FP8 bytes held as 8 rows of 8 bytes (v[i]: row i): its 8 bytes, row 0 first, as one
+// 8-byte word of the transposed block.
+__device__ __forceinline__ uint2 TransposedRow(const uint2 (&v)[8], int j) {
+  uint2 o;
+  if (j < 4) {
+    o.x = GatherByte(v[0].x, v[1].x, v[2].x, v[3].x, j);
+    o.y = GatherByte(v[4].x, v[5].x, v[6].x, v[7].x, j);
+  } else {
+    o.x = GatherByte(v[0].y, v[1].y, v[2].y, v[3].y, j - 4);
+    o.y = GatherByte(v[4].y, v[5].y, v[6].y, v[7].y, j - 4);
+  }
+  return o;
+}
+
 // dbias[c] = sum over the partial rows, in a fixed order: deterministic. (static: one copy per file using it.)
 static __global__ void ColumnSumKernel(const float* __restrict__ partial, float* __restrict__ out, int64_t n_partial,
                                 int64_t cols) {

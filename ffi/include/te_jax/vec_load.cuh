@@ -1,5 +1,5 @@
 // 16-byte vector loads of 8 consecutive float32/bfloat16/float16 elements, read as float32: the input side of the
-// memory-bound kernels (quantize, norm).
+// memory-bound kernels (quantize, norm, activation, softmax).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,6 +36,19 @@ struct Chunk {
   __device__ __forceinline__ void Zero() {
 #pragma unroll
     for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
+  }
+  // Elements [col, col + 8) of a row of `cols`: one or two 16-byte loads when the chunk is whole and the row
+  // vector-accessible, bounds-checked scalar loads otherwise; elements past the row, or of a row that is not there
+  // (in_row false), read as 0.
+  __device__ __forceinline__ void LoadOrZero(const T* row, int64_t col, int64_t cols, bool in_row, bool vec) {
+    if (in_row && vec && col + kElems <= cols) {
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(row + col) + w);
+    } else {
+      T* e = reinterpret_cast<T*>(raw);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) e[j] = in_row && col + j < cols ? row[col + j] : T(0.0f);
+    }
   }
   __device__ __forceinline__ float Get(int i) const {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
