@@ -711,6 +711,20 @@ int PowerOfTwoAtMost(int v) {
   return p;
 }
 
+// Launches kernel<<<blocks, threads, smem>>>(args) after raising its dynamic shared-memory limit to smem: for any
+// size, since the kernel's static shared memory counts against the 48 KiB default too. The launch's error status.
+template <typename Kernel, typename Args>
+cudaError_t LaunchWithSharedMemory(Kernel kernel, int64_t blocks, int threads, size_t smem, cudaStream_t stream,
+                                   const Args& args) {
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<blocks, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
 bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 template <typename F>
@@ -782,14 +796,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   DispatchBool(rms, [&](auto kRms) {
     auto launch = [&](auto kN) {
       auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
-      if (smem > 0) {  // static shared memory counts against the 48 KiB default too
-        err = CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem)),
-                        "norm_fwd shared memory attribute");
-        if (err.failure()) return;
-      }
-      kernel<<<blocks, threads, smem, stream>>>(a);
-      err = LastCudaError("norm_fwd kernel launch");
+      err = CudaError(LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a), "norm_fwd kernel launch");
     };
     DispatchN<2, 4>(shape.n, launch);
   });
@@ -827,16 +834,13 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
         constexpr int n = decltype(kN)::value;
         auto kernel = NormBwdKernel<T, Tdz, decltype(kRms)::value, n>;
         const size_t smem = BwdSmem<T, Tdz, decltype(kRms)::value, n>::Bytes(threads);
-        if (smem > 0) {  // static shared memory counts against the 48 KiB default too
-          err = CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem)),
-                          "norm_bwd shared memory attribute");
-          if (err.failure()) return;
+        const cudaError_t status = LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a);
+        if (status != cudaSuccess) {  // the message is built only on failure: this is every call's path
+          err = CudaError(status, "norm_bwd kernel launch (" + std::to_string(a.rows) + " x " + std::to_string(a.cols) +
+                                      ", n=" + std::to_string(n) + ", " + std::to_string(blocks) + " blocks of " +
+                                      std::to_string(threads) + " threads, " + std::to_string(smem) +
+                                      " bytes of shared memory)");
         }
-        kernel<<<blocks, threads, smem, stream>>>(a);
-        err = LastCudaError("norm_bwd kernel launch (" + std::to_string(a.rows) + " x " + std::to_string(a.cols) +
-                            ", n=" + std::to_string(n) + ", " + std::to_string(blocks) + " blocks of " +
-                            std::to_string(threads) + " threads, " + std::to_string(smem) + " bytes of shared memory)");
       };
       if constexpr (k32) {
         DispatchN<1, 2>(shape.n, launch);
