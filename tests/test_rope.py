@@ -182,11 +182,21 @@ def test_rope_frequencies_formula():
 @LAYOUTS
 @PAIRINGS
 def test_cpu_matches_reference_bitwise(dtype, layout, interleaved):
+  args, outs = handler_matches_reference(CASES, dtype, layout, interleaved, CPU, "cpu", seed=10)
+  for (x, c, s), (y, dx) in zip(args, outs, strict=True):
+    assert_bitwise(y, numpy_f32_rotation(x, c, s, layout, interleaved), what=f"fwd vs numpy {x.shape}")
+    assert_bitwise(dx, numpy_f32_rotation(x, c, s, layout, interleaved, backward=True), what=f"bwd vs numpy {x.shape}")
+
+
+def handler_matches_reference(cases, dtype, layout, interleaved, device, platform: str, seed: int) -> list:
+  """The handler of ``platform`` on ``device``, forward and backward, bitwise against the reference run on the same
+  device, for ``cases`` of ``dtype`` (the same cos/sin tables, computed once on the CPU, go to both programs);
+  returns the (x, cos, sin) arguments and the handler's (y, dx) for each."""
   config = RopeConfig(layout=layout, interleaved=interleaved)
   args = []
-  for k, (shape, half, batched) in enumerate(CASES):
-    x = random_x(x_shape(shape, layout), dtype, seed=10 + k)
-    args.append((x, *tables(random_freqs(shape[0], shape[1], half, batched, seed=10 + k))))
+  for k, (shape, half, batched) in enumerate(cases):
+    x = random_x(x_shape(shape, layout), dtype, seed=seed + k)
+    args.append((x, *tables(random_freqs(shape[0], shape[1], half, batched, seed=seed + k))))
 
   def ours(x, c, s):
     return (rope_fwd(x, c, s, layout=layout, interleaved=interleaved),
@@ -195,13 +205,12 @@ def test_cpu_matches_reference_bitwise(dtype, layout, interleaved):
   def ref(x, c, s):
     return rope_fwd_ref(x, c, s, config=config)[0], rope_bwd_ref(x, c, s, config=config)[0]
 
-  outs = run_many(ours, args, CPU, targets=("te_rope_fwd_cpu", "te_rope_bwd_cpu"))
-  refs = run_many(ref, args, CPU)
-  for (x, c, s), (y, dx), (ry, rdx) in zip(args, outs, refs, strict=True):
-    assert_bitwise(y, ry, what=f"fwd {x.shape} R/2={c.shape}")
-    assert_bitwise(dx, rdx, what=f"bwd {x.shape} R/2={c.shape}")
-    assert_bitwise(y, numpy_f32_rotation(x, c, s, layout, interleaved), what=f"fwd vs numpy {x.shape}")
-    assert_bitwise(dx, numpy_f32_rotation(x, c, s, layout, interleaved, backward=True), what=f"bwd vs numpy {x.shape}")
+  outs = run_many(ours, args, device, targets=(f"te_rope_fwd_{platform}", f"te_rope_bwd_{platform}"))
+  refs = run_many(ref, args, device)
+  for (x, c, _), (y, dx), (ry, rdx) in zip(args, outs, refs, strict=True):
+    assert_bitwise(y, ry, what=f"fwd {x.shape} R/2={c.shape[-1]}")
+    assert_bitwise(dx, rdx, what=f"bwd {x.shape} R/2={c.shape[-1]}")
+  return args, outs
 
 
 @PAIRINGS
@@ -422,25 +431,8 @@ GPU_LARGE = [((4, 2048, 32, 128), 64, False)]
 def test_gpu_matches_reference_bitwise(dtype, layout, interleaved, gpu):
   assert _native.has_target("cuda", "te_rope_fwd_cuda") and _native.has_target("cuda", "te_rope_bwd_cuda"), \
       _native.load_errors
-  config = RopeConfig(layout=layout, interleaved=interleaved)
-  args = []
-  for k, (shape, half, batched) in enumerate(GPU_CASES + (GPU_LARGE if dtype is ml_dtypes.bfloat16 else [])):
-    x = random_x(x_shape(shape, layout), dtype, seed=30 + k)
-    args.append((x, *tables(random_freqs(shape[0], shape[1], half, batched, seed=30 + k))))
-
-  def ours(x, c, s):
-    return (rope_fwd(x, c, s, layout=layout, interleaved=interleaved),
-            rope_bwd(x, c, s, layout=layout, interleaved=interleaved))
-
-  def ref(x, c, s):
-    return rope_fwd_ref(x, c, s, config=config)[0], rope_bwd_ref(x, c, s, config=config)[0]
-
-  # the same cos/sin tables (computed once, on the CPU) go to both programs
-  outs = run_many(ours, args, gpu, targets=("te_rope_fwd_cuda", "te_rope_bwd_cuda"))
-  refs = run_many(ref, args, gpu)
-  for (x, c, _), (y, dx), (ry, rdx) in zip(args, outs, refs, strict=True):
-    assert_bitwise(y, ry, what=f"fwd {x.shape} R/2={c.shape[-1]}")
-    assert_bitwise(dx, rdx, what=f"bwd {x.shape} R/2={c.shape[-1]}")
+  cases = GPU_CASES + (GPU_LARGE if dtype is ml_dtypes.bfloat16 else [])
+  handler_matches_reference(cases, dtype, layout, interleaved, gpu, "cuda", seed=30)
 
 
 @pytest.mark.gpu
