@@ -82,7 +82,9 @@ def _flops(c) -> float:
   return 3 * (gemm + attention)  # forward + backward (two GEMMs per forward GEMM)
 
 
-def _impls(c, layers: int | None = None):
+def impls(c, layers: int | None = None):
+  """{name: (model, recipe or None)} for config ``c``: the te_jax layer (FP8, FP8 with FP8 attention, BF16) and
+  Flax's (FP8, BF16); with ``layers``, stacks of that many (without the FP8-attention one)."""
   te_kw = {"deterministic": True}
   delayed = recipe.DelayedScaling()
   make = {
@@ -130,7 +132,7 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
   x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
   rows = []
-  for name, (model, rec) in _impls(c).items():
+  for name, (model, rec) in impls(c).items():
     kw = {"deterministic": True} if name.startswith("te_jax") else {}
     fn = harness.layer_fwd_bwd(model, rec, **kw)
     variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
@@ -158,7 +160,7 @@ def stack_memory(ctx: harness.Context, key) -> list[dict]:
   shape = (c["batch"], c["seq"], c["hidden"])
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   rows = []
-  for name, (model, rec) in _impls(c, STACK["layers"]).items():
+  for name, (model, rec) in impls(c, STACK["layers"]).items():
     fn = harness.layer_fwd_bwd(model, rec)
     with te_jax.autocast(enabled=rec is not None, recipe=rec):
       variables = jax.eval_shape(lambda k, model=model: model.init(k, jnp.zeros(shape, jnp.bfloat16)), key)

@@ -113,7 +113,7 @@ def _cases(bench: str, shrink: int):
   kx, kd = jax.random.split(jax.random.key(7))
   if bench == "transformer":
     c = {k: v if k == "batch" else max(1, v // shrink) for k, v in bench_transformer.LAYER.items()}
-    impls = bench_transformer._impls(c)  # noqa: SLF001 - the benchmark's own definitions
+    impls = bench_transformer.impls(c)
     shape = (c["batch"], c["seq"], c["hidden"])
     te_kw = {"deterministic": True}
   else:

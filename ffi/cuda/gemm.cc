@@ -317,11 +317,11 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                           &beta, out->untyped_data(), plan->d, out->untyped_data(), plan->d, &algo,
                           workspace->untyped_data(), kWorkspaceBytes, stream);
   };
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
   if (!plan->candidates.empty()) {
     // The algorithm is chosen once, at the problem's first call, so that it never changes under a program that
     // already ran it (its bits would): timed outside a capture, the heuristic's first choice inside one.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
     if (capture == cudaStreamCaptureStatusNone) {
       auto tuned = FastestAlgorithm(plan->candidates, run, stream);
       if (tuned.has_error()) return tuned.error();
