@@ -503,7 +503,8 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
 
 
 # A fresh process whose first te_gemm call is captured into one of XLA's command buffers (CUDA graphs): handle and
-# plan creation inside a capture, no algorithm timing there, and the captured GEMMs' values and bits.
+# plan creation and the algorithm timing (on a private stream) inside a capture, and the captured GEMMs' values and
+# bits.
 _CAPTURED_FIRST_CALL = r"""
 import json, re, sys
 import jax, jax.numpy as jnp, numpy as np

@@ -10,10 +10,10 @@
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
-// call of a problem, unless XLA is capturing it into a CUDA graph, also times the heuristic's best few algorithms on
-// it and keeps the fastest. Later calls only look their plan up. The workspace is an extra result buffer, allocated
-// by XLA. The handler is CUDA-graph compatible, so XLA can capture it into its command buffers with the kernels
-// around it.
+// call of a problem also times the heuristic's candidates and keeps the fastest. Later calls only look their plan up.
+// The workspace is an extra result buffer, allocated by XLA. The handler is CUDA-graph compatible, so XLA can capture
+// it into its command buffers with the kernels around it: the timing runs on a private stream, with private output
+// and workspace buffers, so it works the same whether or not XLA's stream is being captured.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -34,11 +34,13 @@ namespace ffi = xla::ffi;
 namespace te_jax {
 namespace {
 
-// The heuristic's first choice is not always the fastest: the first call of each problem times this many of its
-// candidates on the real operands and keeps the fastest (once per process, tens of milliseconds).
-constexpr int kCandidates = 8;
+// The heuristic's first choice is not always the fastest: the first call of each problem times up to this many of its
+// candidates on the call's operands and keeps the fastest (once per process, a few hundred milliseconds at most).
+constexpr int kCandidates = 32;
 constexpr int kWarmupRuns = 5;
-constexpr int kTimedRuns = 5;
+constexpr int kTimedRuns = 3;
+// Candidates slower than the first round's best by more than this factor are not timed again.
+constexpr float kSecondRoundSlack = 1.10f;
 
 // 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
 // allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py).
@@ -72,7 +74,7 @@ using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's best few, until the first call times them
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's choices, until the first call times them
   cublasLtMatmulAlgo_t algo;
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -193,42 +195,65 @@ class RelaxedCapture {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-// Times each candidate and returns the fastest. The GPU is warmed up first (its clocks ramp up under load, which
-// would favour candidates timed late), then every candidate is timed in two rounds of kTimedRuns runs between two
-// events on the stream, keeping its faster round. Candidates that fail to run are skipped. Synchronizes with the
-// stream, so it never runs while the stream is being captured into a CUDA graph (an XLA command buffer): a problem
-// whose first call is captured keeps the heuristic's first choice.
+// Times each candidate and returns the fastest, on a private stream with private output and workspace buffers; the
+// operands are read where they are (only the timing depends on their contents). So it runs the same while XLA's stream
+// is being captured into a CUDA graph (an XLA command buffer), which forbids synchronizing that stream but not work
+// on another; the thread's capture mode is relaxed meanwhile, for the allocations and the event waits. The GPU is
+// warmed up first (its clocks ramp up under load, which would favour candidates timed late); then every candidate is
+// timed over kTimedRuns runs between two events, and those within kSecondRoundSlack of the best once more, each
+// keeping its faster round. Candidates that fail to run are skipped; where the private stream or buffers cannot be
+// had, the heuristic's first choice stays.
 template <typename Run>
-ffi::ErrorOr<cublasLtMatmulAlgo_t> FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, Run&& run,
-                                                    cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  TE_JAX_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start), "event");
-  TE_JAX_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop), "event");
-  for (int r = 0; r < kWarmupRuns; ++r) run(candidates[0]);
-  std::vector<float> best_ms(candidates.size(), -1.0f);
-  for (int round = 0; round < 2; ++round) {
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      if (round > 0 && best_ms[i] < 0.0f) continue;  // failed in the first round
+cublasLtMatmulAlgo_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes,
+                                      Run&& run) {
+  RelaxedCapture relaxed;
+  cudaStream_t stream = nullptr;
+  void* out = nullptr;
+  void* workspace = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  std::vector<float> ms(candidates.size(), -1.0f);
+  const bool ready = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+                     cudaMallocAsync(&out, out_bytes, stream) == cudaSuccess &&
+                     cudaMallocAsync(&workspace, kWorkspaceBytes, stream) == cudaSuccess &&
+                     cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
+  if (ready) {
+    auto time = [&](const cublasLtMatmulAlgo_t& algo) {
       cudaEventRecord(start, stream);
       bool ok = true;
-      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(candidates[i]) == CUBLAS_STATUS_SUCCESS;
+      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(algo, stream, out, workspace) == CUBLAS_STATUS_SUCCESS;
       cudaEventRecord(stop, stream);
-      float ms = 0.0f;
-      if (cudaEventSynchronize(stop) != cudaSuccess || !ok || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
-        best_ms[i] = -1.0f;
-        continue;
+      float t = -1.0f;
+      if (!ok || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&t, start, stop) != cudaSuccess) {
+        return -1.0f;
       }
-      if (best_ms[i] < 0.0f || ms < best_ms[i]) best_ms[i] = ms;
+      return t;
+    };
+    for (int r = 0; r < kWarmupRuns; ++r) run(candidates[0], stream, out, workspace);
+    float best = -1.0f;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      ms[i] = time(candidates[i]);
+      if (ms[i] >= 0.0f && (best < 0.0f || ms[i] < best)) best = ms[i];
+    }
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (ms[i] < 0.0f || ms[i] > best * kSecondRoundSlack) continue;
+      const float t = time(candidates[i]);
+      if (t >= 0.0f && t < ms[i]) ms[i] = t;
     }
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  (void)cudaGetLastError();  // a candidate that failed to launch must not fail the call
-  size_t best = 0;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (best_ms[i] >= 0.0f && (best_ms[best] < 0.0f || best_ms[i] < best_ms[best])) best = i;
+  if (start) cudaEventDestroy(start);
+  if (stop) cudaEventDestroy(stop);
+  if (workspace) cudaFreeAsync(workspace, stream);
+  if (out) cudaFreeAsync(out, stream);
+  if (stream) {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
   }
-  return candidates[best];
+  (void)cudaGetLastError();  // a candidate that failed to launch must not fail the call
+  size_t fastest = 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (ms[i] >= 0.0f && (ms[fastest] < 0.0f || ms[i] < ms[fastest])) fastest = i;
+  }
+  return candidates[fastest];
 }
 
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
@@ -312,24 +337,17 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                   "BIAS_POINTER");
   }
   const float alpha = 1.0f, beta = 0.0f;
-  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+  auto run = [&](const cublasLtMatmulAlgo_t& algo, cudaStream_t on, void* d, void* ws) {
     return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
-                          &beta, out->untyped_data(), plan->d, out->untyped_data(), plan->d, &algo,
-                          workspace->untyped_data(), kWorkspaceBytes, stream);
+                          &beta, d, plan->d, d, plan->d, &algo, ws, kWorkspaceBytes, on);
   };
   if (!plan->candidates.empty()) {
-    // The algorithm is chosen once, at the problem's first call, so that it never changes under a program that
-    // already ran it (its bits would): timed outside a capture, the heuristic's first choice inside one.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
-    if (capture == cudaStreamCaptureStatusNone) {
-      auto tuned = FastestAlgorithm(plan->candidates, run, stream);
-      if (tuned.has_error()) return tuned.error();
-      plan->algo = *tuned;
-    }
+    // Chosen once, at the problem's first call, so that the algorithm (and with it the bits) never changes under a
+    // program that already ran it.
+    plan->algo = FastestAlgorithm(plan->candidates, out->size_bytes(), run);
     plan->candidates.clear();
   }
-  TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo), "matmul");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo, stream, out->untyped_data(), workspace->untyped_data()), "matmul");
   return LastCudaError("gemm");
 }
 
