@@ -506,9 +506,10 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
 # plan creation and the algorithm timing (on a private stream) inside a capture, and the captured GEMMs' values and
 # bits.
 _CAPTURED_FIRST_CALL = r"""
-import json, re, sys
+import json
 import jax, jax.numpy as jnp, numpy as np
 import te_jax
+from te_jax import _te_cuda
 
 a = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32)
 b = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
@@ -520,13 +521,10 @@ def ref(a, b):
   y = jnp.dot(jnp.sin(a), jnp.cos(b).T, precision=hi)
   return jnp.tanh(jnp.dot(y, jnp.cos(b) * 0.01, precision=hi) + 1.0)
 jf = jax.jit(f)
-hlo = jf.lower(a, b).compile().as_text()
-# The GEMM custom calls sit in the computations XLA's command-buffer pass made.
-bodies = re.split(r"\n(?=\S)", hlo)
-captured = sum("te_gemm_cuda" in body for body in bodies if "command_buffer" in body.split("\n", 1)[0])
 first, second = np.asarray(jf(a, b)), np.asarray(jf(a, b))
 want = np.asarray(jax.jit(ref)(a, b))
-print(json.dumps({"captured_bodies": captured, "max_err": float(np.max(np.abs(first - want))),
+plans = _te_cuda.gemm_plans()  # how each GEMM problem's algorithm was chosen, at its first call
+print(json.dumps({"plans": plans, "max_err": float(np.max(np.abs(first - want))),
                   "same_bits": bool(np.array_equal(first.view(np.uint32), second.view(np.uint32)))}))
 """
 
@@ -539,6 +537,9 @@ def test_gpu_first_call_inside_a_command_buffer(gpu):
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["captured_bodies"] >= 1, "XLA put no te_gemm call in a command buffer: the test tests nothing"
+  shapes = {(p["m"], p["n"], p["k"]): p for p in result["plans"]}
+  assert set(shapes) == {(512, 384, 256), (512, 256, 384)}, result["plans"]
+  assert all(p["captured"] for p in shapes.values()), f"a first call ran outside a capture: {result['plans']}"
+  assert all(p["candidates"] > 1 for p in shapes.values()), result["plans"]
   assert result["max_err"] <= 1e-4, result
   assert result["same_bits"], result

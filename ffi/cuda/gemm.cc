@@ -27,6 +27,7 @@
 
 #include "te_jax/buffer_checks.h"
 #include "te_jax/cuda_check.h"
+#include "te_jax/gemm_plans.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -74,8 +75,11 @@ using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's choices, until the first call times them
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's choices, until the first call picks one
   cublasLtMatmulAlgo_t algo;
+  int offered = 0;        // how many candidates the heuristic offered
+  int chosen = 0;         // the chosen one's rank among them
+  bool captured = false;  // the first call ran while the stream was being captured
   ~Plan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -172,10 +176,8 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
                                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                                        " with these types/layout");
   }
-  plan->algo = results[0].algo;
-  if (found > 1) {
-    for (int i = 0; i < found; ++i) plan->candidates.push_back(results[i].algo);
-  }
+  plan->offered = found;
+  for (int i = 0; i < found; ++i) plan->candidates.push_back(results[i].algo);
   Plan* raw = plan.get();
   cache.plans.emplace(key, std::move(plan));
   return raw;
@@ -202,10 +204,10 @@ class RelaxedCapture {
 // warmed up first (its clocks ramp up under load, which would favour candidates timed late); then every candidate is
 // timed over kTimedRuns runs between two events, and those within kSecondRoundSlack of the best once more, each
 // keeping its faster round. Candidates that fail to run are skipped; where the private stream or buffers cannot be
-// had, the heuristic's first choice stays.
+// had, the heuristic's first choice stays. Returns the fastest one's index.
 template <typename Run>
-cublasLtMatmulAlgo_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes,
-                                      Run&& run) {
+size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes,
+                        Run&& run) {
   RelaxedCapture relaxed;
   cudaStream_t stream = nullptr;
   void* out = nullptr;
@@ -253,7 +255,7 @@ cublasLtMatmulAlgo_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& c
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (ms[i] >= 0.0f && (ms[fastest] < 0.0f || ms[i] < ms[fastest])) fastest = i;
   }
-  return candidates[fastest];
+  return fastest;
 }
 
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
@@ -344,14 +346,43 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   if (!plan->candidates.empty()) {
     // Chosen once, at the problem's first call, so that the algorithm (and with it the bits) never changes under a
     // program that already ran it.
-    plan->algo = FastestAlgorithm(plan->candidates, out->size_bytes(), run);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
+    plan->captured = capture != cudaStreamCaptureStatusNone;
+    if (plan->candidates.size() > 1) {
+      plan->chosen = static_cast<int>(FastestAlgorithm(plan->candidates, out->size_bytes(), run));
+    }
+    plan->algo = plan->candidates[plan->chosen];
     plan->candidates.clear();
   }
   TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo, stream, out->untyped_data(), workspace->untyped_data()), "matmul");
   return LastCudaError("gemm");
 }
 
+const char* TypeName(int t) {
+  switch (static_cast<cudaDataType_t>(t)) {
+    case CUDA_R_32F: return "float32";
+    case CUDA_R_16BF: return "bfloat16";
+    case CUDA_R_16F: return "float16";
+    case CUDA_R_8F_E4M3: return "float8_e4m3fn";
+    case CUDA_R_8F_E5M2: return "float8_e5m2";
+    default: return "unknown";
+  }
+}
+
 }  // namespace
+
+std::vector<GemmPlanInfo> GemmPlans() {
+  Cache& cache = GetCache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  std::vector<GemmPlanInfo> infos;
+  for (const auto& [key, plan] : cache.plans) {
+    infos.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key),
+                     TypeName(std::get<4>(key)), TypeName(std::get<5>(key)), TypeName(std::get<6>(key)),
+                     std::get<10>(key), plan->offered, plan->chosen, plan->captured});
+  }
+  return infos;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                               ffi::Ffi::Bind()

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
+#include "te_jax/gemm_plans.h"
+
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -52,4 +54,24 @@ NB_MODULE(_te_cuda, m) {
   });
   // The cuBLASLt library loaded at run time, e.g. 131000.
   m.def("cublaslt_version", []() { return static_cast<int64_t>(cublasLtGetVersion()); });
+  // te_gemm's cached plans, one dict per device and problem, with how its algorithm was chosen.
+  m.def("gemm_plans", []() {
+    nb::list plans;
+    for (const te_jax::GemmPlanInfo& p : te_jax::GemmPlans()) {
+      nb::dict d;
+      d["device"] = p.device;
+      d["m"] = p.m;
+      d["n"] = p.n;
+      d["k"] = p.k;
+      d["lhs_dtype"] = p.lhs_type;
+      d["rhs_dtype"] = p.rhs_type;
+      d["out_dtype"] = p.out_type;
+      d["fast_accum"] = p.fast_accum;
+      d["candidates"] = p.candidates;
+      d["chosen"] = p.chosen;
+      d["captured"] = p.captured;
+      plans.append(d);
+    }
+    return plans;
+  });
 }
