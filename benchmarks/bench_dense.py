@@ -3,12 +3,16 @@
 
 The timed function is the whole backward pass of the layer: ``jax.vjp`` of ``apply`` with respect to the variables
 (parameters and FP8 state) and the input, applied to a random output gradient. Parameters are float32, inputs and
-compute bfloat16. Rates count 6*M*K*N FLOPs (three GEMMs).
+compute bfloat16. Rates count 6*M*K*N FLOPs (three GEMMs). One more te_jax row runs all three GEMMs with FP8 fast
+accumulation (the default recipe keeps dgrad and wgrad at full precision, as Transformer Engine does; Flax's op lets
+XLA choose).
 
   python benchmarks/bench_dense.py
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import sys
 
@@ -25,6 +29,12 @@ SHAPES = ((16384, 8192, 8192),)  # (tokens M, in K, out N)
 COLUMNS = harness.LAYER_COLUMNS
 
 
+def recipe_with_fast_accumulation(r):
+  """``r`` with FP8 fast accumulation in all three GEMMs (the default keeps dgrad and wgrad at full precision)."""
+  fast = recipe.MMParams(use_split_accumulator=False)
+  return dataclasses.replace(r, fp8_gemm_fprop=fast, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+
+
 def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
   m, k, n = (d // ctx.shrink for d in mkn)
   kx, kd, ki = jax.random.split(key, 3)
@@ -33,6 +43,8 @@ def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
   delayed = recipe.DelayedScaling()  # amax history 1024, as Flax's op keeps
   impls = {
       "te_jax DenseGeneral fp8": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16), delayed),
+      "te_jax DenseGeneral fp8 (fast accumulation)": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16),
+                                                      recipe_with_fast_accumulation(delayed)),
       "flax Dense fp8": (nn.Dense(n, use_bias=False, dtype=jnp.bfloat16,
                                   dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp), None),
       "flax Dense bf16": (nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), None),

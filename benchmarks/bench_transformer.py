@@ -5,7 +5,7 @@ four such layers.
 
 Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal self attention, no biases, float32
 parameters, bfloat16 compute; one more te_jax row also runs attention's forward in FP8 (the recipe's ``fp8_dpa``,
-where cuDNN supports it). The timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input,
+where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (the recipe's ``fp8_gemm_*``). The timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input,
 applied to a random output gradient, with the output. Rates count the GEMMs and causal attention (half the score
 matrix), forward and backward (``_flops``).
 
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+import bench_dense
 import harness
 import te_jax
 import te_jax.flax as te_flax
@@ -91,13 +92,15 @@ def impls(c, layers: int | None = None):
       "te_jax TransformerLayer fp8": (lambda **k: _te_layer(c, **k), delayed, te_kw),
       "te_jax TransformerLayer fp8 + fp8 attention": (lambda **k: _te_layer(c, **k),
                                                       recipe.DelayedScaling(fp8_dpa=True), te_kw),
+      "te_jax TransformerLayer fp8 (fast accumulation)": (lambda **k: _te_layer(c, **k),
+                                                          bench_dense.recipe_with_fast_accumulation(delayed), te_kw),
       "flax layer fp8": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], True, **k), None, {}),
       "flax layer bf16": (lambda **k: FlaxGPTLayer(c["hidden"], c["heads"], c["mlp"], False, **k), None, {}),
       "te_jax TransformerLayer bf16": (lambda **k: _te_layer(c, **k), None, te_kw),
   }
   out = {}
   for name, (fn, rec, kw) in make.items():
-    if layers is not None and name.endswith("fp8 attention"):
+    if layers is not None and name.endswith(("fp8 attention", "(fast accumulation)")):
       continue  # the stack's memory is compared for the main four only
     if layers is None:
       model = fn()

@@ -86,18 +86,23 @@ class LinearResiduals(NamedTuple):
 
 def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias) -> tuple[jax.Array, LinearResiduals]:
   """``x @ kernel + bias`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its transposed copy,
-  the K-major operand of this GEMM) and runs the forward GEMM with fast accumulation and the bias epilogue."""
+  the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's ``fp8_gemm_fprop``
+  says) with the bias epilogue."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
   qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
   sw_inv = 1.0 / sw
   out = gemm(x_q, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, out_dtype=cfg.out_dtype,
-             fast_accum=True)
+             fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
   return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
 
 
 def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv) -> tuple[jax.Array, jax.Array]:
-  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M), with
-  full-precision accumulation. Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``."""
-  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, out_dtype=cfg.out_dtype)
-  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype)
+  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M), accumulating
+  as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full precision by default). Returns
+  ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``."""
+  recipe = cfg.recipe
+  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, out_dtype=cfg.out_dtype,
+            fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator)
+  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype,
+            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
   return dx, dw

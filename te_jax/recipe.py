@@ -10,7 +10,7 @@ import enum
 
 import jax.numpy as jnp
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+__all__ = ["Format", "MMParams", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
 
 
 class Format(enum.Enum):
@@ -30,6 +30,30 @@ class Format(enum.Enum):
   @property
   def bwd_dtype(self):
     return jnp.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+  """How one of a layer's three FP8 GEMMs (forward, dgrad, wgrad) accumulates.
+
+  Attributes:
+    use_split_accumulator: accumulate in full float32 precision. False selects Hopper's FP8 fast accumulation
+      (cuBLASLt's ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``): the tensor cores' partial sums are promoted to float32 less
+      often, which is a few percent faster (3-9% on the H200, benchmarks/NOTES.md) and less accurate over long
+      contractions. Transformer Engine's default, kept here: fast for the forward GEMM, full for dgrad and wgrad.
+  """
+
+  use_split_accumulator: bool = True
+
+  def __post_init__(self):
+    _check_flag("use_split_accumulator", self.use_split_accumulator)
+
+
+def _check_gemm_params(recipe) -> None:
+  for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+    value = getattr(recipe, name)
+    if not isinstance(value, MMParams):
+      raise ValueError(f"{name} must be a te_jax.recipe.MMParams, got {value!r}")
 
 
 def _check_format(value) -> None:
@@ -61,6 +85,8 @@ class DelayedScaling:
     fp8_dpa: also run dot-product attention's forward in FP8 (cuDNN FP8 flash attention, per-tensor current
       scaling of q, k, v), in the attention modules whose configuration it supports (``te_jax.attention_backend``
       with ``fp8=True`` says why not); elsewhere attention stays in the input precision.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the accumulation of the forward, input-gradient and
+      weight-gradient GEMMs (``MMParams``).
   """
 
   margin: int = 0
@@ -68,6 +94,9 @@ class DelayedScaling:
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
   fp8_dpa: bool = False
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
 
   def __post_init__(self):
     if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
@@ -79,6 +108,7 @@ class DelayedScaling:
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
     _check_flag("fp8_dpa", self.fp8_dpa)
+    _check_gemm_params(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +118,19 @@ class Float8CurrentScaling:
   Attributes:
     fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
     fp8_dpa: FP8 attention forward, as in ``DelayedScaling``.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMMs' accumulation, as in ``DelayedScaling``.
   """
 
   fp8_format: Format = Format.HYBRID
   fp8_dpa: bool = False
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
 
   def __post_init__(self):
     _check_format(self.fp8_format)
     _check_flag("fp8_dpa", self.fp8_dpa)
+    _check_gemm_params(self)
 
 
 Recipe = DelayedScaling | Float8CurrentScaling

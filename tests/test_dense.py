@@ -12,6 +12,7 @@
 The numpy helpers at the top are also used by test_flax_dense.py.
 """
 
+import dataclasses
 import functools
 import math
 import re
@@ -27,7 +28,9 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from conftest import F32_U
-from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format
+from te_jax import _fp8_linear
+from te_jax.ops.gemm import gemm
+from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format, MMParams
 from te_jax.scaling import ScaleState
 
 E4M3 = jnp.float8_e4m3fn
@@ -507,6 +510,27 @@ def test_fp8_hlo_and_fp8_residuals():
   big = [(r.dtype, r.shape) for r in residuals if r.size >= 32 * 32]
   assert sorted(big, key=str) == sorted([(jnp.dtype(E4M3), (48, 48)), (jnp.dtype(E4M3), (48, 32))], key=str), big
   # x's transposed FP8 copy (K, padded M) and the FP8 kernel (K, N); nothing else of x's or the kernel's size.
+
+
+@pytest.mark.parametrize("rec", ["delayed-hybrid", "current-hybrid"])
+@pytest.mark.parametrize("split", [(False, True, True), (True, False, False), (False, False, False)])
+def test_gemm_accumulation_follows_the_recipe(monkeypatch, rec, split):
+  """The forward, dgrad and wgrad GEMMs get the fast_accum their recipe's fp8_gemm_* MMParams ask for."""
+  calls = []
+
+  def recording_gemm(*args, fast_accum=False, **kwargs):
+    calls.append(fast_accum)
+    return gemm(*args, fast_accum=fast_accum, **kwargs)
+
+  monkeypatch.setattr(_fp8_linear, "gemm", recording_gemm)
+  params = dict(zip(("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"),
+                    (MMParams(use_split_accumulator=s) for s in split)))
+  r = dataclasses.replace(RECIPES[rec], **params)
+  x, kernel = jnp.ones((32, 48), jnp.bfloat16), jnp.ones((48, 16), jnp.float32)
+  meta = te_jax.DenseFp8Meta.create(HISTORY) if rec.startswith("delayed") else None
+  with te_jax.autocast(enabled=True, recipe=r):
+    jax.grad(lambda x, k: jnp.sum(te_jax.dense(x, k, fp8_meta=meta).astype(jnp.float32)), argnums=(0, 1))(x, kernel)
+  assert calls == [not s for s in split]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------

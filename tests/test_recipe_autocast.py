@@ -29,6 +29,9 @@ def test_delayed_scaling_defaults_are_transformer_engines():
   r = DelayedScaling()
   assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (0, Format.HYBRID, 1024, "max")
   assert Float8CurrentScaling().fp8_format is Format.HYBRID
+  for r in (DelayedScaling(), Float8CurrentScaling()):  # fast forward GEMM, full-precision dgrad and wgrad
+    assert [p.use_split_accumulator for p in (r.fp8_gemm_fprop, r.fp8_gemm_dgrad, r.fp8_gemm_wgrad)] == [
+        False, True, True]
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -47,6 +50,20 @@ def test_delayed_scaling_defaults_are_transformer_engines():
 def test_delayed_scaling_validation(kwargs, field):
   with pytest.raises(ValueError, match=rf"^{field} must be"):
     DelayedScaling(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling])
+@pytest.mark.parametrize("field", ["fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"])
+@pytest.mark.parametrize("bad", [True, None, {"use_split_accumulator": True}])
+def test_gemm_params_validation(cls, field, bad):
+  with pytest.raises(ValueError, match=rf"^{field} must be a te_jax.recipe.MMParams"):
+    cls(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_mm_params_validation(bad):
+  with pytest.raises(ValueError, match=r"^use_split_accumulator must be a bool"):
+    recipe.MMParams(use_split_accumulator=bad)
 
 
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID", 1, None])
