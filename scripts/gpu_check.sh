@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
 #   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example;
 #                                             # profile, kernel times of a layer step: PROFILE_ARGS for profile_layer.py;
-#                                             # LM_ARGS for train_lm.py)
+#                                             # LM_ARGS for train_lm.py; ncu, Nsight Compute counters of the
+#                                             # kernels of benchmarks/kernel_metrics.py: NCU_KERNELS, NCU_SKIP)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -99,6 +100,10 @@ want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tes
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
+want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
+  "ncu --clock-control none --launch-skip ${NCU_SKIP:-0} -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
+   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+   python3 benchmarks/kernel_metrics.py"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
@@ -131,9 +136,9 @@ PY
   printf '%s\n' "${STEPS[@]}"
 } > "$LOGS/summary.txt"
 
-if [ -n "${OUT:-}" ]; then  # at most 9 files: 7 logs and the benchmark results (json + md)
+if [ -n "${OUT:-}" ]; then  # at most 10 files: 8 logs and the benchmark results (json + md)
   mkdir -p "$OUT"
-  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo,profile}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
+  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo,profile,ncu}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
   find benchmarks/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.md' \) -newer "$LOGS/.start" \
     | head -n 2 | xargs -r cp -t "$OUT"/
 fi

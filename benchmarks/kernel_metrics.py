@@ -1,0 +1,44 @@
+"""Runs a few te_jax kernels once each at their benchmark shapes, for Nsight Compute to read their counters.
+
+  ncu --clock-control none -k regex:'ActivationKernel|NormFwdKernel' --section SpeedOfLight \
+      --section WarpStateStats python benchmarks/kernel_metrics.py        # scripts/gpu_check.sh step "ncu"
+
+Each op is compiled and run twice (the first call compiles; ncu's --launch-skip can drop it); the shapes are the
+acceptance shapes of bench_activation (gelu (16384, 16384), bf16 -> E4M3 with the transposed copy; its backward to
+E5M2 with the transposed copy and dbias) and bench_norm (LayerNorm (32768, 8192), bf16 -> E4M3).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import te_jax
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def main() -> None:
+  kx, kg = jax.random.split(jax.random.key(0))
+  x = (3.0 * jax.random.normal(kx, (16384, 16384), jnp.float32)).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (16384, 16384), jnp.float32).astype(jnp.bfloat16)
+  scale = jnp.float32(16.0)
+  ops = {
+      "gelu fwd": (jax.jit(lambda x, s: te_jax.activation_fwd(x, ("gelu",), dtype=E4M3, scale=s, transpose=True)),
+                   (x, scale)),
+      "gelu bwd": (jax.jit(lambda g, x, s: te_jax.activation_bwd(g, x, ("gelu",), dtype=E5M2, scale=s,
+                                                                 transpose=True, dbias=True)), (g, x, scale)),
+  }
+  xn = x.reshape(32768, 8192)
+  gamma, beta = jnp.ones((8192,), jnp.float32), jnp.zeros((8192,), jnp.float32)
+  ops["layernorm fwd"] = (jax.jit(lambda x, gm, b, s: te_jax.norm_fwd(x, gm, b, norm_type="layernorm", epsilon=1e-6,
+                                                                      out_dtype=E4M3, scale=s)),
+                          (xn, gamma, beta, scale))
+  for name, (fn, args) in ops.items():
+    for _ in range(2):
+      jax.block_until_ready(fn(*args))
+    print(f"ran {name}")
+
+
+if __name__ == "__main__":
+  main()
