@@ -6,11 +6,8 @@
 // the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
 // registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
 // row's warps in order, so every thread of the row gets the same bits. P rows share a block. amax is reduced on the
-// bit patterns of |y| and folded into the result with one atomicMax per block. Without a staged transposed copy (see
-// below), resident blocks loop over the rows, with gamma and beta in shared memory and x copied in with cp.async one
-// or two rows ahead of the row being reduced; with one, each block normalizes its P * L rows once. Both give the same
-// bits. Anything else goes through a one-row-per-block kernel that re-reads the row from global memory (L1/L2) for
-// each pass.
+// bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
+// one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
 // FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
 // the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
@@ -29,7 +26,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
@@ -44,10 +40,8 @@ namespace te_jax {
 namespace {
 
 constexpr int kVec = 8;                        // elements per chunk (one 16-byte load of a 16-bit input)
-constexpr int kMaxBlock = 512;                 // largest block of the fast kernels but the persistent forward ...
-constexpr int kPersistentBlock = 1024;         // ... whose blocks have up to this many threads
-constexpr int kMaxWarps = kPersistentBlock / 32;
-constexpr int kMaxRowBarriers = 8;             // rows of more than 32 threads per block: named barriers 1 .. 8
+constexpr int kMaxBlock = 512;                 // largest block of the fast kernels
+constexpr int kMaxWarps = kMaxBlock / 32;
 constexpr int kFwdBlock = 256;                 // forward: rows share a block up to this many threads
 constexpr int kGenericThreads = 256;           // the one-row-per-block kernels
 constexpr int kStageBytes = 64 * 1024;         // forward: FP8 bytes staged per block for the transposed copy
@@ -62,13 +56,11 @@ constexpr int kColSumSlices = 8;               // ... and partial-row slices sum
 
 // ---- element types: ToFloat and Chunk (vec_load.cuh) --------------------------------------------------------------
 
-__device__ __forceinline__ void Unpack(float4 a, float4 b, float (&v)[kVec]) {
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-
 // 8 float32 parameters (gamma or beta), from L1: every row reads the same ones.
 __device__ __forceinline__ void LoadParams(const float* p, float (&v)[kVec]) {
-  Unpack(__ldg(reinterpret_cast<const float4*>(p)), __ldg(reinterpret_cast<const float4*>(p) + 1), v);
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
 template <__nv_fp8_interpretation_t kFmt>
@@ -162,17 +154,10 @@ __device__ __forceinline__ float Normalize(float x, float mean, float rsigma, fl
 
 // ---- reductions ---------------------------------------------------------------------------------------------------
 
-// Waits for the T threads (a multiple of 32) of this thread's row: named barrier 1 + the row's index in the block,
-// so that the rows of a block (at most kMaxRowBarriers) do not wait for each other, and a persistent block's rows
-// need not run in step.
-__device__ __forceinline__ void RowBarrier(int T) {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x) / T), "r"(T) : "memory");
-}
-
 // Sums v over the T threads of this thread's row (T a power of two <= 32, or a multiple of 32; the rows of a block
 // are consecutive groups of T threads): a butterfly within the warp, then the row's warps in order. Every thread of
 // the row gets the same bits (the butterfly's two partners add the same two values). buf: kMaxWarps floats per
-// value, not reused until another RowSum's RowBarrier has passed (callers alternate two buffers).
+// value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers).
 template <int kValues>
 __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[kMaxWarps]) {
   const int width = T < 32 ? T : 32;
@@ -186,7 +171,7 @@ __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[
 #pragma unroll
     for (int k = 0; k < kValues; ++k) buf[k][warp] = v[k];
   }
-  RowBarrier(T);
+  __syncthreads();
   const int first = (threadIdx.x / T) * (T / 32);
 #pragma unroll
   for (int k = 0; k < kValues; ++k) {
@@ -227,7 +212,6 @@ struct FwdArgs {
   int threads_per_row;    // T
   int rows_per_pass;      // P
   int passes;             // L: the transposed copy stages R = P * L rows per block
-  int stages;             // S: the persistent kernel's ring holds S rows per row of the block
 };
 
 // Writes the staged FP8 rows [row0, row0 + R) of out_t: column c's R bytes are contiguous there, one store each.
@@ -259,39 +243,6 @@ __device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch
   }
 }
 
-// The mean (0 for RMSNorm) and rsigma of the row whose chunk t + j * T is v[j] (zeros past the row's `chunks`) for
-// thread t of its T: the sum, then the sum of squared deviations from the mean over the row's chunks, each reduced by
-// RowSum (red: two buffers, used alternately as slot counts up). Every thread of the row gets the same bits.
-template <bool kRms, typename Tin, int kN>
-__device__ __forceinline__ float2 RowStats(const Chunk<Tin> (&v)[kN], int t, int T, int chunks, float epsilon,
-                                           float (*red)[1][kMaxWarps], int& slot) {
-  const float n = static_cast<float>(chunks * kVec);
-  float mean = 0.0f;
-  if constexpr (!kRms) {
-    float s[1] = {0.0f};
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
-    }
-    RowSum(s, T, red[slot++ & 1]);
-    mean = s[0] / n;
-  }
-  float s2[1] = {0.0f};
-#pragma unroll
-  for (int j = 0; j < kN; ++j) {
-    if (t + j * T < chunks) {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float d = v[j].Get(i) - mean;
-        s2[0] = fmaf(d, d, s2[0]);
-      }
-    }
-  }
-  RowSum(s2, T, red[slot++ & 1]);
-  return make_float2(mean, __frsqrt_rn(s2[0] / n + epsilon));
-}
-
 // Resident blocks per SM the forward kernel is compiled for: 2 (at most 64 registers per thread, so 1024 threads per
 // SM) where that does not spill; a float32 input with 4 chunks per thread (32 registers of data) keeps 1.
 template <typename Tin, int kN>
@@ -311,6 +262,7 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   const int chunks = a.cols / kVec;
   const int pitch = kN * T * kVec;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * a.passes;
+  const float n = static_cast<float>(a.cols);
   const float scale = O::kFp8 ? *a.scale : 1.0f;
   const bool stage = O::kFp8 && a.out_t != nullptr;
   uint32_t amax_bits = 0;
@@ -328,10 +280,33 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
       if (row_ok && c < chunks) {
         v[j].Load(xr + c * kVec);
       } else {
-        v[j].Zero();  // adds nothing to the sum; RowStats leaves it out of the deviations
+        v[j].Zero();  // adds nothing to the sum; excluded from the deviations below
       }
     }
-    const auto [mean, rsigma] = RowStats<kRms>(v, t, T, chunks, a.epsilon, red, slot);
+    float mean = 0.0f;
+    if constexpr (!kRms) {
+      float s[1] = {0.0f};
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
+      }
+      RowSum(s, T, red[slot++ & 1]);
+      mean = s[0] / n;
+    }
+    float s2[1] = {0.0f};
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      if (t + j * T < chunks) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v[j].Get(i) - mean;
+          s2[0] = fmaf(d, d, s2[0]);
+        }
+      }
+    }
+    RowSum(s2, T, red[slot++ & 1]);
+    const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
     if (t == 0 && row_ok) {
       if constexpr (!kRms) a.mean[row] = mean;
       a.rsigma[row] = rsigma;
@@ -361,110 +336,6 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
     }
     BlockAmax(amax_bits, a.amax, amax_scratch);
   }
-}
-
-// The persistent forward (no staged transposed copy): gridDim.x resident blocks of P rows of T threads; row rr of the
-// block takes the rows blockIdx.x * P + rr + i * gridDim.x * P, i = 0, 1, ... (the same count of i for the whole
-// block). Shared memory holds gamma (+ 1 when zero-centered, the same bits as adding it per element) and beta once
-// per block, so that each row reads only x from global memory, and a ring of S stages of x per thread: each thread
-// copies its own chunks of the next S - 1 rows in with cp.async (no barrier) while it reduces and stores the current
-// one, which it reads from the ring into registers once.
-// Shared memory: gamma as float4 [2][chunks] (the first and the second 4 elements of each chunk: consecutive threads
-// read consecutive 16 bytes), then beta likewise (LayerNorm), then the ring [stage][slot][thread] of uint4.
-template <typename Tin, typename Tout, bool kRms, int kN>
-__global__ void __launch_bounds__(kPersistentBlock, 1) NormFwdPersistentKernel(FwdArgs a) {
-  extern __shared__ __align__(16) uint4 smem[];
-  __shared__ float red[2][1][kMaxWarps];
-  __shared__ uint32_t amax_scratch[kMaxWarps];
-  using O = Out<Tout>;
-  constexpr int kWords = Chunk<Tin>::kWords;
-  constexpr int kSlots = kN * kWords;  // uint4 per thread and stage
-  const int T = a.threads_per_row;
-  const int t = threadIdx.x % T;
-  const int P = a.rows_per_pass;
-  const int S = a.stages;
-  const int chunks = a.cols / kVec;
-  const float scale = O::kFp8 ? *a.scale : 1.0f;
-  float4* params = reinterpret_cast<float4*>(smem);
-  uint4* ring = smem + (kRms ? 2 : 4) * chunks;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * P;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * P;  // < rows: the grid has at most ceil(rows / P) blocks
-  const int sweeps = static_cast<int>((a.rows - first + stride - 1) / stride);
-  const int64_t my_first = first + threadIdx.x / T;
-  auto slot = [&](int stage, int k) { return ring + (stage * kSlots + k) * blockDim.x + threadIdx.x; };
-  // This thread's chunks of its row for sweep i into stage i % S, as one commit group (empty past the rows).
-  auto fetch = [&](int i) {
-    const int64_t row = my_first + i * stride;
-    if (row < a.rows) {
-      const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
-      const int stage = i % S;
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        const int c = t + j * T;
-        if (c >= chunks) continue;
-        const uint4* src = reinterpret_cast<const uint4*>(xr + c * kVec);
-#pragma unroll
-        for (int w = 0; w < kWords; ++w) __pipeline_memcpy_async(slot(stage, j * kWords + w), src + w, sizeof(uint4));
-      }
-    }
-    __pipeline_commit();
-  };
-  for (int i = 0; i < S - 1; ++i) fetch(i);  // in flight while the parameters are loaded
-  for (int k = threadIdx.x; k < 2 * chunks; k += blockDim.x) {
-    const int from = 2 * (k % chunks) + k / chunks;  // the float4 of gamma (and beta) that params[k] holds
-    float4 g = __ldg(reinterpret_cast<const float4*>(a.gamma) + from);
-    if (a.zero_centered) {
-      g = make_float4(__fadd_rn(g.x, 1.0f), __fadd_rn(g.y, 1.0f), __fadd_rn(g.z, 1.0f), __fadd_rn(g.w, 1.0f));
-    }
-    params[k] = g;
-    if constexpr (!kRms) params[2 * chunks + k] = __ldg(reinterpret_cast<const float4*>(a.beta) + from);
-  }
-  __syncthreads();
-  uint32_t amax_bits = 0;
-  int red_slot = 0;
-  for (int i = 0; i < sweeps; ++i) {
-    // The stage written here was last read (into registers) in the previous sweep.
-    fetch(i + S - 1);
-    if (S == 3) {
-      __pipeline_wait_prior(2);  // sweep i's group has landed
-    } else {
-      __pipeline_wait_prior(1);
-    }
-    const int64_t row = my_first + i * stride;
-    const bool row_ok = row < a.rows;
-    const int stage = i % S;
-    Chunk<Tin> v[kN];
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      if (row_ok && t + j * T < chunks) {
-#pragma unroll
-        for (int w = 0; w < kWords; ++w) v[j].raw[w] = *slot(stage, j * kWords + w);
-      } else {
-        v[j].Zero();
-      }
-    }
-    const auto [mean, rsigma] = RowStats<kRms>(v, t, T, chunks, a.epsilon, red, red_slot);
-    if (!row_ok) continue;
-    if (t == 0) {
-      if constexpr (!kRms) a.mean[row] = mean;
-      a.rsigma[row] = rsigma;
-    }
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      const int c = t + j * T;
-      if (c >= chunks) continue;
-      float g[kVec], b[kVec], y[kVec];
-      Unpack(params[c], params[chunks + c], g);
-      if constexpr (!kRms) Unpack(params[2 * chunks + c], params[3 * chunks + c], b);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        y[e] = Normalize<kRms>(v[j].Get(e), mean, rsigma, g[e], kRms ? 0.0f : b[e]);
-        if constexpr (O::kFp8) amax_bits = max(amax_bits, __float_as_uint(y[e]) & 0x7FFFFFFFu);
-      }
-      O::Store(a.out, row * a.cols + c * kVec, y, scale);
-    }
-  }
-  if constexpr (O::kFp8) BlockAmax(amax_bits, a.amax, amax_scratch);
 }
 
 // Any shape: one row per block, each pass re-reading the row (from L1/L2), scalar accesses.
@@ -854,29 +725,6 @@ cudaError_t LaunchWithSharedMemory(Kernel kernel, int64_t blocks, int threads, s
   return cudaGetLastError();
 }
 
-// The persistent forward's blocks for T threads per row, with row_stage_bytes of x per row and ring stage: P rows per
-// block (at most kPersistentBlock threads, kMaxRowBarriers rows when a row needs barriers, and max_rows) and S = 2 or
-// 3 stages, the most rows in flight per block ((S - 1) * P, ties to the larger P) whose shared memory (the parameters,
-// then S * P stages) fits `budget`; rows_per_block 0 when none does.
-struct PersistentShape {
-  int rows_per_block = 0;
-  int stages = 0;
-  size_t smem = 0;
-};
-
-PersistentShape PickPersistent(int T, size_t row_stage_bytes, size_t param_bytes, size_t budget, int max_rows) {
-  max_rows = std::min(max_rows, PowerOfTwoAtMost(kPersistentBlock / T));
-  if (T > 32) max_rows = std::min(max_rows, kMaxRowBarriers);
-  PersistentShape best;
-  for (int p = max_rows; p >= 1; p /= 2) {
-    for (int s = 2; s <= 3; ++s) {
-      const size_t smem = param_bytes + static_cast<size_t>(s) * p * row_stage_bytes;
-      if (smem <= budget && (s - 1) * p > (best.stages - 1) * best.rows_per_block) best = {p, s, smem};
-    }
-  }
-  return best;
-}
-
 bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 template <typename F>
@@ -908,71 +756,6 @@ ffi::Error LaunchFp8Transpose(cudaStream_t stream, const void* in, uint8_t* out_
   return LastCudaError("norm_fwd transpose launch");
 }
 
-// The persistent forward for vector-accessible rows without a staged transposed copy: no launch (nullopt) for float32
-// rows of more than 8192 columns, or when the shared memory does not fit the device (a 16-bit LayerNorm of 16384
-// columns needs 192 KiB). The device queries are host-side lookups, not stream work (CUDA-graph capture is
-// unaffected).
-template <typename Tin, typename Tout>
-std::optional<ffi::Error> LaunchFwdPersistent(cudaStream_t stream, FwdArgs a, bool rms) {
-  // Chunks per thread: 16-bit x as the other fast kernel; float32 x at most 2 (16 registers of data, as 16-bit x
-  // with 4), so that 1024 threads per SM run without spills.
-  static constexpr int kNs16[] = {2, 4};
-  static constexpr int kNs32[] = {1, 2};
-  constexpr bool k32 = sizeof(Tin) == 4;
-  const Shape shape = PickShape(a.cols / kVec, k32 ? kNs32 : kNs16, 2, kMaxBlock, true);
-  if (shape.n == 0) return std::nullopt;
-  std::optional<ffi::Error> result;
-  DispatchBool(rms, [&](auto kRms) {
-    auto launch = [&](auto kN) {
-      constexpr int n = decltype(kN)::value;
-      auto kernel = NormFwdPersistentKernel<Tin, Tout, decltype(kRms)::value, n>;
-      int device = 0, sms = 0, optin = 0, per_sm = 0;
-      cudaFuncAttributes attr;
-      cudaError_t status = cudaGetDevice(&device);
-      if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      if (status == cudaSuccess) {
-        status = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      }
-      if (status == cudaSuccess) status = cudaFuncGetAttributes(&attr, kernel);
-      if (status != cudaSuccess) {
-        result = CudaError(status, "norm_fwd device query");
-        return;
-      }
-      // Rows per block: at most rows / SMs, so that a small input still spreads over the SMs.
-      const int max_rows = PowerOfTwoAtMost(static_cast<int>(std::max<int64_t>(1, (a.rows + sms - 1) / sms)));
-      const size_t param_bytes = (rms ? 1 : 2) * static_cast<size_t>(a.cols) * sizeof(float);
-      const size_t row_stage_bytes = static_cast<size_t>(shape.threads) * n * kVec * sizeof(Tin);
-      const PersistentShape ps =
-          PickPersistent(shape.threads, row_stage_bytes, param_bytes, optin - attr.sharedSizeBytes, max_rows);
-      if (ps.rows_per_block == 0) return;
-      const int threads = ps.rows_per_block * shape.threads;
-      status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ps.smem));
-      if (status == cudaSuccess) {
-        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, ps.smem);
-      }
-      if (status != cudaSuccess) {
-        result = CudaError(status, "norm_fwd persistent kernel occupancy");
-        return;
-      }
-      if (per_sm == 0) return;
-      a.threads_per_row = shape.threads;
-      a.rows_per_pass = ps.rows_per_block;
-      a.passes = 1;
-      a.stages = ps.stages;
-      const int64_t blocks = std::min<int64_t>((a.rows + ps.rows_per_block - 1) / ps.rows_per_block,
-                                               static_cast<int64_t>(per_sm) * sms);
-      kernel<<<blocks, threads, ps.smem, stream>>>(a);
-      result = LastCudaError("norm_fwd persistent kernel launch");
-    };
-    if constexpr (k32) {
-      DispatchN<1, 2>(shape.n, launch);
-    } else {
-      DispatchN<2, 4>(shape.n, launch);
-    }
-  });
-  return result;
-}
-
 template <typename Tin, typename Tout>
 ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   if (SeparateTranspose(a)) {
@@ -988,9 +771,6 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   static constexpr int kNs[] = {2, 4};
   const bool aligned = Aligned(a.x, 16) && Aligned(a.out, 16) && Aligned(a.gamma, 16) &&
                        (a.beta == nullptr || Aligned(a.beta, 16));
-  if (a.cols % kVec == 0 && aligned && a.out_t == nullptr) {
-    if (std::optional<ffi::Error> err = LaunchFwdPersistent<Tin, Tout>(stream, a, rms)) return *err;
-  }
   const Shape shape = a.cols % kVec == 0 && aligned ? PickShape(chunks, kNs, 2, kMaxBlock, true) : Shape{};
   if (shape.n == 0) {
     a.rows_per_pass = a.passes = 1;
