@@ -1,7 +1,10 @@
 """Runs a few te_jax kernels once each at their benchmark shapes, for Nsight Compute to read their counters.
 
-  ncu --clock-control none -k regex:'ActivationKernel|NormFwdKernel' --section SpeedOfLight \
-      --section WarpStateStats python benchmarks/kernel_metrics.py        # scripts/gpu_check.sh step "ncu"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:'ActivationKernel|NormFwdKernel' \
+      --section SpeedOfLight --section WarpStateStats python benchmarks/kernel_metrics.py   # gpu_check.sh step "ncu"
+
+Without XLA_PYTHON_CLIENT_PREALLOCATE=false, JAX reserves most of the GPU's memory, and ncu saves and restores all of
+it for each of a kernel's replay passes: minutes per kernel on the H200.
 
 Each op is compiled and run twice (the first call compiles; ncu's --launch-skip can drop it); the shapes are the
 acceptance shapes of bench_activation (gelu (16384, 16384), bf16 -> E4M3 with the transposed copy; its backward to

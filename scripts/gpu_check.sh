@@ -101,7 +101,8 @@ want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/tra
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
 want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
-  "ncu --clock-control none --launch-skip ${NCU_SKIP:-0} -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
+  "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 6 \
+   -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
    python3 benchmarks/kernel_metrics.py"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 "python3 examples/train_lm.py ${LM_ARGS:-}"

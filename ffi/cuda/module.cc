@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "te_jax/gemm_plans.h"
 
