@@ -185,7 +185,8 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
 
 // While the stream is being captured into a CUDA graph, CUDA forbids this thread the calls that could synchronize
 // implicitly (cudaMalloc, for one). Creating a handle or a plan touches no stream but may make such calls inside
-// cuBLASLt, so the thread relaxes that rule around them, as CUDA's capture-mode API intends for libraries.
+// cuBLASLt, and the algorithm timing allocates and waits on its own stream, so the thread relaxes that rule around
+// them, as CUDA's capture-mode API intends for libraries.
 class RelaxedCapture {
  public:
   RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
