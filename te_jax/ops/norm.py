@@ -44,7 +44,7 @@ _HP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 _F32 = jnp.dtype(jnp.float32)
 # The CUDA backward kernel's workers: each sums dgamma/dbeta over a block of consecutive rows into its own partial
 # row of the workspace; at least this many, and _BWD_PARTIAL_ELEMS / hidden when more (short rows need more workers
-# to fill the GPU). Mirrored in norm.cu.
+# to fill the GPU). Mirrored in norm_bwd.cu.
 _BWD_MIN_PARTIALS = 256
 _BWD_PARTIAL_ELEMS = 1 << 20
 
@@ -296,7 +296,7 @@ def _bwd_abstract_eval(dz, x, rsigma, gamma, *mean, config: NormConfig):
 
 
 def _bwd_partial_rows(rows: int, hidden: int) -> int:
-  """The workspace rows (per parameter) of the CUDA backward kernel: one per worker (see norm.cu)."""
+  """The workspace rows (per parameter) of the CUDA backward kernel: one per worker (see norm_bwd.cu)."""
   return min(rows, max(_BWD_MIN_PARTIALS, _BWD_PARTIAL_ELEMS // hidden))
 
 

@@ -1,0 +1,192 @@
+// What norm_fwd.cu (te_norm_fwd) and norm_bwd.cu (te_norm_bwd), the CUDA handlers of LayerNorm/RMSNorm over the last
+// dim, both use: the block-size constants, the float32 parameter load, the stores of 8 float32 results as float32,
+// bfloat16 or float16 (Out; norm_fwd.cu adds the FP8 outputs), the row sum in a fixed order, and the launch policy
+// (threads per row and chunks per thread, the dynamic shared-memory limit, compile-time dispatch).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "te_jax/cuda_check.h"
+#include "te_jax/norm_view.h"
+#include "te_jax/vec_load.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_jax {
+namespace {
+
+constexpr int kVec = 8;                        // elements per chunk (one 16-byte load of a 16-bit input)
+constexpr int kMaxBlock = 512;                 // largest block of the fast kernels
+constexpr int kMaxWarps = kMaxBlock / 32;
+constexpr int kGenericThreads = 256;           // the one-row-per-block kernels
+
+// ---- element types: ToFloat and Chunk (vec_load.cuh) --------------------------------------------------------------
+
+// 8 float32 parameters (gamma or beta), from L1: every row reads the same ones.
+__device__ __forceinline__ void LoadParams(const float* p, float (&v)[kVec]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// How 8 float32 results are stored: rounded to the output type, 16-byte stores. Store returns the FP8 bytes for the
+// transposed copy: zero here, the bytes for norm_fwd.cu's Out<Fp8<kFmt>>.
+template <typename Tout>
+struct Out;
+
+template <>
+struct Out<float> {
+  static constexpr bool kFp8 = false;
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
+    float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i);
+    p[0] = make_float4(y[0], y[1], y[2], y[3]);
+    p[1] = make_float4(y[4], y[5], y[6], y[7]);
+    return make_uint2(0, 0);
+  }
+  __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
+    static_cast<float*>(out)[i] = y;
+    return 0;
+  }
+};
+
+// bfloat16 and float16: 8 results in one 16-byte store, rounded to nearest even.
+template <typename H, typename H2>
+struct Out16 {
+  static constexpr bool kFp8 = false;
+  __device__ __forceinline__ static H2 Pack(float a, float b) {
+    if constexpr (std::is_same_v<H, __nv_bfloat16>) {
+      return __floats2bfloat162_rn(a, b);
+    } else {
+      return __floats2half2_rn(a, b);
+    }
+  }
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float) {
+    H2 h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = Pack(y[2 * k], y[2 * k + 1]);
+    *reinterpret_cast<uint4*>(static_cast<H*>(out) + i) = *reinterpret_cast<const uint4*>(h);
+    return make_uint2(0, 0);
+  }
+  __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
+    if constexpr (std::is_same_v<H, __nv_bfloat16>) {
+      static_cast<H*>(out)[i] = __float2bfloat16_rn(y);
+    } else {
+      static_cast<H*>(out)[i] = __float2half_rn(y);
+    }
+    return 0;
+  }
+};
+
+template <>
+struct Out<__nv_bfloat16> : Out16<__nv_bfloat16, __nv_bfloat162> {};
+template <>
+struct Out<__half> : Out16<__half, __half2> {};
+
+// ---- reductions ---------------------------------------------------------------------------------------------------
+
+// Sums v over the T threads of this thread's row (T a power of two <= 32, or a multiple of 32; the rows of a block
+// are consecutive groups of T threads): a butterfly within the warp, then the row's warps in order. Every thread of
+// the row gets the same bits (the butterfly's two partners add the same two values). buf: kMaxWarps floats per
+// value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers).
+template <int kValues>
+__device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[kMaxWarps]) {
+  const int width = T < 32 ? T : 32;
+  for (int o = width / 2; o > 0; o /= 2) {
+#pragma unroll
+    for (int k = 0; k < kValues; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+  }
+  if (T <= 32) return;
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k < kValues; ++k) buf[k][warp] = v[k];
+  }
+  __syncthreads();
+  const int first = (threadIdx.x / T) * (T / 32);
+#pragma unroll
+  for (int k = 0; k < kValues; ++k) {
+    float s = buf[k][first];
+    for (int w = 1; w < T / 32; ++w) s += buf[k][first + w];
+    v[k] = s;
+  }
+}
+
+// ---- launch policy ------------------------------------------------------------------------------------------------
+
+// Threads per row: a power of two up to 32 (several rows per warp), else a multiple of 32.
+int RoundThreads(int t) {
+  if (t > 32) return (t + 31) / 32 * 32;
+  int p = 1;
+  while (p < t) p *= 2;
+  return p;
+}
+
+struct Shape {
+  int n = 0;  // chunks per thread; 0: no fast kernel fits
+  int threads = 0;
+};
+
+// Of the allowed chunk counts, the one that needs the fewest thread slots (n * T) for `chunks`, with T <=
+// max_threads; ties go to the larger n (forward: more loads in flight per thread) or the smaller one (backward: fewer
+// registers).
+Shape PickShape(int chunks, const int* ns, int count, int max_threads, bool prefer_large) {
+  Shape best;
+  for (int k = 0; k < count; ++k) {
+    const int T = RoundThreads((chunks + ns[k] - 1) / ns[k]);
+    if (T > max_threads) continue;
+    const int64_t slots = static_cast<int64_t>(T) * ns[k];
+    const int64_t best_slots = static_cast<int64_t>(best.threads) * best.n;
+    if (best.n == 0 || slots < best_slots || (slots == best_slots && (ns[k] > best.n) == prefer_large)) {
+      best = {ns[k], T};
+    }
+  }
+  return best;
+}
+
+int PowerOfTwoAtMost(int v) {
+  int p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+// Launches kernel<<<blocks, threads, smem>>>(args) after raising its dynamic shared-memory limit to smem: for any
+// size, since the kernel's static shared memory counts against the 48 KiB default too. The launch's error status.
+template <typename Kernel, typename Args>
+cudaError_t LaunchWithSharedMemory(Kernel kernel, int64_t blocks, int threads, size_t smem, cudaStream_t stream,
+                                   const Args& args) {
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<blocks, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+template <typename F>
+void DispatchBool(bool v, F&& f) {
+  if (v) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Calls f(std::integral_constant<int, n>) for the n in kNs equal to v.
+template <int... kNs, typename F>
+void DispatchN(int v, F&& f) {
+  ((v == kNs ? (f(std::integral_constant<int, kNs>{}), 0) : 0), ...);
+}
+
+}  // namespace
+}  // namespace te_jax

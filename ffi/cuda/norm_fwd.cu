@@ -1,0 +1,440 @@
+// CUDA handler for te_norm_fwd: LayerNorm/RMSNorm over the last dim (te_jax/ops/norm.py defines the math; this file
+// computes exactly its elementwise part, and its sums in a fixed order). What it shares with norm_bwd.cu: norm.cuh.
+//
+// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
+// up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
+// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
+// registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
+// row's warps in order, so every thread of the row gets the same bits. P rows share a block. amax is reduced on the
+// bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
+// one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
+// The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
+// FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
+// the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
+// thread writes the R bytes of one column of out_t with one store.
+#include "norm.cuh"
+
+#include "te_jax/fp8_tile.cuh"
+
+namespace te_jax {
+namespace {
+
+constexpr int kFwdBlock = 256;                 // forward: rows share a block up to this many threads
+constexpr int kStageBytes = 64 * 1024;         // forward: FP8 bytes staged per block for the transposed copy
+constexpr int kTile = 128;                     // FP8 transpose kernel: 128 x 128-byte tiles ...
+constexpr int kTileThreads = 256;              // ... per block of this many threads
+
+// ---- FP8 outputs and the normalized value -------------------------------------------------------------------------
+
+template <__nv_fp8_interpretation_t kFmt>
+struct Fp8 {};
+
+// FP8 outputs: times scale, saturating, 8-byte stores. Store returns the FP8 bytes for the transposed copy.
+template <__nv_fp8_interpretation_t kFmt>
+struct Out<Fp8<kFmt>> {
+  static constexpr bool kFp8 = true;
+  __device__ __forceinline__ static uint32_t Cvt4(float a, float b, float c, float d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
+    return lo | (hi << 16);
+  }
+  __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float s) {
+    uint2 q;
+    q.x = Cvt4(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
+    q.y = Cvt4(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
+    return q;
+  }
+  __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float s) {
+    const uint8_t q = __nv_cvt_float_to_fp8(__fmul_rn(y, s), __NV_SATFINITE, kFmt);
+    static_cast<uint8_t*>(out)[i] = q;
+    return q;
+  }
+};
+
+// The normalized value: LayerNorm fma((x - mean) * rsigma, g, b), RMSNorm (x * rsigma) * g, each step rounded as
+// te_jax.ops.norm.norm_apply_ref rounds it (the intrinsics keep the compiler from contracting anything else).
+template <bool kRms>
+__device__ __forceinline__ float Normalize(float x, float mean, float rsigma, float g, float b) {
+  if constexpr (kRms) {
+    return __fmul_rn(__fmul_rn(x, rsigma), g);
+  } else {
+    return __fmaf_rn(__fmul_rn(__fsub_rn(x, mean), rsigma), g, b);
+  }
+}
+
+// ---- reductions ---------------------------------------------------------------------------------------------------
+
+// Folds this block's amax bits into *amax with one atomic (unsigned max: exact and order independent).
+__device__ __forceinline__ void BlockAmax(uint32_t bits, unsigned* amax, uint32_t* scratch) {
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = bits;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t m = scratch[0];
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, scratch[w]);
+    if (m != 0) atomicMax(amax, m);
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------------------------
+
+struct FwdArgs {
+  const void* x;
+  const float* gamma;
+  const float* beta;      // LayerNorm only
+  const float* scale;     // FP8 outputs only
+  void* out;
+  uint8_t* out_t;         // the transposed FP8 copy, or null
+  unsigned* amax;         // FP8 outputs only
+  float* mean;            // LayerNorm only
+  float* rsigma;
+  int64_t rows;
+  int cols;
+  float epsilon;
+  bool zero_centered;
+  int threads_per_row;    // T
+  int rows_per_pass;      // P
+  int passes;             // L: the transposed copy stages R = P * L rows per block
+};
+
+// Writes the staged FP8 rows [row0, row0 + R) of out_t: column c's R bytes are contiguous there, one store each.
+__device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch, int R, const FwdArgs& a,
+                                                int64_t row0) {
+  const int valid = a.rows - row0 < R ? static_cast<int>(a.rows - row0) : R;
+  const int width = min(R, 16);
+  const bool vector = valid == R && a.rows % width == 0;  // row0 is a multiple of R: every store is aligned
+  for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
+    uint8_t* dst = a.out_t + static_cast<int64_t>(c) * a.rows + row0;
+    if (!vector) {
+      for (int r = 0; r < valid; ++r) dst[r] = staged[r * pitch + c];
+      continue;
+    }
+    for (int r0 = 0; r0 < R; r0 += 16) {
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        if (r < width) w[r / 4] |= static_cast<uint32_t>(staged[(r0 + r) * pitch + c]) << (8 * (r % 4));
+      }
+      switch (width) {
+        case 16: *reinterpret_cast<uint4*>(dst + r0) = make_uint4(w[0], w[1], w[2], w[3]); break;
+        case 8: *reinterpret_cast<uint2*>(dst + r0) = make_uint2(w[0], w[1]); break;
+        case 4: *reinterpret_cast<uint32_t*>(dst + r0) = w[0]; break;
+        case 2: *reinterpret_cast<uint16_t*>(dst + r0) = static_cast<uint16_t>(w[0]); break;
+        default: dst[r0] = static_cast<uint8_t>(w[0]); break;
+      }
+    }
+  }
+}
+
+// Resident blocks per SM the forward kernel is compiled for: 2 (at most 64 registers per thread, so 1024 threads per
+// SM) where that does not spill; a float32 input with 4 chunks per thread (32 registers of data) keeps 1.
+template <typename Tin, int kN>
+constexpr int FwdMinBlocks() {
+  return sizeof(Tin) == 4 && kN == 4 ? 1 : 2;
+}
+
+template <typename Tin, typename Tout, bool kRms, int kN>
+__global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKernel(FwdArgs a) {
+  extern __shared__ __align__(16) uint8_t staged[];  // transposed copy: R rows x pitch FP8 bytes
+  __shared__ float red[2][1][kMaxWarps];
+  __shared__ uint32_t amax_scratch[kMaxWarps];
+  using O = Out<Tout>;
+  const int T = a.threads_per_row;
+  const int t = threadIdx.x % T;
+  const int rr = threadIdx.x / T;
+  const int chunks = a.cols / kVec;
+  const int pitch = kN * T * kVec;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * a.passes;
+  const float n = static_cast<float>(a.cols);
+  const float scale = O::kFp8 ? *a.scale : 1.0f;
+  const bool stage = O::kFp8 && a.out_t != nullptr;
+  uint32_t amax_bits = 0;
+  int slot = 0;
+
+  for (int l = 0; l < a.passes; ++l) {
+    const int local = l * a.rows_per_pass + rr;
+    const int64_t row = row0 + local;
+    const bool row_ok = row < a.rows;
+    const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
+    Chunk<Tin> v[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int c = t + j * T;
+      if (row_ok && c < chunks) {
+        v[j].Load(xr + c * kVec);
+      } else {
+        v[j].Zero();  // adds nothing to the sum; excluded from the deviations below
+      }
+    }
+    float mean = 0.0f;
+    if constexpr (!kRms) {
+      float s[1] = {0.0f};
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
+      }
+      RowSum(s, T, red[slot++ & 1]);
+      mean = s[0] / n;
+    }
+    float s2[1] = {0.0f};
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      if (t + j * T < chunks) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v[j].Get(i) - mean;
+          s2[0] = fmaf(d, d, s2[0]);
+        }
+      }
+    }
+    RowSum(s2, T, red[slot++ & 1]);
+    const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
+    if (t == 0 && row_ok) {
+      if constexpr (!kRms) a.mean[row] = mean;
+      a.rsigma[row] = rsigma;
+    }
+    if (!row_ok) continue;  // past the last row: nothing to store, nothing for amax
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int c = t + j * T;
+      if (c >= chunks) continue;
+      float g[kVec], b[kVec], y[kVec];
+      LoadParams(a.gamma + c * kVec, g);
+      if constexpr (!kRms) LoadParams(a.beta + c * kVec, b);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float gi = a.zero_centered ? __fadd_rn(g[i], 1.0f) : g[i];
+        y[i] = Normalize<kRms>(v[j].Get(i), mean, rsigma, gi, kRms ? 0.0f : b[i]);
+        if constexpr (O::kFp8) amax_bits = max(amax_bits, __float_as_uint(y[i]) & 0x7FFFFFFFu);
+      }
+      const uint2 q = O::Store(a.out, row * a.cols + c * kVec, y, scale);
+      if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + c * kVec) = q;
+    }
+  }
+  if constexpr (O::kFp8) {
+    if (stage) {
+      __syncthreads();
+      WriteTransposed(staged, pitch, a.rows_per_pass * a.passes, a, row0);
+    }
+    BlockAmax(amax_bits, a.amax, amax_scratch);
+  }
+}
+
+// Any shape: one row per block, each pass re-reading the row (from L1/L2), scalar accesses.
+template <typename Tin, typename Tout, bool kRms>
+__global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs a) {
+  __shared__ float red[2][1][kMaxWarps];
+  __shared__ uint32_t amax_scratch[kMaxWarps];
+  using O = Out<Tout>;
+  const int64_t row = blockIdx.x;
+  const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
+  const float n = static_cast<float>(a.cols);
+  const float scale = O::kFp8 ? *a.scale : 1.0f;
+  float mean = 0.0f;
+  if constexpr (!kRms) {
+    float s[1] = {0.0f};
+    for (int c = threadIdx.x; c < a.cols; c += blockDim.x) s[0] += ToFloat(xr[c]);
+    RowSum(s, blockDim.x, red[0]);
+    mean = s[0] / n;
+  }
+  float s2[1] = {0.0f};
+  for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
+    const float d = ToFloat(xr[c]) - mean;
+    s2[0] = fmaf(d, d, s2[0]);
+  }
+  RowSum(s2, blockDim.x, red[1]);
+  const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
+  if (threadIdx.x == 0) {
+    if constexpr (!kRms) a.mean[row] = mean;
+    a.rsigma[row] = rsigma;
+  }
+  uint32_t amax_bits = 0;
+  for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
+    const float g = a.zero_centered ? __fadd_rn(a.gamma[c], 1.0f) : a.gamma[c];
+    const float y = Normalize<kRms>(ToFloat(xr[c]), mean, rsigma, g, kRms ? 0.0f : a.beta[c]);
+    const uint8_t q = O::StoreOne(a.out, row * a.cols + c, y, scale);
+    if constexpr (O::kFp8) {
+      amax_bits = max(amax_bits, __float_as_uint(y) & 0x7FFFFFFFu);
+      if (a.out_t != nullptr) a.out_t[static_cast<int64_t>(c) * a.rows + row] = q;
+    }
+  }
+  if constexpr (O::kFp8) BlockAmax(amax_bits, a.amax, amax_scratch);
+}
+
+// ---- the transposed FP8 copy --------------------------------------------------------------------------------------
+
+// out_t = out^T on FP8 bytes (rows and cols multiples of 16, both 16-byte aligned): one 128 x 128-byte tile per
+// block. The tile is loaded with 16-byte accesses (8 threads per 128-byte row: full lines) into shared memory, word w
+// of tile row r at word w ^ (4 * ((r / 16) % 8)). Then the lane (g, q) of warp v (g = lane / 4, q = lane % 4) reads
+// the words 4v + q of the 16 tile rows 16g .. 16g + 15 (the swizzle puts the warp's 32 reads in 32 banks), gathers
+// their bytes into 4 columns x 16 rows and writes them as 4 16-byte pieces of out_t; for each of the 4 stores, the 8
+// lanes that share q cover the 128 contiguous bytes of one out_t row: every store is full 128-byte lines.
+__global__ void __launch_bounds__(kTileThreads)
+    Fp8TransposeKernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out_t, int64_t rows, int64_t cols) {
+  __shared__ __align__(16) uint32_t tile[kTile][kTile / 4];
+  const int64_t col_tiles = (cols + kTile - 1) / kTile;
+  const int64_t r0 = blockIdx.x / col_tiles * kTile;
+  const int64_t c0 = blockIdx.x % col_tiles * kTile;
+  constexpr int kPieces = kTile * kTile / 16;  // 16-byte pieces per tile
+#pragma unroll
+  for (int k = threadIdx.x; k < kPieces; k += kTileThreads) {
+    const int r = k / (kTile / 16);
+    const int p = k % (kTile / 16);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r0 + r < rows && c0 + 16 * p < cols) v = __ldg(reinterpret_cast<const uint4*>(in + (r0 + r) * cols + c0) + p);
+    *reinterpret_cast<uint4*>(&tile[r][4 * (p ^ ((r / 16) % 8))]) = v;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int w = 4 * (threadIdx.x / 32) + lane % 4;  // this lane's word: tile columns 4w .. 4w + 3
+  uint32_t a[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a[i] = tile[16 * g + i][w ^ (4 * g)];
+  if (r0 + 16 * g >= rows) return;  // rows % 16 == 0: a group of 16 rows is all in or all out
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = c0 + 4 * w + j;
+    if (c >= cols) break;
+    const uint4 v = make_uint4(GatherByte(a[0], a[1], a[2], a[3], j), GatherByte(a[4], a[5], a[6], a[7], j),
+                               GatherByte(a[8], a[9], a[10], a[11], j), GatherByte(a[12], a[13], a[14], a[15], j));
+    *reinterpret_cast<uint4*>(out_t + c * rows + r0 + 16 * g) = v;
+  }
+}
+
+// ---- launch policy ------------------------------------------------------------------------------------------------
+
+// The transposed copy of a (rows, cols) FP8 array with both dims multiples of 16 (as FP8 GEMM operands are): a
+// separate pass over the FP8 result (1 byte read + 1 written per element) with full-line stores beats staging a few
+// rows per block in the normalizing kernel, whose column stores of R <= 16 bytes leave each 32-byte sector of out_t
+// partly written until other blocks fill it (for (32768, 8192): R = 8, 24% of the copy bandwidth).
+bool SeparateTranspose(const FwdArgs& a) {
+  return a.out_t != nullptr && a.rows % 16 == 0 && a.cols % 16 == 0 && Aligned(a.out, 16);
+}
+
+ffi::Error LaunchFp8Transpose(cudaStream_t stream, const void* in, uint8_t* out_t, int64_t rows, int64_t cols) {
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  Fp8TransposeKernel<<<tiles, kTileThreads, 0, stream>>>(static_cast<const uint8_t*>(in), out_t, rows, cols);
+  return LastCudaError("norm_fwd transpose launch");
+}
+
+template <typename Tin, typename Tout>
+ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
+  if (SeparateTranspose(a)) {
+    uint8_t* out_t = a.out_t;
+    a.out_t = nullptr;
+    ffi::Error err = LaunchFwd<Tin, Tout>(stream, a, rms);
+    if (err.failure()) return err;
+    return LaunchFp8Transpose(stream, a.out, out_t, a.rows, a.cols);
+  }
+  const int chunks = a.cols / kVec;
+  // Up to 4 chunks per thread: 8 chunks of a 16-bit input would take 32 registers of data, and the compiler then
+  // needs ~120 registers (it converts and schedules the gamma/beta loads of all chunks at once) or spills at 64.
+  static constexpr int kNs[] = {2, 4};
+  const bool aligned = Aligned(a.x, 16) && Aligned(a.out, 16) && Aligned(a.gamma, 16) &&
+                       (a.beta == nullptr || Aligned(a.beta, 16));
+  const Shape shape = a.cols % kVec == 0 && aligned ? PickShape(chunks, kNs, 2, kMaxBlock, true) : Shape{};
+  if (shape.n == 0) {
+    a.rows_per_pass = a.passes = 1;
+    DispatchBool(rms, [&](auto kRms) {
+      NormFwdGenericKernel<Tin, Tout, decltype(kRms)::value><<<a.rows, kGenericThreads, 0, stream>>>(a);
+    });
+    return LastCudaError("norm_fwd generic kernel launch");
+  }
+  a.threads_per_row = shape.threads;
+  a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kFwdBlock / shape.threads));
+  a.passes = 1;
+  size_t smem = 0;
+  if (a.out_t != nullptr) {
+    const int pitch = shape.n * shape.threads * kVec;
+    const int staged_rows = std::max(a.rows_per_pass, std::min(16, PowerOfTwoAtMost(kStageBytes / pitch)));
+    a.passes = staged_rows / a.rows_per_pass;
+    smem = static_cast<size_t>(staged_rows) * pitch;
+  }
+  const int64_t rows_per_block = static_cast<int64_t>(a.rows_per_pass) * a.passes;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  const int threads = a.rows_per_pass * shape.threads;
+  ffi::Error err = ffi::Error::Success();
+  DispatchBool(rms, [&](auto kRms) {
+    auto launch = [&](auto kN) {
+      auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
+      err = CudaError(LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a), "norm_fwd kernel launch");
+    };
+    DispatchN<2, 4>(shape.n, launch);
+  });
+  return err;
+}
+
+// ---- handler ------------------------------------------------------------------------------------------------------
+
+ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma,
+                       ffi::BufferR0<ffi::F32> scale, ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> out_t, ffi::Result<ffi::AnyBuffer> amax,
+                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm,
+                       float epsilon, bool zero_centered_gamma) {
+  auto shape = CheckNormFwd(x, Count(gamma), Count(beta), *out, *out_t, *amax, *mean, *rsigma, rmsnorm);
+  if (shape.has_error()) return shape.error();
+  const int64_t rows = shape->rows, cols = shape->cols;
+  const bool fp8 = shape->fp8, want_t = shape->want_t;
+  if (cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_fwd: x's last dim must be in [1, 2^30]");
+  if (rows > INT32_MAX) return ffi::Error::InvalidArgument("norm_fwd: more than 2^31 - 1 rows");
+  if (fp8) TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream), "amax memset");
+  if (rows == 0) return ffi::Error::Success();
+  FwdArgs a{};
+  a.x = x.untyped_data();
+  a.gamma = gamma.typed_data();
+  a.beta = rmsnorm ? nullptr : beta.typed_data();
+  a.scale = scale.typed_data();
+  a.out = out->untyped_data();
+  a.out_t = want_t ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr;
+  a.amax = fp8 ? static_cast<unsigned*>(amax->untyped_data()) : nullptr;
+  a.mean = rmsnorm ? nullptr : static_cast<float*>(mean->untyped_data());
+  a.rsigma = static_cast<float*>(rsigma->untyped_data());
+  a.rows = rows;
+  a.cols = static_cast<int>(cols);
+  a.epsilon = epsilon;
+  a.zero_centered = zero_centered_gamma;
+  if (want_t && !Aligned(a.out_t, 16)) return ffi::Error::InvalidArgument("norm_fwd: out_t must be 16-byte aligned");
+
+  auto with_input = [&](auto in) -> ffi::Error {
+    using Tin = decltype(in);
+    switch (out->element_type()) {
+      case ffi::DataType::F32: return LaunchFwd<Tin, float>(stream, a, rmsnorm);
+      case ffi::DataType::BF16: return LaunchFwd<Tin, __nv_bfloat16>(stream, a, rmsnorm);
+      case ffi::DataType::F16: return LaunchFwd<Tin, __half>(stream, a, rmsnorm);
+      case ffi::DataType::F8E4M3FN: return LaunchFwd<Tin, Fp8<__NV_E4M3>>(stream, a, rmsnorm);
+      case ffi::DataType::F8E5M2: return LaunchFwd<Tin, Fp8<__NV_E5M2>>(stream, a, rmsnorm);
+      default: return ffi::Error::InvalidArgument("norm_fwd: out must be f32/bf16/f16/f8e4m3fn/f8e5m2");
+    }
+  };
+  switch (x.element_type()) {
+    case ffi::DataType::F32: return with_input(float{});
+    case ffi::DataType::BF16: return with_input(__nv_bfloat16{});
+    case ffi::DataType::F16: return with_input(__half{});
+    default: return ffi::Error::InvalidArgument("norm_fwd: x must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+// Allocates nothing: XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCudaHandler, NormFwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
+                                  .Arg<ffi::BufferR1<ffi::F32>>()            // gamma: (cols,)
+                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies y before an FP8 cast
+                                  .Arg<ffi::BufferR1<ffi::F32>>()            // beta: (cols,), empty for RMSNorm
+                                  .Ret<ffi::AnyBuffer>()                     // out: x's shape, f32/bf16/f16 or FP8
+                                  .Ret<ffi::AnyBuffer>()                     // out_t: FP8 (cols, rows), or empty
+                                  .Ret<ffi::AnyBuffer>()                     // amax: f32 max |y| (FP8), or empty
+                                  .Ret<ffi::AnyBuffer>()                     // mean: f32 per row, empty for RMSNorm
+                                  .Ret<ffi::AnyBuffer>()                     // rsigma: f32 per row
+                                  .Attr<bool>("rmsnorm")                     // RMSNorm instead of LayerNorm
+                                  .Attr<float>("epsilon")                    // added to the variance
+                                  .Attr<bool>("zero_centered_gamma"),        // multiply by gamma + 1
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace te_jax
