@@ -503,9 +503,9 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
 
 
 # A fresh process whose te_gemm calls XLA may put into its command buffers (CUDA graphs; a graph of every size): each
-# problem's algorithm is timed once (on a private stream, so that it also works where the first call is captured;
-# JAX 0.11.2 runs a program's first execution outside its graphs, so that case is not reached here), and the GEMMs'
-# values and bits are those of the uncaptured calls.
+# problem's algorithm is timed once (on a private stream, so that it also works where the first call is captured; on
+# the H200 with JAX 0.11.2 the first calls of this program ran uncaptured), and the GEMMs' values and bits are those
+# of the uncaptured calls.
 _CAPTURED_FIRST_CALL = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
