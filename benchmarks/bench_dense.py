@@ -13,7 +13,6 @@ XLA choose).
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 
 import flax.linen as nn
