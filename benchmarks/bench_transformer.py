@@ -7,8 +7,8 @@ Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal sel
 parameters, bfloat16 compute; one more te_jax row also runs attention's forward in FP8 (the recipe's ``fp8_dpa``,
 where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (the recipe's ``fp8_gemm_*``). The
 timed function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input, applied to a random output gradient,
-with the output. Rates count the GEMMs and causal attention (half the score
-matrix), forward and backward (``_flops``).
+with the output. Rates count the GEMMs and causal attention (half the score matrix), forward and backward
+(``_flops``).
 
   python benchmarks/bench_transformer.py
 """
