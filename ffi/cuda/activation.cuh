@@ -30,6 +30,7 @@
 #include "te_jax/activation_view.h"
 #include "te_jax/cuda_check.h"
 #include "te_jax/fp8_tile.cuh"
+#include "te_jax/launch_utils.h"
 #include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -262,8 +263,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
   }
   if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
 }
-
-bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 // Launches the kernel for x's dtype and the output kind, then the dbias column sum.
 template <bool kBwd>

@@ -1,7 +1,7 @@
 // What norm_fwd.cu (te_norm_fwd) and norm_bwd.cu (te_norm_bwd), the CUDA handlers of LayerNorm/RMSNorm over the last
 // dim, both use: the block-size constants, the float32 parameter load, the stores of 8 float32 results as float32,
 // bfloat16 or float16 (Out; norm_fwd.cu adds the FP8 outputs), the row sum in a fixed order, and the launch policy
-// (threads per row and chunks per thread, the dynamic shared-memory limit, compile-time dispatch).
+// (threads per row and chunks per thread, the dynamic shared-memory limit).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/launch_utils.h"
 #include "te_jax/norm_view.h"
 #include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -169,23 +170,6 @@ cudaError_t LaunchWithSharedMemory(Kernel kernel, int64_t blocks, int threads, s
   }
   kernel<<<blocks, threads, smem, stream>>>(args);
   return cudaGetLastError();
-}
-
-bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
-
-template <typename F>
-void DispatchBool(bool v, F&& f) {
-  if (v) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-// Calls f(std::integral_constant<int, n>) for the n in kNs equal to v.
-template <int... kNs, typename F>
-void DispatchN(int v, F&& f) {
-  ((v == kNs ? (f(std::integral_constant<int, kNs>{}), 0) : 0), ...);
 }
 
 }  // namespace

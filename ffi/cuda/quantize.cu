@@ -21,6 +21,7 @@
 #include "te_jax/cuda_check.h"
 #include "te_jax/vec_load.cuh"
 #include "te_jax/fp8_tile.cuh"
+#include "te_jax/launch_utils.h"
 #include "te_jax/quantize_view.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -201,17 +202,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   BlockAmax(amax_bits, amax, amax_scratch);
 }
-
-template <typename F>
-void DispatchBool(bool v, F&& f) {
-  if (v) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 template <typename T, __nv_fp8_interpretation_t kFmt>
 ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const void* x, const float* scale, void* q, void* qt,

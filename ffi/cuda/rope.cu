@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/launch_utils.h"
 #include "te_jax/rope_view.h"
 #include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -156,8 +157,6 @@ __global__ void __launch_bounds__(kMaxThreads) RopeKernel(const Params p) {
     }
   }
 }
-
-bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 template <typename T>
 ffi::Error LaunchAs(cudaStream_t stream, const Params& p, bool interleaved) {

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/launch_utils.h"
 #include "te_jax/softmax_view.h"
 #include "te_jax/vec_load.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -366,8 +367,6 @@ __global__ void __launch_bounds__(kLongThreads) SoftmaxBwdLongKernel(const Param
 }
 
 // ---- launch ----------------------------------------------------------------------------------------------------
-
-bool Aligned(const void* ptr, uintptr_t n) { return reinterpret_cast<uintptr_t>(ptr) % n == 0; }
 
 // Calls f(T{}, integral_constant<kT>, integral_constant<kC>) for the register path's configuration of `cols`:
 // kT the smallest power of two >= 8 with kC = ceil(chunks / kT) <= 4, kC rounded up to 1, 2 or 4.
