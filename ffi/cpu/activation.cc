@@ -162,28 +162,8 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCpuHandler, ActFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // x: f32/bf16/f16, (..., N) or (..., 2, N)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()   // scale: multiplies y before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()             // out: FP8 or f32/bf16/f16, (..., N)
-                                  .Ret<ffi::AnyBuffer>()             // out_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()   // amax: max |y| (FP8 outputs)
-                                  .Attr<int64_t>("act")              // te_jax.ops.activation.ACTIVATIONS index
-                                  .Attr<bool>("gated")               // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"));     // leading dims kept in front by out_t
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCpuHandler, ActFwdCpu, ActAttrs(ActFwdOperands(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCpuHandler, ActBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // g: the output gradient, x's dtype
-                                  .Arg<ffi::AnyBuffer>()             // x: the forward input
-                                  .Arg<ffi::BufferR0<ffi::F32>>()   // scale: multiplies dx before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()             // dx: FP8 or f32/bf16/f16, x's shape
-                                  .Ret<ffi::AnyBuffer>()             // dx_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()   // amax: max |dx| (FP8 outputs)
-                                  .Ret<ffi::AnyBuffer>()             // dbias: f32 column sums of dx, or empty
-                                  .Attr<int64_t>("act")              // te_jax.ops.activation.ACTIVATIONS index
-                                  .Attr<bool>("gated")               // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"));     // leading dims kept in front by dx_t
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCpuHandler, ActBwdCpu, ActAttrs(ActBwdOperands(ffi::Ffi::Bind())));
 
 }  // namespace te_jax

@@ -214,32 +214,8 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCpuHandler, NormFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()               // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR1<ffi::F32>>()     // gamma: (cols,)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()     // scale: multiplies y before an FP8 cast
-                                  .Arg<ffi::BufferR1<ffi::F32>>()     // beta: (cols,), empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()               // out: x's shape, f32/bf16/f16 or FP8
-                                  .Ret<ffi::AnyBuffer>()               // out_t: FP8 (cols, rows), or empty
-                                  .Ret<ffi::AnyBuffer>()               // amax: f32 max |y| (FP8), or empty
-                                  .Ret<ffi::AnyBuffer>()               // mean: f32 per row, empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()               // rsigma: f32 per row
-                                  .Attr<bool>("rmsnorm")               // RMSNorm instead of LayerNorm
-                                  .Attr<float>("epsilon")              // added to the variance
-                                  .Attr<bool>("zero_centered_gamma"));  // multiply by gamma + 1
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCpuHandler, NormFwdCpu, NormFwdSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCpuHandler, NormBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()                 // dz: x's shape, x's type or f32
-                                  .Arg<ffi::AnyBuffer>()                 // x: the forward input
-                                  .Arg<ffi::AnyBuffer>()                 // rsigma: f32 per row
-                                  .Arg<ffi::BufferR1<ffi::F32>>()       // gamma: (cols,)
-                                  .Arg<ffi::AnyBuffer>()                 // mean: f32 per row, empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()                 // dx: x's shape and type
-                                  .Ret<ffi::BufferR1<ffi::F32>>()       // dgamma: (cols,)
-                                  .Ret<ffi::BufferR1<ffi::F32>>()       // dbeta: (cols,), empty for RMSNorm
-                                  .Attr<bool>("rmsnorm")                 // RMSNorm instead of LayerNorm
-                                  .Attr<bool>("zero_centered_gamma"));  // the forward multiplied by gamma + 1
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCpuHandler, NormBwdCpu, NormBwdAttrs(NormBwdOperands(ffi::Ffi::Bind())));
 
 }  // namespace te_jax

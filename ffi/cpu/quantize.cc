@@ -92,14 +92,6 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Res
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCpuHandler, QuantizeCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()               // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR0<ffi::F32>>()     // scale: multiplies x before the cast
-                                  .Ret<ffi::AnyBuffer>()               // q: FP8, x's shape
-                                  .Ret<ffi::AnyBuffer>()               // qt: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()     // amax: max |x|
-                                  .Ret<ffi::AnyBuffer>()               // dbias: f32 column sums, or empty
-                                  .Attr<int64_t>("batch_ndim"));       // leading dims kept in front by qt
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCpuHandler, QuantizeCpu, QuantizeAttrs(QuantizeOperands(ffi::Ffi::Bind())));
 
 }  // namespace te_jax

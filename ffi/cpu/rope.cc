@@ -101,22 +101,8 @@ ffi::Error RopeCpu(ffi::AnyBuffer x, ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeFwdCpuHandler, RopeCpu<false>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // x: f32/bf16/f16, (B, S, H, D) or (S, B, H, D)
-                                  .Arg<ffi::AnyBuffer>()          // cos: f32 (S, R/2) or (B, S, R/2)
-                                  .Arg<ffi::AnyBuffer>()          // sin: f32, cos's shape
-                                  .Ret<ffi::AnyBuffer>()          // y: x rotated, x's dtype and shape
-                                  .Attr<bool>("sbhd")             // x is (S, B, H, D)
-                                  .Attr<bool>("interleaved"));    // pairs (2i, 2i+1), else (i, i + R/2)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeFwdCpuHandler, RopeCpu<false>, RopeSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeBwdCpuHandler, RopeCpu<true>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // g: the output gradient, as x forward
-                                  .Arg<ffi::AnyBuffer>()          // cos: f32 (S, R/2) or (B, S, R/2)
-                                  .Arg<ffi::AnyBuffer>()          // sin: f32, cos's shape
-                                  .Ret<ffi::AnyBuffer>()          // dx: g rotated back, g's dtype and shape
-                                  .Attr<bool>("sbhd")             // g is (S, B, H, D)
-                                  .Attr<bool>("interleaved"));    // pairs (2i, 2i+1), else (i, i + R/2)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeBwdCpuHandler, RopeCpu<true>, RopeSignature(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

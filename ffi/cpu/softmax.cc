@@ -140,22 +140,8 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer y, ffi::BufferR0<ffi:
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxFwdCpuHandler, SoftmaxFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // logits: f32/bf16/f16, (..., Sq, Sk)
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // q_offset: causal query index of row 0 of Sq
-                                  .Arg<ffi::AnyBuffer>()             // mask: bool, logits' rank (masked), or empty
-                                  .Ret<ffi::AnyBuffer>()             // y: the logits' shape and dtype
-                                  .Attr<int64_t>("kind")             // SOFTMAX_KINDS index: plain, masked, causal
-                                  .Attr<float>("scale"));            // multiplies the logits
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxFwdCpuHandler, SoftmaxFwdCpu, SoftmaxFwdSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBwdCpuHandler, SoftmaxBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // dy: y's shape and dtype
-                                  .Arg<ffi::AnyBuffer>()             // y: the forward output
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // q_offset: causal query index of row 0 of Sq
-                                  .Ret<ffi::AnyBuffer>()             // dx: y's shape and dtype
-                                  .Attr<bool>("causal")              // read and write only keys j <= i
-                                  .Attr<float>("scale"));            // the forward's logit scale
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBwdCpuHandler, SoftmaxBwdCpu, SoftmaxBwdSignature(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -44,19 +44,8 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
 
 // Allocates nothing (the dbias partials go to a workspace result): XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // g: the output gradient, x's dtype
-                                  .Arg<ffi::AnyBuffer>()                     // x: the forward input
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies dx before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()                     // dx: FP8 or f32/bf16/f16, x's shape
-                                  .Ret<ffi::AnyBuffer>()                     // dx_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |dx| (FP8 outputs)
-                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
-                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
-                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by dx_t
+                              ActAttrs(ActBwdOperands(BindWithStream())
+                                           .Ret<ffi::AnyBuffer>()),  // workspace: f32 dbias partials, or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -26,16 +26,7 @@ ffi::Error ActFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::
 
 // Allocates nothing: XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCudaHandler, ActFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, (..., [2,] N)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies y before an FP8 cast
-                                  .Ret<ffi::AnyBuffer>()                     // out: FP8 or f32/bf16/f16, (..., N)
-                                  .Ret<ffi::AnyBuffer>()                     // out_t: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |y| (FP8 outputs)
-                                  .Attr<int64_t>("act")                      // ACTIVATIONS index
-                                  .Attr<bool>("gated")                       // x is (..., 2, N), activated half first
-                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by out_t
+                              ActAttrs(ActFwdOperands(BindWithStream())),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -382,19 +382,8 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
 
 // Allocates nothing (the partial sums go to a workspace result): XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCudaHandler, NormBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // dz: x's shape, x's type or f32
-                                  .Arg<ffi::AnyBuffer>()                     // x: the forward input
-                                  .Arg<ffi::AnyBuffer>()                     // rsigma: f32 per row
-                                  .Arg<ffi::BufferR1<ffi::F32>>()            // gamma: (cols,)
-                                  .Arg<ffi::AnyBuffer>()                     // mean: f32 per row, empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()                     // dx: x's shape and type
-                                  .Ret<ffi::BufferR1<ffi::F32>>()            // dgamma: (cols,)
-                                  .Ret<ffi::BufferR1<ffi::F32>>()            // dbeta: (cols,), empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 per-worker partial sums
-                                  .Attr<bool>("rmsnorm")                     // RMSNorm instead of LayerNorm
-                                  .Attr<bool>("zero_centered_gamma"),        // the forward multiplied by gamma + 1
+                              NormBwdAttrs(NormBwdOperands(BindWithStream())
+                                               .Ret<ffi::AnyBuffer>()),  // workspace: f32 per-worker partial sums
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

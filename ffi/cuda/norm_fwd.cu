@@ -421,20 +421,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi:
 
 // Allocates nothing: XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCudaHandler, NormFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR1<ffi::F32>>()            // gamma: (cols,)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies y before an FP8 cast
-                                  .Arg<ffi::BufferR1<ffi::F32>>()            // beta: (cols,), empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()                     // out: x's shape, f32/bf16/f16 or FP8
-                                  .Ret<ffi::AnyBuffer>()                     // out_t: FP8 (cols, rows), or empty
-                                  .Ret<ffi::AnyBuffer>()                     // amax: f32 max |y| (FP8), or empty
-                                  .Ret<ffi::AnyBuffer>()                     // mean: f32 per row, empty for RMSNorm
-                                  .Ret<ffi::AnyBuffer>()                     // rsigma: f32 per row
-                                  .Attr<bool>("rmsnorm")                     // RMSNorm instead of LayerNorm
-                                  .Attr<float>("epsilon")                    // added to the variance
-                                  .Attr<bool>("zero_centered_gamma"),        // multiply by gamma + 1
+                              NormFwdSignature(BindWithStream()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -291,16 +291,8 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
 
 // Allocates nothing (the dbias partials go to a workspace result), so XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCudaHandler, QuantizeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // scale: multiplies x before the cast
-                                  .Ret<ffi::AnyBuffer>()                     // q: FP8, x's shape
-                                  .Ret<ffi::AnyBuffer>()                     // qt: FP8 transposed copy, or empty
-                                  .Ret<ffi::BufferR0<ffi::F32>>()            // amax: max |x|
-                                  .Ret<ffi::AnyBuffer>()                     // dbias: f32 column sums, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: f32 dbias partials, or empty
-                                  .Attr<int64_t>("batch_ndim"),              // leading dims kept in front by qt
+                              QuantizeAttrs(QuantizeOperands(BindWithStream())
+                                                .Ret<ffi::AnyBuffer>()),  // workspace: f32 dbias partials, or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -215,25 +215,11 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cos, f
 
 // Both allocate nothing: XLA may capture them into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeFwdCudaHandler, RopeCuda<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()      // x: f32/bf16/f16, (B, S, H, D) or (S, B, H, D)
-                                  .Arg<ffi::AnyBuffer>()      // cos: f32 (S, R/2) or (B, S, R/2)
-                                  .Arg<ffi::AnyBuffer>()      // sin: f32, cos's shape
-                                  .Ret<ffi::AnyBuffer>()      // y: x rotated, x's dtype and shape
-                                  .Attr<bool>("sbhd")         // x is (S, B, H, D)
-                                  .Attr<bool>("interleaved"),  // pairs (2i, 2i+1), else (i, i + R/2)
+                              RopeSignature(BindWithStream()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeBwdCudaHandler, RopeCuda<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()      // g: the output gradient, as x forward
-                                  .Arg<ffi::AnyBuffer>()      // cos: f32 (S, R/2) or (B, S, R/2)
-                                  .Arg<ffi::AnyBuffer>()      // sin: f32, cos's shape
-                                  .Ret<ffi::AnyBuffer>()      // dx: g rotated back, g's dtype and shape
-                                  .Attr<bool>("sbhd")         // g is (S, B, H, D)
-                                  .Attr<bool>("interleaved"),  // pairs (2i, 2i+1), else (i, i + R/2)
+                              RopeSignature(BindWithStream()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

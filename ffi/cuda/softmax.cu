@@ -473,25 +473,11 @@ ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 
 // Both allocate nothing: XLA may capture them into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxFwdCudaHandler, SoftmaxFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // logits: f32/bf16/f16, (..., Sq, Sk)
-                                  .Arg<ffi::BufferR0<ffi::S32>>()            // q_offset: causal query of row 0 of Sq
-                                  .Arg<ffi::AnyBuffer>()                     // mask: bool, logits' rank, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // y: the logits' shape and dtype
-                                  .Attr<int64_t>("kind")                     // SOFTMAX_KINDS: plain, masked, causal
-                                  .Attr<float>("scale"),                     // multiplies the logits
+                              SoftmaxFwdSignature(BindWithStream()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBwdCudaHandler, SoftmaxBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // dy: y's shape and dtype
-                                  .Arg<ffi::AnyBuffer>()                     // y: the forward output
-                                  .Arg<ffi::BufferR0<ffi::S32>>()            // q_offset: causal query of row 0 of Sq
-                                  .Ret<ffi::AnyBuffer>()                     // dx: y's shape and dtype
-                                  .Attr<bool>("causal")                      // read and write only keys j <= i
-                                  .Attr<float>("scale"),                     // the forward's logit scale
+                              SoftmaxBwdSignature(BindWithStream()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <type_traits>
 
 #include "te_jax/activation_math.h"
@@ -93,6 +94,35 @@ xla::ffi::Error DispatchActivation(int64_t act, bool gated, F&& f) {
     case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
     default: return xla::ffi::Error::InvalidArgument("activation: unknown activation code");
   }
+}
+
+// te_act_fwd's and te_act_bwd's FFI signatures after the platform's context; the CUDA backward adds its workspace
+// result (dbias partials) between ActBwdOperands and ActAttrs.
+template <typename B>
+auto ActFwdOperands(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, (..., N) or (..., 2, N)
+      .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies y before an FP8 cast
+      .template Ret<xla::ffi::AnyBuffer>()                 // out: FP8 or f32/bf16/f16, (..., N)
+      .template Ret<xla::ffi::AnyBuffer>()                 // out_t: FP8 transposed copy, or empty
+      .template Ret<xla::ffi::BufferR0<xla::ffi::F32>>();  // amax: max |y| (FP8 outputs)
+}
+
+template <typename B>
+auto ActBwdOperands(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // g: the output gradient, x's dtype
+      .template Arg<xla::ffi::AnyBuffer>()                 // x: the forward input
+      .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies dx before an FP8 cast
+      .template Ret<xla::ffi::AnyBuffer>()                 // dx: FP8 or f32/bf16/f16, x's shape
+      .template Ret<xla::ffi::AnyBuffer>()                 // dx_t: FP8 transposed copy, or empty
+      .template Ret<xla::ffi::BufferR0<xla::ffi::F32>>()   // amax: max |dx| (FP8 outputs)
+      .template Ret<xla::ffi::AnyBuffer>();                // dbias: f32 column sums of dx, or empty
+}
+
+template <typename B>
+auto ActAttrs(B b) {
+  return std::move(b).template Attr<int64_t>("act")  // te_jax.ops.activation.ACTIVATIONS index
+      .template Attr<bool>("gated")                  // x is (..., 2, N), activated half first
+      .template Attr<int64_t>("batch_ndim");         // leading dims kept in front by the transposed copy
 }
 
 }  // namespace te_jax

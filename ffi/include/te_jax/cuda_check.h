@@ -1,4 +1,4 @@
-// Turn CUDA errors into XLA FFI errors.
+// Turn CUDA errors into XLA FFI errors; the start of every CUDA handler's FFI binding.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +16,9 @@ inline xla::ffi::Error CudaError(cudaError_t err, const std::string& what) {
 
 // Checks the error state after a kernel launch.
 inline xla::ffi::Error LastCudaError(const std::string& what) { return CudaError(cudaGetLastError(), what); }
+
+// A CUDA handler's binding: XLA's compute stream first, then the op's signature (the *_view.h headers).
+inline auto BindWithStream() { return xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>(); }
 
 }  // namespace te_jax
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "te_jax/buffer_checks.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,6 +58,42 @@ inline xla::ffi::ErrorOr<NormShape> CheckNormBwd(const xla::ffi::AnyBuffer& dz, 
     return xla::ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
   }
   return s;
+}
+
+// te_norm_fwd's and te_norm_bwd's FFI signatures after the platform's context; the CUDA backward adds its
+// workspace result (per-worker partial sums) between NormBwdOperands and NormBwdAttrs.
+template <typename B>
+auto NormFwdSignature(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
+      .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // gamma: (cols,)
+      .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies y before an FP8 cast
+      .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // beta: (cols,), empty for RMSNorm
+      .template Ret<xla::ffi::AnyBuffer>()                 // out: x's shape, f32/bf16/f16 or FP8
+      .template Ret<xla::ffi::AnyBuffer>()                 // out_t: FP8 (cols, rows), or empty
+      .template Ret<xla::ffi::AnyBuffer>()                 // amax: f32 max |y| (FP8), or empty
+      .template Ret<xla::ffi::AnyBuffer>()                 // mean: f32 per row, empty for RMSNorm
+      .template Ret<xla::ffi::AnyBuffer>()                 // rsigma: f32 per row
+      .template Attr<bool>("rmsnorm")                      // RMSNorm instead of LayerNorm
+      .template Attr<float>("epsilon")                     // added to the variance
+      .template Attr<bool>("zero_centered_gamma");         // multiply by gamma + 1
+}
+
+template <typename B>
+auto NormBwdOperands(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // dz: x's shape, x's type or f32
+      .template Arg<xla::ffi::AnyBuffer>()                 // x: the forward input
+      .template Arg<xla::ffi::AnyBuffer>()                 // rsigma: f32 per row
+      .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // gamma: (cols,)
+      .template Arg<xla::ffi::AnyBuffer>()                 // mean: f32 per row, empty for RMSNorm
+      .template Ret<xla::ffi::AnyBuffer>()                 // dx: x's shape and type
+      .template Ret<xla::ffi::BufferR1<xla::ffi::F32>>()   // dgamma: (cols,)
+      .template Ret<xla::ffi::BufferR1<xla::ffi::F32>>();  // dbeta: (cols,), empty for RMSNorm
+}
+
+template <typename B>
+auto NormBwdAttrs(B b) {
+  return std::move(b).template Attr<bool>("rmsnorm")  // RMSNorm instead of LayerNorm
+      .template Attr<bool>("zero_centered_gamma");    // the forward multiplied by gamma + 1
 }
 
 }  // namespace te_jax

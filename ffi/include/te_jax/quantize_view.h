@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +29,23 @@ inline xla::ffi::ErrorOr<QuantizeView> MakeQuantizeView(xla::ffi::Span<const int
   for (int64_t i = batch_ndim; i < rank - 1; ++i) v.rows *= dims[i];
   v.cols = dims[rank - 1];
   return v;
+}
+
+// te_quantize's FFI signature after the platform's context, in two parts: the CUDA handler adds its workspace result
+// (dbias partials) between them.
+template <typename B>
+auto QuantizeOperands(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
+      .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies x before the cast
+      .template Ret<xla::ffi::AnyBuffer>()                 // q: FP8, x's shape
+      .template Ret<xla::ffi::AnyBuffer>()                 // qt: FP8 transposed copy, or empty
+      .template Ret<xla::ffi::BufferR0<xla::ffi::F32>>()   // amax: max |x|
+      .template Ret<xla::ffi::AnyBuffer>();                // dbias: f32 column sums, or empty
+}
+
+template <typename B>
+auto QuantizeAttrs(B b) {
+  return std::move(b).template Attr<int64_t>("batch_ndim");  // leading dims kept in front by qt
 }
 
 }  // namespace te_jax

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -64,6 +65,17 @@ inline xla::ffi::ErrorOr<RopeView> MakeRopeView(const xla::ffi::AnyBuffer& x, co
   }
   if (v.half < 1 || 2 * v.half > v.dim) return Error::InvalidArgument("rope: the rotary dim R must be in [2, D]");
   return v;
+}
+
+// te_rope_fwd's and te_rope_bwd's FFI signature (the same) after the platform's context.
+template <typename B>
+auto RopeSignature(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x (backward: the gradient): f32/bf16/f16, BSHD or SBHD
+      .template Arg<xla::ffi::AnyBuffer>()                 // cos: f32 (S, R/2) or (B, S, R/2)
+      .template Arg<xla::ffi::AnyBuffer>()                 // sin: f32, cos's shape
+      .template Ret<xla::ffi::AnyBuffer>()                 // y: x rotated (backward: back), x's dtype and shape
+      .template Attr<bool>("sbhd")                         // x is (S, B, H, D)
+      .template Attr<bool>("interleaved");                 // pairs (2i, 2i+1), else (i, i + R/2)
 }
 
 }  // namespace te_jax

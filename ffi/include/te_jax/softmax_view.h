@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -95,6 +96,27 @@ inline xla::ffi::ErrorOr<SoftmaxView> MakeSoftmaxView(xla::ffi::Span<const int64
     }
   }
   return v;
+}
+
+// te_softmax_fwd's and te_softmax_bwd's FFI signatures after the platform's context.
+template <typename B>
+auto SoftmaxFwdSignature(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // logits: f32/bf16/f16, (..., Sq, Sk)
+      .template Arg<xla::ffi::BufferR0<xla::ffi::S32>>()   // q_offset: causal query index of row 0 of Sq
+      .template Arg<xla::ffi::AnyBuffer>()                 // mask: bool, logits' rank (masked), or empty
+      .template Ret<xla::ffi::AnyBuffer>()                 // y: the logits' shape and dtype
+      .template Attr<int64_t>("kind")                      // SOFTMAX_KINDS index: plain, masked, causal
+      .template Attr<float>("scale");                      // multiplies the logits
+}
+
+template <typename B>
+auto SoftmaxBwdSignature(B b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // dy: y's shape and dtype
+      .template Arg<xla::ffi::AnyBuffer>()                 // y: the forward output
+      .template Arg<xla::ffi::BufferR0<xla::ffi::S32>>()   // q_offset: causal query index of row 0 of Sq
+      .template Ret<xla::ffi::AnyBuffer>()                 // dx: y's shape and dtype
+      .template Attr<bool>("causal")                       // read and write only keys j <= i
+      .template Attr<float>("scale");                      // the forward's logit scale
 }
 
 }  // namespace te_jax
