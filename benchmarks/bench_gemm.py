@@ -1,17 +1,25 @@
 """GEMM: te_jax's cuBLASLt FP8 GEMM vs XLA's bf16 GEMM (and te_jax's own bf16 path), same shape, same process.
 
 FP8 operands are quantized once, outside the timed function: this measures the GEMM alone. Rates count
-2*M*N*K FLOPs.
+2*M*N*K FLOPs. Where PyTorch with CUDA is importable beside JAX (as on the GPU machine), two more rows time
+``torch._scaled_mm`` (cuBLASLt's FP8 GEMM as PyTorch calls it) on the same FP8 bytes, with and without fast
+accumulation: the same ceiling reached by another caller, timed the same way (10 back-to-back calls, then a sync), in
+a child process.
 
   python benchmarks/bench_gemm.py
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import harness
 import te_jax
@@ -35,6 +43,64 @@ def _operands(key, m, n, k):
   a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
   b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
   return a, b
+
+
+# Run in a child process, so that PyTorch's CUDA state (and a crash of it) stays out of this one: loads the FP8
+# operands, times torch._scaled_mm like harness.time_calls, writes {"fast"|"full": {...}} and the outputs.
+_TORCH_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np, torch
+d, runs, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+a = torch.from_numpy(np.load(f"{d}/a.npy")).cuda().view(torch.float8_e4m3fn)
+b = torch.from_numpy(np.load(f"{d}/b.npy")).cuda().view(torch.float8_e4m3fn)
+one = torch.ones((), dtype=torch.float32, device="cuda")
+result = {}
+for key, fast in (("fast", True), ("full", False)):
+  call = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+  for _ in range(3):
+    out = call()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    for _ in range(batch):
+      out = call()
+    torch.cuda.synchronize()
+    samples.append((time.perf_counter() - start) / batch)
+  np.save(f"{d}/out_{key}.npy", out.float().cpu().numpy())
+  result[key] = {"ms": statistics.median(samples) * 1e3, "ms_min": min(samples) * 1e3,
+                 "ms_max": max(samples) * 1e3, "runs": len(samples), "torch": torch.__version__}
+print(json.dumps(result))
+"""
+
+
+def _torch_rows(ctx: harness.Context, qa, qb, ref, flops: float, case: str) -> list[dict]:
+  """``torch._scaled_mm`` (bf16 out, with and without fast accumulation) on the FP8 bytes of ``qa`` (M, K) and ``qb``
+  (N, K), in a child process; no rows without a GPU or without PyTorch."""
+  if not ctx.gpu or importlib.util.find_spec("torch") is None:
+    return []
+  with tempfile.TemporaryDirectory() as d:
+    np.save(f"{d}/a.npy", np.asarray(qa).view(np.uint8))
+    np.save(f"{d}/b.npy", np.asarray(qb).view(np.uint8))
+    proc = subprocess.run([sys.executable, "-c", _TORCH_SCRIPT, d, str(ctx.runs), str(ctx.batch)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    try:
+      result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+      note = "torch._scaled_mm failed: " + " ".join(proc.stderr.split())[-200:]
+      return [{"bench": "gemm", "case": case, "impl": "torch._scaled_mm fp8", "ms": float("nan"),
+               "tflops": float("nan"), "handler": "torch (cuBLASLt)", "ok": False, "note": note}]
+    rows = []
+    for key, label in (("fast", " (fast acc)"), ("full", "")):
+      t = result[key]
+      got = jnp.asarray(np.load(f"{d}/out_{key}.npy"))
+      rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+      problems = [] if rel <= 0.1 else [f"rel err {rel:.3g} > 0.1"]
+      rows.append({"bench": "gemm", "case": case, "impl": f"torch._scaled_mm fp8{label}", "ms": t["ms"],
+                   "timing": {k: t[k] for k in ("ms", "ms_min", "ms_max", "runs")},
+                   "tflops": flops / (t["ms"] * 1e-3) / 1e12, "rel_err_vs_bf16": rel,
+                   "handler": f"torch {t['torch']} (cuBLASLt)", "ok": not problems, "note": "; ".join(problems)})
+  return rows
 
 
 def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
@@ -75,6 +141,7 @@ def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
         "ok": not problems,
         "note": "; ".join(problems),
     })
+  rows += _torch_rows(ctx, qa.data, qb.data, ref, flops, f"{m}x{n}x{k} -> bf16")
   base = next(r for r in rows if r["impl"] == "xla bf16")["ms"]
   for r in rows:
     r["speedup_vs_xla"] = base / r["ms"]
