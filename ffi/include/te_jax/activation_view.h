@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 #include <type_traits>
+#include <utility>
 
 #include "te_jax/activation_math.h"
 #include "te_jax/buffer_checks.h"

@@ -10,12 +10,12 @@ namespace te_jax {
 
 struct GemmPlanInfo {
   int device;
-  int64_t m, n, k;                          // row-major out[m, n] = lhs[m, k] . rhs[n, k]^T
+  int64_t m, n, k;                           // row-major out[m, n] = lhs[m, k] . rhs[n, k]^T
   std::string lhs_type, rhs_type, out_type;  // JAX dtype names
   bool fast_accum;
-  int candidates;                           // algorithms the heuristic offered (all timed when more than one)
-  int chosen;                               // the fastest one's rank in the heuristic's order
-  bool captured;                            // the first call ran while XLA's stream was being captured
+  int candidates;                            // algorithms the heuristic offered (all timed when more than one)
+  int chosen;                                // the fastest one's rank in the heuristic's order
+  bool captured;                             // the first call ran while XLA's stream was being captured
 };
 
 std::vector<GemmPlanInfo> GemmPlans();
