@@ -289,13 +289,7 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
       return CudaError(cudaGetLastError(), "activation kernel launch");
     });
   };
-  ffi::Error err = ffi::Error::Success();
-  switch (in_type) {
-    case ffi::DataType::F32: err = launch(float{}); break;
-    case ffi::DataType::BF16: err = launch(__nv_bfloat16{}); break;
-    case ffi::DataType::F16: err = launch(__half{}); break;
-    default: return ffi::Error::InvalidArgument("activation: inputs must be float32, bfloat16 or float16");
-  }
+  ffi::Error err = WithFloatType(in_type, "activation: inputs must be float32, bfloat16 or float16", launch);
   if (err.failure()) return err;
   if (dbias != nullptr) {
     const int threads = 256;

@@ -207,8 +207,7 @@ class RelaxedCapture {
 // keeping its faster round. Candidates that fail to run are skipped; where the private stream or buffers cannot be
 // had, the heuristic's first choice stays. Returns the fastest one's index.
 template <typename Run>
-size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes,
-                        Run&& run) {
+size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes, Run&& run) {
   RelaxedCapture relaxed;
   cudaStream_t stream = nullptr;
   void* out = nullptr;

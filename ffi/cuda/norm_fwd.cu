@@ -409,12 +409,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi:
       default: return ffi::Error::InvalidArgument("norm_fwd: out must be f32/bf16/f16/f8e4m3fn/f8e5m2");
     }
   };
-  switch (x.element_type()) {
-    case ffi::DataType::F32: return with_input(float{});
-    case ffi::DataType::BF16: return with_input(__nv_bfloat16{});
-    case ffi::DataType::F16: return with_input(__half{});
-    default: return ffi::Error::InvalidArgument("norm_fwd: x must be float32, bfloat16 or float16");
-  }
+  return WithFloatType(x.element_type(), "norm_fwd: x must be float32, bfloat16 or float16", with_input);
 }
 
 }  // namespace

@@ -279,12 +279,7 @@ ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi
         return ffi::Error::InvalidArgument("quantize: q must be float8_e4m3fn or float8_e5m2");
     }
   };
-  switch (x.element_type()) {
-    case ffi::DataType::F32: return with_format(float{});
-    case ffi::DataType::BF16: return with_format(__nv_bfloat16{});
-    case ffi::DataType::F16: return with_format(__half{});
-    default: return ffi::Error::InvalidArgument("quantize: x must be float32, bfloat16 or float16");
-  }
+  return WithFloatType(x.element_type(), "quantize: x must be float32, bfloat16 or float16", with_format);
 }
 
 }  // namespace

@@ -203,12 +203,9 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cos, f
   p.per_token = static_cast<int>(v.heads * units);
   p.tokens_per_block = p.per_token <= kMaxThreads / 2 ? kMaxThreads / p.per_token : 1;
   p.sin_sign = kBackward ? -1.0f : 1.0f;
-  switch (x.element_type()) {
-    case ffi::DataType::F32: return LaunchAs<float>(stream, p, interleaved);
-    case ffi::DataType::BF16: return LaunchAs<__nv_bfloat16>(stream, p, interleaved);
-    case ffi::DataType::F16: return LaunchAs<__half>(stream, p, interleaved);
-    default: return ffi::Error::InvalidArgument("rope: x must be float32, bfloat16 or float16");
-  }
+  return WithFloatType(x.element_type(), "rope: x must be float32, bfloat16 or float16", [&](auto t) {
+    return LaunchAs<decltype(t)>(stream, p, interleaved);
+  });
 }
 
 }  // namespace

@@ -419,12 +419,8 @@ ffi::Error Launch(cudaStream_t stream, ffi::DataType type, Params p) {
   if (p.view.rows > 0x7FFFFFFF) return ffi::Error::InvalidArgument("softmax: more than 2^31 - 1 rows");
   p.vec = p.view.cols % kVec == 0 && Aligned(p.a, 16) && (p.b == nullptr || Aligned(p.b, 16)) && Aligned(p.out, 16);
   p.mask_vec = p.view.cols % kVec == 0 && p.mask != nullptr && Aligned(p.mask, 8);
-  switch (type) {
-    case ffi::DataType::F32: return LaunchTyped<kBwd, float>(stream, p);
-    case ffi::DataType::BF16: return LaunchTyped<kBwd, __nv_bfloat16>(stream, p);
-    case ffi::DataType::F16: return LaunchTyped<kBwd, __half>(stream, p);
-    default: return ffi::Error::InvalidArgument("softmax: operands must be float32, bfloat16 or float16");
-  }
+  return WithFloatType(type, "softmax: operands must be float32, bfloat16 or float16",
+                       [&](auto t) { return LaunchTyped<kBwd, decltype(t)>(stream, p); });
 }
 
 ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::BufferR0<ffi::S32> q_offset,

@@ -2,8 +2,13 @@
 // arguments of a kernel.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 #include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace te_jax {
 
@@ -23,6 +28,18 @@ void DispatchBool(bool v, F&& f) {
 template <int... kNs, typename F>
 void DispatchN(int v, F&& f) {
   ((v == kNs ? (f(std::integral_constant<int, kNs>{}), 0) : 0), ...);
+}
+
+// Returns f(float{}), f(__nv_bfloat16{}) or f(__half{}) for a float32, bfloat16 or float16 `type`; for any other
+// type, an InvalidArgument error with the message `error`.
+template <typename F>
+xla::ffi::Error WithFloatType(xla::ffi::DataType type, const char* error, F&& f) {
+  switch (type) {
+    case xla::ffi::DataType::F32: return f(float{});
+    case xla::ffi::DataType::BF16: return f(__nv_bfloat16{});
+    case xla::ffi::DataType::F16: return f(__half{});
+    default: return xla::ffi::Error::InvalidArgument(error);
+  }
 }
 
 }  // namespace te_jax
