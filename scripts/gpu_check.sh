@@ -103,7 +103,8 @@ want profile && step "profile (kernel times per layer step)" 180 profile.log 200
 want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
   "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 6 \
    -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
-   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+   --section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
+   --section SchedulerStats --section WarpStateStats --print-details all \
    python3 benchmarks/kernel_metrics.py"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then

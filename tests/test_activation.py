@@ -462,6 +462,41 @@ def test_gpu_dbias_is_deterministic(gpu):
 
 
 @pytest.mark.gpu
+def test_gpu_denormal_sigmoid(gpu):
+  """Where the sigmoid's 1 / (1 + exp(-z)) is denormal (1 + exp(-z) > 2^126), the kernels' one-instruction reciprocal
+  flushes it to zero; they compute those chunks again with the reference's reciprocal. Inputs around that edge, next
+  to ordinary ones in the same 8-element chunks: forward and backward, float32 and FP8 with amax, bit for bit."""
+  edges = {"gelu": (-12.5, -8.5), "silu": (-104.0, -86.0), "quick_gelu": (-62.0, -50.0)}
+  for name, (lo, hi) in edges.items():
+    tail = np.linspace(lo, hi, 64 * 96, dtype=np.float32).reshape(64, 96)
+    x = np.concatenate([tail, random_input((64, 32), np.float32, seed=3, spread=1.0)], axis=1)  # (64, 128)
+    g = random_input(x.shape, np.float32, seed=4, spread=1.0)
+    for act in [(name,), (name, "linear")]:
+      xa = np.stack([x, np.flip(x, axis=-1)], axis=-2) if len(act) == 2 else x
+
+      def ours(g, x, act=act):
+        return (te_jax.activation_fwd(x, act, dtype=jnp.float32), te_jax.activation_bwd(g, x, act, dtype=jnp.float32),
+                te_jax.activation_fwd(x, act, dtype=E4M3, scale=2.0**120),
+                te_jax.activation_bwd(g, x, act, dtype=E5M2, scale=2.0**120))
+
+      def ref(g, x, act=act):
+        return (reference_fwd(x, act, dtype=jnp.float32), reference_bwd(g, x, act, dtype=jnp.float32),
+                reference_fwd(x, act, dtype=E4M3, scale=2.0**120), reference_bwd(g, x, act, dtype=E5M2, scale=2.0**120))
+
+      (y, dx, yq, dq), = run_many(ours, [(g, xa)], gpu)
+      (ry, rdx, ryq, rdq), = run_many(ref, [(g, xa)], gpu)
+      what = "-".join(act)
+      r = np.abs(np.asarray(ry.data))
+      assert np.count_nonzero((r > 0) & (r < 1e-30)) > 0, what  # results that a flushed reciprocal would make zero
+      assert_hp_equal(y.data, ry.data, what=f"forward, {what}")
+      assert_hp_equal(dx.data, rdx.data, what=f"backward, {what}")
+      assert_fp8_equal(yq.data, ryq.data, what=f"forward FP8, {what}")
+      assert_fp8_equal(dq.data, rdq.data, what=f"backward FP8, {what}")
+      assert_f32_equal(yq.amax, ryq.amax, what=f"forward amax, {what}")
+      assert_f32_equal(dq.amax, rdq.amax, what=f"backward amax, {what}")
+
+
+@pytest.mark.gpu
 def test_gpu_special_values(gpu):
   v = special_values()
   for act in ACT_TYPES:

@@ -174,18 +174,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
       const int lr = rsub + (i0 + i) * kRowsPerPass;
       const int64_t r = row0 + lr;
       float y[kOutHalves][kVec];
+      auto compute = [&](auto recip) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float linear = 0.0f;  // the gated pair's second half
-        if constexpr (kGated) linear = xb[i].Get(j);
-        if constexpr (kBwd) {
-          float db = 0.0f;
-          Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db);
-          if constexpr (kOutHalves == 2) y[1][j] = db;
-        } else {
-          y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear);
+        for (int j = 0; j < kVec; ++j) {
+          float linear = 0.0f;  // the gated pair's second half
+          if constexpr (kGated) linear = xb[i].Get(j);
+          if constexpr (kBwd) {
+            float db = 0.0f;
+            Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
+            if constexpr (kOutHalves == 2) y[1][j] = db;
+          } else {
+            y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
+          }
         }
-      }
+      };
+      // The sigmoid's reciprocal as one MUFU.RCP; in the rare chunk where that could differ from ActRecip (a
+      // denormal 1 / d, or a NaN), computed again with ActRecip itself (FtzRecip in activation_math.h).
+      unsigned worst = 0;
+      compute(FtzRecip{worst});
+      if (worst > kFtzRecipExactMax) compute(ExactRecip{});
 #pragma unroll
       for (int h = 0; h < kOutHalves; ++h) {
         const int64_t offset = out_base + (r * kOutHalves + h) * cols;

@@ -46,21 +46,46 @@ TE_JAX_HD float ActRecip(float d) {
 #endif
 }
 
-TE_JAX_HD float Sigmoid(float z) { return ActRecip(1.0f + ActExp(-z)); }
+// The reciprocal the formulas below take as a parameter: ActRecip, on every platform.
+struct ExactRecip {
+  TE_JAX_HD float operator()(float d) const { return ActRecip(d); }
+};
+
+#if defined(__CUDACC__)
+// The CUDA kernels' fast reciprocal, for the sigmoid's d = 1 + exp(-z) only (d >= 1, +inf or NaN): rcp.approx.ftz.f32
+// is one MUFU.RCP, while rcp.approx.f32 also scales its operand around it (two compares, two selects, two multiplies)
+// to keep denormal operands and results. The two are the same instruction on every d in [2^-126, 2^126]; for d >= 1
+// they can differ only where 1 / d is denormal (d > 2^126). `worst` collects the largest bit pattern seen (a NaN's or
+// +inf's is larger than any finite d's), so that a caller finding it above kFtzRecipExactMax recomputes with
+// ExactRecip: bitwise the same results as ActRecip.
+inline constexpr unsigned kFtzRecipExactMax = 0x7E800000u;  // the bits of 2^126
+struct FtzRecip {
+  unsigned& worst;
+  __device__ __forceinline__ float operator()(float d) const {
+    worst = max(worst, __float_as_uint(d));
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return r;
+  }
+};
+#endif
+
+template <typename Recip>
+TE_JAX_HD float Sigmoid(float z, Recip recip) { return recip(1.0f + ActExp(-z)); }
 
 TE_JAX_HD float Relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN stays NaN, -0 becomes +0
 
 // act(x); `s` receives the sigmoid that TimesDerivative reuses (unset for relu and squared_relu).
-template <Act A>
-TE_JAX_HD float Activate(float x, float& s) {
+template <Act A, typename Recip>
+TE_JAX_HD float Activate(float x, float& s, Recip recip) {
   if constexpr (A == Act::kGelu) {
-    s = Sigmoid(x * (kGeluC1 + kGeluC2 * (x * x)));
+    s = Sigmoid(x * (kGeluC1 + kGeluC2 * (x * x)), recip);
     return x * s;
   } else if constexpr (A == Act::kSilu) {
-    s = Sigmoid(x);
+    s = Sigmoid(x, recip);
     return x * s;
   } else if constexpr (A == Act::kQuickGelu) {
-    s = Sigmoid(kQuickGeluK * x);
+    s = Sigmoid(kQuickGeluK * x, recip);
     return x * s;
   } else if constexpr (A == Act::kRelu) {
     return Relu(x);
@@ -87,10 +112,10 @@ TE_JAX_HD float TimesDerivative(float gg, float x, float s) {
 }
 
 // Forward: y = act(x), or act(a) * b for a gated pair.
-template <Act A, bool kGated>
-TE_JAX_HD float Forward(float a, float b) {
+template <Act A, bool kGated, typename Recip = ExactRecip>
+TE_JAX_HD float Forward(float a, float b, Recip recip = {}) {
   float s = 0.0f;  // unused by relu and squared_relu
-  const float y = Activate<A>(a, s);
+  const float y = Activate<A>(a, s, recip);
   if constexpr (kGated) {
     return y * b;
   } else {
@@ -99,10 +124,10 @@ TE_JAX_HD float Forward(float a, float b) {
 }
 
 // Backward: da = g * act'(a), or, for a gated pair, da = (g * b) * act'(a) and db = g * act(a).
-template <Act A, bool kGated>
-TE_JAX_HD void Backward(float g, float a, float b, float& da, float& db) {
+template <Act A, bool kGated, typename Recip = ExactRecip>
+TE_JAX_HD void Backward(float g, float a, float b, float& da, float& db, Recip recip = {}) {
   float s = 0.0f;  // unused by relu and squared_relu
-  const float y = Activate<A>(a, s);
+  const float y = Activate<A>(a, s, recip);
   if constexpr (kGated) {
     da = TimesDerivative<A>(g * b, a, s);
     db = g * y;
