@@ -46,9 +46,14 @@ constexpr int kVec = 8;                                 // columns per thread
 constexpr int kChunksPerRow = kTile / kVec;             // 16
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 16
 constexpr int kRowsPerThread = kTile / kRowsPerPass;    // 8
-// 3 resident blocks per SM (24 warps, at most 80 registers per thread): the activation math keeps more values live
-// than quantize's cast, and 24 warps with 4 rows of loads in flight each cover the memory latency.
-constexpr int kBlocksPerSm = 3;
+// Resident blocks per SM: 4 (32 warps, at most 64 registers per thread) for the FP8 forward of 16-bit inputs, whose
+// loaded data is 4 registers per row and which is bound by instruction issue, where more warps help; 3 (24 warps, at
+// most 80 registers) otherwise, where the gradient, float32 inputs or 16-bit outputs keep more values live (at 64
+// registers those spill). 24 warps with their rows of loads in flight each cover the memory latency.
+template <typename T, bool kBwd, bool kFp8>
+constexpr int MinBlocksPerSm() {
+  return !kBwd && kFp8 && sizeof(T) == 2 ? 4 : 3;
+}
 
 enum class HpType : int { kF32, kBf16, kF16 };
 
@@ -87,19 +92,21 @@ __device__ __forceinline__ uint2 PackFp8(const float (&y)[8], float scale, bool 
   return p;
 }
 
+// kWhole: the chunk is known to be inside the array with vector access allowed (a whole tile): no checks.
+template <bool kWhole>
 __device__ __forceinline__ void StoreFp8(uint8_t* row, int64_t col, int64_t cols, bool vec, uint2 p) {
-  if (vec && col + kVec <= cols) {
+  if (kWhole || (vec && col + kVec <= cols)) {
     *reinterpret_cast<uint2*>(row + col) = p;
   } else {
     for (int j = 0; j < kVec && col + j < cols; ++j) row[col + j] = (j < 4 ? p.x >> (8 * j) : p.y >> (8 * (j - 4))) & 0xFF;
   }
 }
 
-template <typename H>
+template <bool kWhole, typename H>
 __device__ __forceinline__ void StoreHpAs(void* base, int64_t offset, int64_t col, int64_t cols, bool vec,
                                           const float (&y)[8]) {
   H* row = static_cast<H*>(base) + offset;
-  if (vec && col + kVec <= cols) {
+  if (kWhole || (vec && col + kVec <= cols)) {
     H h[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) h[j] = FromFloat<H>(y[j]);
@@ -112,16 +119,17 @@ __device__ __forceinline__ void StoreHpAs(void* base, int64_t offset, int64_t co
   }
 }
 
+template <bool kWhole>
 __device__ __forceinline__ void StoreHp(const Params& p, int64_t offset, int64_t col, const float (&y)[8]) {
   switch (p.hp) {
-    case HpType::kF32: StoreHpAs<float>(p.out, offset, col, p.cols, p.vec, y); break;
-    case HpType::kBf16: StoreHpAs<__nv_bfloat16>(p.out, offset, col, p.cols, p.vec, y); break;
-    case HpType::kF16: StoreHpAs<__half>(p.out, offset, col, p.cols, p.vec, y); break;
+    case HpType::kF32: StoreHpAs<kWhole, float>(p.out, offset, col, p.cols, p.vec, y); break;
+    case HpType::kBf16: StoreHpAs<kWhole, __nv_bfloat16>(p.out, offset, col, p.cols, p.vec, y); break;
+    case HpType::kF16: StoreHpAs<kWhole, __half>(p.out, offset, col, p.cols, p.vec, y); break;
   }
 }
 
 template <Act A, bool kGated, bool kBwd, typename T, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) ActivationKernel(const Params p) {
   // Halves of the output: a gated gradient has two (dx_a, dx_b); everything else one.
   constexpr int kOutHalves = kGated && kBwd ? 2 : 1;
   constexpr int kInHalves = kGated ? 2 : 1;
@@ -154,63 +162,79 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) ActivationKernel(const
     for (int j = 0; j < kVec; ++j) dsum[h][j] = 0.0f;
   }
 
-  constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
+  // The rows of the tile, 8 per thread: kWhole for a tile inside the array with vector access allowed (every tile
+  // but the ragged edges of an aligned array), which needs no bounds checks.
+  auto tile_rows = [&](auto whole_tag) {
+    constexpr bool kWhole = decltype(whole_tag)::value;
+    constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
 #pragma unroll 1
-  for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
-    // Kept as loaded (16-bit inputs stay packed while the loads are in flight) and converted on use. Elements past the
-    // array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
-    Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
+    for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
+      // Kept as loaded (16-bit inputs stay packed while the loads are in flight) and converted on use. Elements past
+      // the array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
+      Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
 #pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
-      const bool in_row = r < rows;
-      const int64_t rr = in_row ? r : 0;
-      xa[i].LoadOrZero(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
-      if constexpr (kGated) xb[i].LoadOrZero(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
-      if constexpr (kBwd) gv[i].LoadOrZero(g + rr * cols, col, cols, in_row, p.vec);
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      const int lr = rsub + (i0 + i) * kRowsPerPass;
-      const int64_t r = row0 + lr;
-      float y[kOutHalves][kVec];
-      auto compute = [&](auto recip) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          float linear = 0.0f;  // the gated pair's second half
-          if constexpr (kGated) linear = xb[i].Get(j);
-          if constexpr (kBwd) {
-            float db = 0.0f;
-            Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
-            if constexpr (kOutHalves == 2) y[1][j] = db;
-          } else {
-            y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
-          }
-        }
-      };
-      // The sigmoid's reciprocal as one MUFU.RCP; in the rare chunk where that could differ from ActRecip (a
-      // denormal 1 / d, or a NaN), computed again with ActRecip itself (FtzRecip in activation_math.h).
-      unsigned worst = 0;
-      compute(FtzRecip{worst});
-      if (worst > kFtzRecipExactMax) compute(ExactRecip{});
-#pragma unroll
-      for (int h = 0; h < kOutHalves; ++h) {
-        const int64_t offset = out_base + (r * kOutHalves + h) * cols;
-        if (want_dbias) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
-        }
-        if constexpr (kFp8) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
-          const uint2 packed = PackFp8(y[h], scale, p.e5m2);
-          if (r < rows) StoreFp8(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
-          if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
+        const bool in_row = kWhole || r < rows;
+        const int64_t rr = in_row ? r : 0;
+        if constexpr (kWhole) {
+          xa[i].Load(x + rr * kInHalves * cols + col);
+          if constexpr (kGated) xb[i].Load(x + (rr * 2 + 1) * cols + col);
+          if constexpr (kBwd) gv[i].Load(g + rr * cols + col);
         } else {
-          if (r < rows) StoreHp(p, offset, col, y[h]);
+          xa[i].LoadOrZero(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
+          if constexpr (kGated) xb[i].LoadOrZero(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
+          if constexpr (kBwd) gv[i].LoadOrZero(g + rr * cols, col, cols, in_row, p.vec);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int lr = rsub + (i0 + i) * kRowsPerPass;
+        const int64_t r = row0 + lr;
+        float y[kOutHalves][kVec];
+        auto compute = [&](auto recip) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            float linear = 0.0f;  // the gated pair's second half
+            if constexpr (kGated) linear = xb[i].Get(j);
+            if constexpr (kBwd) {
+              float db = 0.0f;
+              Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
+              if constexpr (kOutHalves == 2) y[1][j] = db;
+            } else {
+              y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
+            }
+          }
+        };
+        // The sigmoid's reciprocal as one MUFU.RCP; in the rare chunk where that could differ from ActRecip (a
+        // denormal 1 / d, or a NaN), computed again with ActRecip itself (FtzRecip in activation_math.h).
+        unsigned worst = 0;
+        compute(FtzRecip{worst});
+        if (worst > kFtzRecipExactMax) compute(ExactRecip{});
+#pragma unroll
+        for (int h = 0; h < kOutHalves; ++h) {
+          const int64_t offset = out_base + (r * kOutHalves + h) * cols;
+          if (want_dbias) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
+          }
+          if constexpr (kFp8) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
+            const uint2 packed = PackFp8(y[h], scale, p.e5m2);
+            if (kWhole || r < rows) StoreFp8<kWhole>(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
+            if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
+          } else {
+            if (kWhole || r < rows) StoreHp<kWhole>(p, offset, col, y[h]);
+          }
         }
       }
     }
+  };
+  if (p.vec && row0 + kTile <= rows && col0 + kTile <= cols) {
+    tile_rows(std::true_type{});
+  } else {
+    tile_rows(std::false_type{});
   }
 
   if constexpr (kFp8) {

@@ -93,16 +93,36 @@ struct Out<__half> : Out16<__half, __half2> {};
 
 // ---- reductions ---------------------------------------------------------------------------------------------------
 
+// Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: unrolled, vector shared-memory loads).
+template <int kWarps, int kValues>
+__device__ __forceinline__ void SumWarps(float (&v)[kValues], const float (*buf)[kMaxWarps], int first) {
+#pragma unroll
+  for (int k = 0; k < kValues; ++k) {
+    float s = buf[k][first];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) s += buf[k][first + w];
+    v[k] = s;
+  }
+}
+
 // Sums v over the T threads of this thread's row (T a power of two <= 32, or a multiple of 32; the rows of a block
 // are consecutive groups of T threads): a butterfly within the warp, then the row's warps in order. Every thread of
 // the row gets the same bits (the butterfly's two partners add the same two values). buf: kMaxWarps floats per
-// value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers).
+// value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers). The common
+// T >= 32 and 2, 4, 8 or 16 warps per row take unrolled paths; the order of the additions is the same on every path.
 template <int kValues>
 __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[kMaxWarps]) {
-  const int width = T < 32 ? T : 32;
-  for (int o = width / 2; o > 0; o /= 2) {
+  if (T >= 32) {
 #pragma unroll
-    for (int k = 0; k < kValues; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+    for (int o = 16; o > 0; o /= 2) {
+#pragma unroll
+      for (int k = 0; k < kValues; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+    }
+  } else {
+    for (int o = T / 2; o > 0; o /= 2) {
+#pragma unroll
+      for (int k = 0; k < kValues; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+    }
   }
   if (T <= 32) return;
   const int warp = threadIdx.x / 32;
@@ -111,12 +131,20 @@ __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[
     for (int k = 0; k < kValues; ++k) buf[k][warp] = v[k];
   }
   __syncthreads();
-  const int first = (threadIdx.x / T) * (T / 32);
+  const int warps = T / 32;
+  const int first = (threadIdx.x / T) * warps;
+  switch (warps) {
+    case 2: SumWarps<2>(v, buf, first); break;
+    case 4: SumWarps<4>(v, buf, first); break;
+    case 8: SumWarps<8>(v, buf, first); break;
+    case 16: SumWarps<16>(v, buf, first); break;
+    default:
 #pragma unroll
-  for (int k = 0; k < kValues; ++k) {
-    float s = buf[k][first];
-    for (int w = 1; w < T / 32; ++w) s += buf[k][first + w];
-    v[k] = s;
+      for (int k = 0; k < kValues; ++k) {
+        float s = buf[k][first];
+        for (int w = 1; w < warps; ++w) s += buf[k][first + w];
+        v[k] = s;
+      }
   }
 }
 
