@@ -7,7 +7,8 @@
 // One kernel shape for every case: a 256-thread block per 128x128 tile of the output (per half of a gated pair).
 // Each thread owns 8 consecutive columns of 8 rows (rows rsub + 16 i), loads them with 16-byte accesses where the
 // row length allows (cols % 8 == 0; scalar, bounds-checked accesses otherwise and at ragged tile edges), four rows
-// in flight at a time, and stores its results with 8-byte (FP8) or 16-byte (16-bit) accesses. For the transposed
+// in flight at a time, and stores its results with 8-byte (FP8) or 16-byte (16-bit) accesses. A tile inside an
+// aligned array (all but the ragged edges) takes a copy of that loop without bounds checks. For the transposed
 // copy, the FP8 bytes are parked in shared memory (XOR-swizzled by row group: no bank conflicts on either side) and
 // written out as 8x8 byte blocks transposed in registers, as quantize.cu does. amax is one atomicMax per block on
 // bit patterns; dbias is deterministic: per-tile column partials in an XLA-allocated workspace, then a fixed-order

@@ -93,7 +93,7 @@ struct Out<__half> : Out16<__half, __half2> {};
 
 // ---- reductions ---------------------------------------------------------------------------------------------------
 
-// Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: unrolled, vector shared-memory loads).
+// Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: the loop unrolls).
 template <int kWarps, int kValues>
 __device__ __forceinline__ void SumWarps(float (&v)[kValues], const float (*buf)[kMaxWarps], int first) {
 #pragma unroll
