@@ -74,7 +74,8 @@ struct Params {
 };
 
 // Rows whose loads are issued before the first use: as many as keep the loaded data within ~24 registers per thread
-// (4 for a plain 16-bit forward, 1 for a float32 gated backward), so that the kernel fits its 80-register budget.
+// (4 for a plain 16-bit forward, 1 for a float32 gated backward), so that the kernel fits the register budget of
+// MinBlocksPerSm.
 template <typename T, int kInputsPerRow>
 constexpr int RowsInFlight() {
   constexpr int regs = kInputsPerRow * 2 * static_cast<int>(sizeof(T));
