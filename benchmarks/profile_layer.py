@@ -4,10 +4,13 @@ Profiles the GPT layer of ``bench_transformer`` (or the block of ``bench_layerno
 sums the device time of every kernel over the traced steps, and prints per step: the total, a split by kind (GEMM,
 attention, te_jax kernels, XLA fusions, copies/transposes), the slowest kernels with the HLO op that launched them,
 and the device's idle time by the op that ended each gap. While tracing, XLA runs its thunks outside its command
-buffers (CUDA graphs), so the idle time describes that mode, not the untraced run.
+buffers (CUDA graphs), so the idle time describes that mode, not the untraced run. ``--bench ops`` does the same
+for single te_jax ops at their acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a
+benchmark's per-call time holds besides the kernel.
 
   python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
   python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
+  python benchmarks/profile_layer.py --bench ops           # gelu fwd (with and without the transposed copy), ...
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.profiler import ProfileData
 import bench_layernorm_mlp
 import bench_transformer
 import harness
+import kernel_metrics
 
 # Kernel kinds, by kernel name (first match wins: cuDNN's attention kernels also name their architecture).
 KINDS = (
@@ -63,12 +67,15 @@ def kernel_times(fn, args, steps: int) -> tuple[dict[tuple[str, str], list[float
   totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
   events = []  # (start, end, hlo op or kernel name)
   planes = [p for p in profile.planes if p.name.startswith("/device:GPU:0")]
-  for plane in planes or [p for p in profile.planes if p.name == "/host:CPU"]:  # no GPU: the host's XLA threads
+  # Without a GPU: the host's XLA threads, and XLA's ops on the Python thread (where a small program runs).
+  for plane in planes or [p for p in profile.planes if p.name == "/host:CPU"]:
     lines = ([line for line in plane.lines if line.name.startswith("Stream")] if planes else
-             [line for line in plane.lines if line.name.startswith("tf_XLA")])
+             [line for line in plane.lines if line.name.startswith("tf_XLA") or line.name == "python"])
     for line in lines:
       for e in line.events:
         op = _stat(e, "hlo_op")
+        if line.name == "python" and not op:
+          continue
         t = totals[(e.name, op)]
         t[0] += e.duration_ns
         t[1] += 1
@@ -128,12 +135,20 @@ def _cases(bench: str, shrink: int):
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--bench", choices=("transformer", "layernorm_mlp"), default="transformer")
-  parser.add_argument("--impl", action="append", help="implementation name (repeatable; default: the two FP8 ones)")
+  parser.add_argument("--bench", choices=("transformer", "layernorm_mlp", "ops"), default="transformer")
+  parser.add_argument("--impl", action="append",
+                      help="implementation (or, with --bench ops, op) name; repeatable; default: the two FP8 ones "
+                           "(every op)")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--shrink", type=int, default=1, help="divide the dimensions by this (a quick CPU run)")
   a = parser.parse_args(argv)
+  if a.bench == "ops":
+    ops = kernel_metrics.acceptance_ops(a.shrink)
+    for name in a.impl or ops:
+      fn, args = ops[name]
+      report(name, kernel_times(fn, args, a.steps), a.steps, a.top)
+    return 0
   impls, x, dy, te_kw = _cases(a.bench, a.shrink)
   wanted = a.impl or [n for n in impls if n.endswith("fp8") and "attention" not in n]
   for name in wanted:

@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
 #   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example;
-#                                             # profile, kernel times of a layer step: PROFILE_ARGS for profile_layer.py;
+#                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
+#                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
 #                                             # LM_ARGS for train_lm.py; ncu, Nsight Compute counters of the
 #                                             # kernels of benchmarks/kernel_metrics.py: NCU_KERNELS, NCU_SKIP)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
@@ -101,7 +102,7 @@ want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/tra
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
 want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
-  "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 6 \
+  "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 8 \
    -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
    --section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
    --section SchedulerStats --section WarpStateStats --print-details all \
