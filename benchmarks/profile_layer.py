@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
   a = parser.parse_args(argv)
   if a.bench == "ops":
     ops = kernel_metrics.acceptance_ops(a.shrink)
+    unknown = [name for name in a.impl or [] if name not in ops]
+    if unknown:
+      parser.error(f"unknown op {unknown[0]!r}; the ops are {', '.join(map(repr, ops))}")
     for name in a.impl or ops:
       fn, args = ops[name]
       report(name, kernel_times(fn, args, a.steps), a.steps, a.top)
