@@ -33,15 +33,10 @@ struct Fp8 {};
 template <__nv_fp8_interpretation_t kFmt>
 struct Out<Fp8<kFmt>> {
   static constexpr bool kFp8 = true;
-  __device__ __forceinline__ static uint32_t Cvt4(float a, float b, float c, float d) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
-    return lo | (hi << 16);
-  }
   __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float s) {
     uint2 q;
-    q.x = Cvt4(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
-    q.y = Cvt4(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
+    q.x = Cvt4<kFmt>(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
+    q.y = Cvt4<kFmt>(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
     return q;
   }
