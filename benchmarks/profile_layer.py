@@ -3,10 +3,12 @@
 Profiles the GPT layer of ``bench_transformer`` (or the block of ``bench_layernorm_mlp``) for each implementation,
 sums the device time of every kernel over the traced steps, and prints per step: the total, a split by kind (GEMM,
 attention, te_jax kernels, XLA fusions, copies/transposes), the slowest kernels with the HLO op that launched them,
-and the device's idle time by the op that ended each gap. While tracing, XLA runs its thunks outside its command
-buffers (CUDA graphs), so the idle time describes that mode, not the untraced run. ``--bench ops`` does the same
-for single te_jax ops at their acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a
-benchmark's per-call time holds besides the kernel.
+and the device's idle time by the op that ended each gap (kernels that XLA ran inside a command buffer, a CUDA
+graph, are listed under that command buffer's op). It also times the untraced program as the benchmarks do (calls
+dispatched back to back) and the host's time to dispatch one call: a per-call time above the traced one means the
+device waited on something the trace does not show. ``--bench ops`` does the same for single te_jax ops at their
+acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a benchmark's per-call time holds besides
+the kernel.
 
   python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
   python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
@@ -19,8 +21,10 @@ import argparse
 import collections
 import glob
 import re
+import statistics
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +97,25 @@ def kernel_times(fn, args, steps: int) -> tuple[dict[tuple[str, str], list[float
   return totals, gaps, span
 
 
-def report(name: str, profiled, steps: int, top: int) -> None:
+def host_times(fn, args, runs: int = 20, batch: int = 10) -> tuple[float, float]:
+  """(ms per call of ``batch`` calls dispatched back to back, as the benchmarks time them; ms the host takes to
+  dispatch one call, i.e. for ``fn(*args)`` to return without waiting for the device), medians over ``runs``. Where
+  the first is above the traced device time per step, the device waited on the host or on something untraced."""
+  per_call, dispatch = [], []
+  jax.block_until_ready(fn(*args))
+  for _ in range(runs):
+    start = time.perf_counter()
+    for i in range(batch):
+      t = time.perf_counter()
+      out = fn(*args)
+      if i:  # the first call of a batch may wait for a free buffer of the previous batch
+        dispatch.append(time.perf_counter() - t)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - start) / batch)
+  return statistics.median(per_call) * 1e3, statistics.median(dispatch) * 1e3
+
+
+def report(name: str, profiled, steps: int, top: int, host: tuple[float, float]) -> None:
   totals, gaps, span = profiled
   total = sum(t for t, _ in totals.values()) / steps / 1e6
   idle = sum(t for t, _ in gaps.values()) / steps / 1e6
@@ -102,6 +124,8 @@ def report(name: str, profiled, steps: int, top: int) -> None:
     by_kind[_kind(kernel)] += t / steps / 1e6
   print(f"\n## {name}: {total:.3f} ms of kernels per step; {span / steps / 1e6:.3f} ms traced per step, of which "
         f"{idle:.3f} ms the device was idle")
+  print(f"untraced: {host[0]:.3f} ms per call of 10 dispatched back to back; the host dispatches one call in "
+        f"{host[1]:.3f} ms")
   print("| kind | ms | share |\n|---|---|---|")
   for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
     print(f"| {kind} | {ms:.3f} | {ms / total:.1%} |")
@@ -150,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
       parser.error(f"unknown op {unknown[0]!r}; the ops are {', '.join(map(repr, ops))}")
     for name in a.impl or ops:
       fn, args = ops[name]
-      report(name, kernel_times(fn, args, a.steps), a.steps, a.top)
+      report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
     return 0
   impls, x, dy, te_kw = _cases(a.bench, a.shrink)
   wanted = a.impl or [n for n in impls if n.endswith("fp8") and "attention" not in n]
@@ -159,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     kw = te_kw if name.startswith("te_jax") else {}
     fn = harness.layer_fwd_bwd(model, rec, **kw)
     variables, _ = harness.warm_layer(model, rec, fn, jax.random.key(8), x, dy, **kw)
-    report(name, kernel_times(fn, (variables, x, dy), a.steps), a.steps, a.top)
+    args = (variables, x, dy)
+    report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
   return 0
 
 
