@@ -5,7 +5,8 @@
 // up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
 // the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
 // registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
-// row's warps in order, so every thread of the row gets the same bits. P rows share a block. amax is reduced on the
+// row's warps in order, so every thread of the row gets the same bits. P rows share a block; when there are more
+// such groups than blocks fit on the device at once, the resident blocks loop over them. amax is reduced on the
 // bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
 // one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
@@ -91,6 +92,7 @@ struct FwdArgs {
   int threads_per_row;    // T
   int rows_per_pass;      // P
   int passes;             // L: the transposed copy stages R = P * L rows per block
+  bool strided;           // without staging: pass l takes the rows of block blockIdx.x + l * gridDim.x
 };
 
 // Writes the staged FP8 rows [row0, row0 + R) of out_t: column c's R bytes are contiguous there, one store each.
@@ -140,7 +142,8 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   const int rr = threadIdx.x / T;
   const int chunks = a.cols / kVec;
   const int pitch = kN * T * kVec;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * a.passes;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * (a.strided ? 1 : a.passes);
+  const int64_t step = static_cast<int64_t>(a.rows_per_pass) * (a.strided ? gridDim.x : 1);
   const float n = static_cast<float>(a.cols);
   const float scale = O::kFp8 ? *a.scale : 1.0f;
   const bool stage = O::kFp8 && a.out_t != nullptr;
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
 
   for (int l = 0; l < a.passes; ++l) {
     const int local = l * a.rows_per_pass + rr;
-    const int64_t row = row0 + local;
+    const int64_t row = row0 + l * step + rr;
     const bool row_ok = row < a.rows;
     const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
     Chunk<Tin> v[kN];
@@ -349,12 +352,20 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
     smem = static_cast<size_t>(staged_rows) * pitch;
   }
   const int64_t rows_per_block = static_cast<int64_t>(a.rows_per_pass) * a.passes;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   const int threads = a.rows_per_pass * shape.threads;
   ffi::Error err = ffi::Error::Success();
   DispatchBool(rms, [&](auto kRms) {
     auto launch = [&](auto kN) {
       auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
+      // Without staging, more blocks than fit on the device at once loop instead: each resident block takes every
+      // gridDim.x-th group of P rows, so the per-block work (index setup, the amax atomic) is paid once per block.
+      const int resident = a.out_t == nullptr ? ResidentBlocks(kernel, threads, smem) : 0;
+      if (resident > 0 && blocks > resident) {
+        a.strided = true;
+        a.passes = static_cast<int>((blocks + resident - 1) / resident);
+        blocks = resident;
+      }
       err = CudaError(LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a), "norm_fwd kernel launch");
     };
     DispatchN<2, 4>(shape.n, launch);

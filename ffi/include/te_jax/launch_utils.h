@@ -1,9 +1,10 @@
-// Host-side helpers the CUDA launchers share: pointer alignment, and dispatch from run-time values to the template
-// arguments of a kernel.
+// Host-side helpers the CUDA launchers share: pointer alignment, the blocks a kernel keeps resident, and dispatch
+// from run-time values to the template arguments of a kernel.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -13,6 +14,20 @@
 namespace te_jax {
 
 inline bool Aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+// How many blocks of `kernel` (threads each, smem bytes of dynamic shared memory) the device holds at once, or 0 if
+// the runtime cannot tell (the caller then launches one block per unit of work).
+template <typename Kernel>
+int ResidentBlocks(Kernel kernel, int threads, size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the launch that follows reports its own errors
+    return 0;
+  }
+  return sms * per_sm;
+}
 
 // Calls f(std::true_type) or f(std::false_type).
 template <typename F>
