@@ -66,9 +66,7 @@ struct Params {
   uint8_t* out_t;       // (batch, halves_out * cols, rows), or null
   unsigned* amax;       // FP8 only
   float* dbias_partial; // (batch * tiles_m, halves_out * cols), or null
-  int64_t rows, cols;
-  int tiles_m, tiles_n;  // 128 x 128 tiles per batch element (tiles_m * tiles_n * batch < 2^31: a launch's blocks)
-  int tiles;            // batch * tiles_m * tiles_n
+  int64_t rows, cols, tiles_m, tiles_n;
   bool vec;             // cols % 8 == 0 and 16-byte aligned bases: vector accesses for whole chunks
   bool rows_vec;        // rows % 8 == 0 and an 8-byte aligned out_t: 8-byte stores of the transposed copy
   bool e5m2;            // FP8 format
@@ -141,167 +139,160 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
   __shared__ float col_sums[kBwd ? kWarps : 1][kBwd ? kOutHalves * kTile : 1];
   __shared__ uint32_t amax_scratch[kWarps];
 
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (p.tiles_m * p.tiles_n);
+  const int64_t tm = (t / p.tiles_n) % p.tiles_m;
+  const int64_t tn = t % p.tiles_n;
+  const int64_t row0 = tm * kTile;
+  const int64_t col0 = tn * kTile;
+  const int chunk = threadIdx.x % kChunksPerRow;
+  const int rsub = threadIdx.x / kChunksPerRow;
+  const int64_t col = col0 + chunk * kVec;
+  const int64_t rows = p.rows, cols = p.cols;
+  const T* x = static_cast<const T*>(p.x) + b * rows * kInHalves * cols;
+  const T* g = kBwd ? static_cast<const T*>(p.g) + b * rows * cols : nullptr;
+  const int64_t out_base = b * rows * kOutHalves * cols;
+  const float scale = kFp8 ? *p.scale : 1.0f;
+  const bool want_t = kFp8 && p.out_t != nullptr;
+  const bool want_dbias = kBwd && p.dbias_partial != nullptr;
+
   uint32_t amax_bits = 0;
-  // Blocks beyond what the device holds at once loop instead: block k takes tiles k, k + gridDim.x, ... (the index
-  // setup and the amax atomic are paid once per block).
-  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-    const int tiles_mn = p.tiles_m * p.tiles_n;
-    const int64_t b = t / tiles_mn;
-    const int64_t tm = t % tiles_mn / p.tiles_n;
-    const int64_t tn = t % p.tiles_n;
-    const int64_t row0 = tm * kTile;
-    const int64_t col0 = tn * kTile;
-    const int chunk = threadIdx.x % kChunksPerRow;
-    const int rsub = threadIdx.x / kChunksPerRow;
-    const int64_t col = col0 + chunk * kVec;
-    const int64_t rows = p.rows, cols = p.cols;
-    const T* x = static_cast<const T*>(p.x) + b * rows * kInHalves * cols;
-    const T* g = kBwd ? static_cast<const T*>(p.g) + b * rows * cols : nullptr;
-    const int64_t out_base = b * rows * kOutHalves * cols;
-    const float scale = kFp8 ? *p.scale : 1.0f;
-    const bool want_t = kFp8 && p.out_t != nullptr;
-    const bool want_dbias = kBwd && p.dbias_partial != nullptr;
-
-    float dsum[kOutHalves][kVec];
+  float dsum[kOutHalves][kVec];
 #pragma unroll
-    for (int h = 0; h < kOutHalves; ++h) {
+  for (int h = 0; h < kOutHalves; ++h) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) dsum[h][j] = 0.0f;
-    }
+    for (int j = 0; j < kVec; ++j) dsum[h][j] = 0.0f;
+  }
 
-    // The rows of the tile, 8 per thread: kWhole for a tile inside the array with vector access allowed (every tile
-    // but the ragged edges of an aligned array), which needs no bounds checks.
-    auto tile_rows = [&](auto whole_tag) {
-      constexpr bool kWhole = decltype(whole_tag)::value;
-      constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
+  // The rows of the tile, 8 per thread: kWhole for a tile inside the array with vector access allowed (every tile
+  // but the ragged edges of an aligned array), which needs no bounds checks.
+  auto tile_rows = [&](auto whole_tag) {
+    constexpr bool kWhole = decltype(whole_tag)::value;
+    constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
 #pragma unroll 1
-      for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
-        // Kept as loaded (16-bit inputs stay packed while the loads are in flight) and converted on use. Elements past
-        // the array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
-        Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
+    for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
+      // Kept as loaded (16-bit inputs stay packed while the loads are in flight) and converted on use. Elements past
+      // the array read as 0, which every activation and gradient maps to 0: amax and dbias stay exact.
+      Chunk<T> xa[kRowsInFlight], xb[kGated ? kRowsInFlight : 1], gv[kBwd ? kRowsInFlight : 1];
 #pragma unroll
-        for (int i = 0; i < kRowsInFlight; ++i) {
-          const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
-          const bool in_row = kWhole || r < rows;
-          const int64_t rr = in_row ? r : 0;
-          if constexpr (kWhole) {
-            xa[i].Load(x + rr * kInHalves * cols + col);
-            if constexpr (kGated) xb[i].Load(x + (rr * 2 + 1) * cols + col);
-            if constexpr (kBwd) gv[i].Load(g + rr * cols + col);
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int64_t r = row0 + rsub + (i0 + i) * kRowsPerPass;
+        const bool in_row = kWhole || r < rows;
+        const int64_t rr = in_row ? r : 0;
+        if constexpr (kWhole) {
+          xa[i].Load(x + rr * kInHalves * cols + col);
+          if constexpr (kGated) xb[i].Load(x + (rr * 2 + 1) * cols + col);
+          if constexpr (kBwd) gv[i].Load(g + rr * cols + col);
+        } else {
+          xa[i].LoadOrZero(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
+          if constexpr (kGated) xb[i].LoadOrZero(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
+          if constexpr (kBwd) gv[i].LoadOrZero(g + rr * cols, col, cols, in_row, p.vec);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int lr = rsub + (i0 + i) * kRowsPerPass;
+        const int64_t r = row0 + lr;
+        float y[kOutHalves][kVec];
+        auto compute = [&](auto recip) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            float linear = 0.0f;  // the gated pair's second half
+            if constexpr (kGated) linear = xb[i].Get(j);
+            if constexpr (kBwd) {
+              float db = 0.0f;
+              Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
+              if constexpr (kOutHalves == 2) y[1][j] = db;
+            } else {
+              y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
+            }
+          }
+        };
+        // The sigmoid's reciprocal as one MUFU.RCP; in the rare chunk where that could differ from ActRecip (a
+        // denormal 1 / d, or a NaN), computed again with ActRecip itself (FtzRecip in activation_math.h).
+        unsigned worst = 0;
+        compute(FtzRecip{worst});
+        if (worst > kFtzRecipExactMax) compute(ExactRecip{});
+#pragma unroll
+        for (int h = 0; h < kOutHalves; ++h) {
+          const int64_t offset = out_base + (r * kOutHalves + h) * cols;
+          if (want_dbias) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
+          }
+          if constexpr (kFp8) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
+            const uint2 packed = PackFp8(y[h], scale, p.e5m2);
+            if (kWhole || r < rows) StoreFp8<kWhole>(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
+            if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
           } else {
-            xa[i].LoadOrZero(x + rr * kInHalves * cols, col, cols, in_row, p.vec);
-            if constexpr (kGated) xb[i].LoadOrZero(x + (rr * 2 + 1) * cols, col, cols, in_row, p.vec);
-            if constexpr (kBwd) gv[i].LoadOrZero(g + rr * cols, col, cols, in_row, p.vec);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kRowsInFlight; ++i) {
-          const int lr = rsub + (i0 + i) * kRowsPerPass;
-          const int64_t r = row0 + lr;
-          float y[kOutHalves][kVec];
-          auto compute = [&](auto recip) {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              float linear = 0.0f;  // the gated pair's second half
-              if constexpr (kGated) linear = xb[i].Get(j);
-              if constexpr (kBwd) {
-                float db = 0.0f;
-                Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
-                if constexpr (kOutHalves == 2) y[1][j] = db;
-              } else {
-                y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
-              }
-            }
-          };
-          // The sigmoid's reciprocal as one MUFU.RCP; in the rare chunk where that could differ from ActRecip (a
-          // denormal 1 / d, or a NaN), computed again with ActRecip itself (FtzRecip in activation_math.h).
-          unsigned worst = 0;
-          compute(FtzRecip{worst});
-          if (worst > kFtzRecipExactMax) compute(ExactRecip{});
-#pragma unroll
-          for (int h = 0; h < kOutHalves; ++h) {
-            const int64_t offset = out_base + (r * kOutHalves + h) * cols;
-            if (want_dbias) {
-#pragma unroll
-              for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
-            }
-            if constexpr (kFp8) {
-#pragma unroll
-              for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
-              const uint2 packed = PackFp8(y[h], scale, p.e5m2);
-              if (kWhole || r < rows) StoreFp8<kWhole>(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
-              if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
-            } else {
-              if (kWhole || r < rows) StoreHp<kWhole>(p, offset, col, y[h]);
-            }
+            if (kWhole || r < rows) StoreHp<kWhole>(p, offset, col, y[h]);
           }
         }
       }
-    };
-    if (p.vec && row0 + kTile <= rows && col0 + kTile <= cols) {
-      tile_rows(std::true_type{});
-    } else {
-      tile_rows(std::false_type{});
     }
+  };
+  if (p.vec && row0 + kTile <= rows && col0 + kTile <= cols) {
+    tile_rows(std::true_type{});
+  } else {
+    tile_rows(std::false_type{});
+  }
 
-    if constexpr (kFp8) {
-      if (want_t) {
-        __syncthreads();
-        const int gq = threadIdx.x % kChunksPerRow;  // tile rows 8 gq .. 8 gq + 7
-        const int hq = threadIdx.x / kChunksPerRow;  // tile columns 8 hq .. 8 hq + 7
-        const int64_t qr = row0 + 8 * gq;            // position along a row of out_t
-        const int64_t c_base = col0 + 8 * hq;
+  if constexpr (kFp8) {
+    if (want_t) {
+      __syncthreads();
+      const int gq = threadIdx.x % kChunksPerRow;  // tile rows 8 gq .. 8 gq + 7
+      const int hq = threadIdx.x / kChunksPerRow;  // tile columns 8 hq .. 8 hq + 7
+      const int64_t qr = row0 + 8 * gq;            // position along a row of out_t
+      const int64_t c_base = col0 + 8 * hq;
 #pragma unroll
-        for (int h = 0; h < kOutHalves; ++h) {
-          uint2 v[8];
+      for (int h = 0; h < kOutHalves; ++h) {
+        uint2 v[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = tile[h][8 * gq + i][hq ^ gq];
-          if (qr >= rows || c_base >= cols) continue;
-          uint8_t* qt = p.out_t + (b * kOutHalves + h) * cols * rows;
+        for (int i = 0; i < 8; ++i) v[i] = tile[h][8 * gq + i][hq ^ gq];
+        if (qr >= rows || c_base >= cols) continue;
+        uint8_t* qt = p.out_t + (b * kOutHalves + h) * cols * rows;
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const uint2 o = TransposedRow(v, j);
-            const int64_t c = c_base + j;
-            if (c >= cols) break;
-            uint8_t* dst = qt + c * rows + qr;
-            if (p.rows_vec) {
-              *reinterpret_cast<uint2*>(dst) = o;
-            } else {
-              for (int k = 0; k < 8 && qr + k < rows; ++k) {
-                dst[k] = (k < 4 ? o.x >> (8 * k) : o.y >> (8 * (k - 4))) & 0xFF;
-              }
-            }
+        for (int j = 0; j < 8; ++j) {
+          const uint2 o = TransposedRow(v, j);
+          const int64_t c = c_base + j;
+          if (c >= cols) break;
+          uint8_t* dst = qt + c * rows + qr;
+          if (p.rows_vec) {
+            *reinterpret_cast<uint2*>(dst) = o;
+          } else {
+            for (int k = 0; k < 8 && qr + k < rows; ++k) dst[k] = (k < 4 ? o.x >> (8 * k) : o.y >> (8 * (k - 4))) & 0xFF;
           }
         }
       }
     }
+  }
 
-    if constexpr (kBwd) {
-      if (want_dbias) {
-        // Lanes l and l + 16 of a warp hold the same columns; then the 8 warps are summed in a fixed order.
-        const int warp = threadIdx.x / 32;
+  if constexpr (kBwd) {
+    if (want_dbias) {
+      // Lanes l and l + 16 of a warp hold the same columns; then the 8 warps are summed in a fixed order.
+      const int warp = threadIdx.x / 32;
 #pragma unroll
-        for (int h = 0; h < kOutHalves; ++h) {
+      for (int h = 0; h < kOutHalves; ++h) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) dsum[h][j] += __shfl_xor_sync(0xffffffffu, dsum[h][j], 16);
-          if (threadIdx.x % 32 < 16) {
+        for (int j = 0; j < kVec; ++j) dsum[h][j] += __shfl_xor_sync(0xffffffffu, dsum[h][j], 16);
+        if (threadIdx.x % 32 < 16) {
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) col_sums[warp][h * kTile + chunk * kVec + j] = dsum[h][j];
-          }
-        }
-        __syncthreads();
-        // Thread t sums column t % 128 of half t / 128.
-        const int h = threadIdx.x / kTile;
-        const int64_t c = col0 + threadIdx.x % kTile;
-        if (h < kOutHalves && c < cols) {
-          float s = 0.0f;
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
-          p.dbias_partial[(b * p.tiles_m + tm) * kOutHalves * cols + h * cols + c] = s;
+          for (int j = 0; j < kVec; ++j) col_sums[warp][h * kTile + chunk * kVec + j] = dsum[h][j];
         }
       }
+      __syncthreads();
+      // Thread t sums column t % 128 of half t / 128.
+      const int h = threadIdx.x / kTile;
+      const int64_t c = col0 + threadIdx.x % kTile;
+      if (h < kOutHalves && c < cols) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
+        p.dbias_partial[(b * p.tiles_m + tm) * kOutHalves * cols + h * cols + c] = s;
+      }
     }
-    if (want_t || want_dbias) __syncthreads();  // the next tile reuses the shared tile and column sums
   }
   if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
 }
@@ -320,8 +311,6 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
   p.vec = v.cols % kVec == 0 && Aligned(p.x, 16) && (!kBwd || Aligned(p.g, 16)) && Aligned(p.out, 16);
   p.rows_vec = v.rows % 8 == 0 && (p.out_t == nullptr || Aligned(p.out_t, 8));
   const int64_t blocks = v.batch * p.tiles_m * p.tiles_n;
-  if (blocks > INT32_MAX) return ffi::Error::InvalidArgument("activation: more than 2^31 - 1 tiles of 128 x 128");
-  p.tiles = static_cast<int>(blocks);
   const bool fp8 = IsFp8(out_type);
   auto launch = [&](auto dtype_tag) -> ffi::Error {
     using T = decltype(dtype_tag);
@@ -329,8 +318,7 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
       constexpr Act kAct = decltype(a)::value;
       constexpr bool kGated = decltype(gt)::value;
       auto kernel = fp8 ? ActivationKernel<kAct, kGated, kBwd, T, true> : ActivationKernel<kAct, kGated, kBwd, T, false>;
-      const int resident = ResidentBlocks(kernel, kThreads, 0);
-      kernel<<<resident > 0 ? std::min<int64_t>(blocks, resident) : blocks, kThreads, 0, stream>>>(p);
+      kernel<<<blocks, kThreads, 0, stream>>>(p);
       return CudaError(cudaGetLastError(), "activation kernel launch");
     });
   };

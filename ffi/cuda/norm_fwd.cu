@@ -5,10 +5,10 @@
 // up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
 // the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
 // registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
-// row's warps in order, so every thread of the row gets the same bits. P rows share a block; when there are more
-// such groups than blocks fit on the device at once, the resident blocks loop over them. amax is reduced on the
-// bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes through a
-// one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
+// row's warps in order, so every thread of the row gets the same bits. P rows share a block; for RMSNorm, when
+// there are more such groups than blocks fit on the device at once, the resident blocks loop over them. amax is
+// reduced on the bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes
+// through a one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
 // FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
 // the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
@@ -358,9 +358,11 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   DispatchBool(rms, [&](auto kRms) {
     auto launch = [&](auto kN) {
       auto kernel = NormFwdKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
-      // Without staging, more blocks than fit on the device at once loop instead: each resident block takes every
-      // gridDim.x-th group of P rows, so the per-block work (index setup, the amax atomic) is paid once per block.
-      const int resident = a.out_t == nullptr ? ResidentBlocks(kernel, threads, smem) : 0;
+      // RMSNorm without staging: more blocks than fit on the device at once loop instead, each resident block taking
+      // every gridDim.x-th group of P rows, so the per-block work (index setup, the amax atomic) is paid once per
+      // block. Measured at (32768, 8192) bf16 -> E4M3: RMSNorm 0.254 -> 0.236 ms; the LayerNorm kernel (two row
+      // reductions) measured 0.274 -> 0.281 ms of kernel time that way, so it keeps one block per row group.
+      const int resident = rms && a.out_t == nullptr ? ResidentBlocks(kernel, threads, smem) : 0;
       if (resident > 0 && blocks > resident) {
         a.strided = true;
         a.passes = static_cast<int>((blocks + resident - 1) / resident);
