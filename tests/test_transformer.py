@@ -116,24 +116,6 @@ def test_layer_matches_reference_float32(kv_heads, rope):
     assert _rel(a, b) < 1e-4
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-def test_unstack_heads_matches_slicing_with_stacked_gradients(parts):
-  from te_jax.flax.transformer import _unstack_heads  # noqa: PLC0415 - a private helper of the attention layer
-
-  x = _x((2, 5, 4, parts, 8))
-  weights = [_x((2, 5, 4, 8)) * (i + 1) for i in range(parts)]
-
-  def loss(unstack, x):  # the last part unused: its gradient is zero
-    return sum(jnp.sum(w * p) for w, p in zip(weights[:-1], unstack(x)[:-1]))
-
-  sliced = lambda x: tuple(x[..., i, :] for i in range(parts))  # noqa: E731
-  for a, b in zip(_unstack_heads(x), sliced(x)):
-    np.testing.assert_array_equal(a, b)
-  g = jax.jit(jax.grad(lambda x: loss(_unstack_heads, x)))(x)
-  np.testing.assert_array_equal(g, jax.grad(lambda x: loss(sliced, x))(x))
-  assert not np.any(np.asarray(g)[..., -1, :])
-
-
 def test_cross_attention_and_padding_mask_match_reference():
   mha = te_flax.MultiHeadAttention(head_dim=8, num_attention_heads=4, num_gqa_groups=2, attn_mask_type="padding",
                                    dtype=jnp.float32, backend="unfused")
