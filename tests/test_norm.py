@@ -701,8 +701,8 @@ def test_shard_map_outputs_keep_varying_axes():
 # kernel otherwise (e.g. (17, 4096), (301, 64)); backward workers with several rows each and idle
 # workers in the last block ((600, 4096), (5000, 512)); the generic kernels (hidden % 8 != 0, or beyond the fast
 # kernels: 16-bit hidden > 16384, float32 backward > 8192); 1-element rows; and more row groups than the device holds
-# blocks at once, which the forward's resident blocks loop over ((40001, 256): 16 rows per block, the last group
-# partial; (1100, 8192): one row per block, a partial last pass).
+# blocks at once, which the RMSNorm forward's resident blocks loop over ((40001, 256): 32 rows per block, the last
+# group partial; (1100, 8192): one row per block, a partial last pass).
 GPU_SHAPES = [(1, 128), (3, 136), (5, 16), (301, 64), (7, 1000), (2, 3, 768), (32, 1024), (17, 4096), (48, 5120),
               (9, 8192), (5, 12288), (3, 16384), (4, 1001), (3, 7), (2, 20000), (6, 1), (1000, 8), (64, 2048),
               (600, 4096), (5000, 512), (40001, 256), (1100, 8192)]
