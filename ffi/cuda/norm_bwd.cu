@@ -366,16 +366,10 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
   a.partial_rows = partial_rows;
   float* dg = dgamma->typed_data();
   float* db = rmsnorm ? nullptr : dbeta->typed_data();
-  switch (x.element_type()) {
-    case ffi::DataType::F32: return LaunchBwd<float, float>(stream, a, rmsnorm, dg, db);
-    case ffi::DataType::BF16:
-      return dz_f32 ? LaunchBwd<__nv_bfloat16, float>(stream, a, rmsnorm, dg, db)
-                    : LaunchBwd<__nv_bfloat16, __nv_bfloat16>(stream, a, rmsnorm, dg, db);
-    case ffi::DataType::F16:
-      return dz_f32 ? LaunchBwd<__half, float>(stream, a, rmsnorm, dg, db)
-                    : LaunchBwd<__half, __half>(stream, a, rmsnorm, dg, db);
-    default: return ffi::Error::InvalidArgument("norm_bwd: x must be float32, bfloat16 or float16");
-  }
+  return WithFloatType(x.element_type(), "norm_bwd: x must be float32, bfloat16 or float16", [&](auto t) {
+    using T = decltype(t);
+    return dz_f32 ? LaunchBwd<T, float>(stream, a, rmsnorm, dg, db) : LaunchBwd<T, T>(stream, a, rmsnorm, dg, db);
+  });
 }
 
 }  // namespace
