@@ -30,6 +30,7 @@ from te_jax.ops.quantize import Quantized as Quantized
 from te_jax.ops.quantize import amax as amax
 from te_jax.ops.quantize import dequantize as dequantize
 from te_jax.ops.quantize import quantize as quantize
+from te_jax.ops.quantize_interleaved import quantize_interleaved as quantize_interleaved
 from te_jax.rope import apply_rope as apply_rope
 from te_jax.rope import rope_frequencies as rope_frequencies
 from te_jax.softmax import scaled_masked_softmax as scaled_masked_softmax

@@ -10,6 +10,7 @@ backward pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -17,10 +18,13 @@ import jax.numpy as jnp
 
 from te_jax import scaling
 from te_jax.ops.gemm import gemm
-from te_jax.ops.quantize import amax, quantize
+from te_jax.ops.quantize import Quantized, amax, quantize
+from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
+from te_jax.ops.quantize_interleaved import quantize_interleaved
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["Fp8Config", "LinearResiduals", "linear_fwd", "linear_bwd", "state_as_float32", "state_like"]
+__all__ = ["Fp8Config", "LinearResiduals", "Unstack", "layer_output", "linear_fwd", "linear_bwd", "quantize_grad",
+           "state_as_float32", "state_like"]
 
 
 def state_as_float32(tree):
@@ -59,11 +63,13 @@ class Fp8Config:
   def bwd_dtype(self):
     return self.recipe.fp8_format.bwd_dtype
 
-  def scale(self, state: scaling.ScaleState | None, x: jax.Array | None, dtype) -> jax.Array:
-    """The scale to cast ``x`` with: the delayed state's, or one from ``x``'s own amax (current scaling)."""
+  def scale(self, state: scaling.ScaleState | None, x: jax.Array | tuple[jax.Array, ...] | None, dtype) -> jax.Array:
+    """The scale to cast ``x`` (an array, or the parts of one) with: the delayed state's, or one from ``x``'s own
+    amax (current scaling)."""
     if self.delayed:
       return state.scale
-    return scaling.compute_scale(amax(x), jnp.float32(1.0), scaling.fp8_max(dtype))
+    a = jnp.max(jnp.stack([amax(p) for p in x])) if isinstance(x, tuple) else amax(x)
+    return scaling.compute_scale(a, jnp.float32(1.0), scaling.fp8_max(dtype))
 
   def update(self, state: scaling.ScaleState | None, new_amax: jax.Array, dtype) -> scaling.ScaleState | None:
     """The next step's state after a step whose tensor had ``new_amax`` (unchanged for stateless recipes)."""
@@ -72,6 +78,57 @@ class Fp8Config:
     return scaling.update_scale_state(
         state, new_amax, dtype, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack:
+  """A layer output handed out unstacked along one feature axis (``jnp.unstack(y, axis)``): of the GEMM's (M, N)
+  output, ``parts`` arrays (M, N // parts), each taking every ``parts``-th chunk of ``group`` columns (``group`` is
+  the size of the features after the axis). The backward quantizes their gradients straight into the GEMM's
+  layout (``quantize_interleaved``) instead of stacking them first."""
+
+  parts: int
+  group: int
+  feature_axis: int  # the unstacked axis among the features
+
+  @classmethod
+  def of(cls, axis: int | None, out_ndim: int, features: tuple[int, ...]) -> "Unstack | None":
+    """For ``unstack_axis=axis`` of an output of rank ``out_ndim`` ending in ``features`` (None: no unstacking)."""
+    if axis is None:
+      return None
+    first = out_ndim - len(features)
+    if not isinstance(axis, int) or not -out_ndim <= axis < out_ndim or axis % out_ndim < first:
+      raise ValueError(f"unstack_axis must be one of the output's feature axes {tuple(range(first, out_ndim))} "
+                       f"(or {tuple(range(-len(features), 0))}), got {axis!r}")
+    i = axis % out_ndim - first
+    if not 1 <= features[i] <= _MAX_PARTS:
+      raise ValueError(f"unstack_axis={axis} has size {features[i]}; at most {_MAX_PARTS} parts are supported")
+    return cls(features[i], math.prod(features[i + 1:]), i)
+
+  def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+    """(M, N) -> the parts, (M, N // parts) each."""
+    m, n = y.shape
+    y = y.reshape(m, n // (self.parts * self.group), self.parts, self.group)
+    return tuple(y[:, :, i, :].reshape(m, n // self.parts) for i in range(self.parts))
+
+
+def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple[int, ...], features: tuple[int, ...],
+                 unstack: Unstack | None):
+  """The GEMM's (M + padding, N) output, or its parts, as the layer returns it: the first ``m`` rows, shaped
+  ``(*lead_shape, *features)``, the unstacked axis left out of each part."""
+  if unstack is None:
+    return y[:m].reshape(*lead_shape, *features)
+  part_features = features[:unstack.feature_axis] + features[unstack.feature_axis + 1:]
+  return tuple(p[:m].reshape(*lead_shape, *part_features) for p in y)
+
+
+def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: jax.Array,
+                  unstack: Unstack | None) -> Quantized:
+  """The output gradient as the backward GEMMs need it: FP8 (M, N), its transposed copy (N, M), its amax, and the
+  bias gradient when there is a bias. ``g`` is the (M, N) gradient, or with ``unstack`` the parts' gradients."""
+  if unstack is None:
+    return quantize(g, scale, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)
+  return quantize_interleaved(g, scale, cfg.bwd_dtype, group=unstack.group, transpose=True, dbias=cfg.has_bias)
 
 
 class LinearResiduals(NamedTuple):

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import scaling
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
+from te_jax._fp8_linear import (Fp8Config, Unstack, layer_output, linear_bwd, linear_fwd, quantize_grad,
+                                state_as_float32, state_like)
 from te_jax.autocast import get_autocast_state
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
@@ -48,24 +49,24 @@ class DenseFp8Meta(NamedTuple):
     return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense_fp8(cfg: Fp8Config, x, kernel, bias, meta):
-  return _dense_fp8_fwd(cfg, x, kernel, bias, meta)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dense_fp8(cfg: Fp8Config, unstack: Unstack | None, x, kernel, bias, meta):
+  return _dense_fp8_fwd(cfg, unstack, x, kernel, bias, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: Fp8Config, x, kernel, bias, meta_in):
+def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, x, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
   qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
   out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias)
-  return out, (res, qx.amax, meta_in)
+  return (out if unstack is None else unstack.split(out)), (res, qx.amax, meta_in)
 
 
-def _dense_fp8_bwd(cfg: Fp8Config, residuals, g):
+def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, residuals, g):
   res, amax_x, meta_in = residuals
   meta = state_as_float32(meta_in)
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
-  qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)  # (M, N) and (N, M)
+  qg = quantize_grad(cfg, g, sg, unstack)  # (M, N) and (N, M)
   dx, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
@@ -99,9 +100,10 @@ def dense(
     bias: jax.Array | None = None,
     *,
     axis: int | Sequence[int] = -1,
+    unstack_axis: int | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, ...]:
   """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
 
   Under ``autocast(enabled=True)`` (or with an explicit ``recipe``) both GEMMs of the layer and its backward
@@ -116,11 +118,14 @@ def dense(
     kernel: ``(*x.shape[axis], *features)``, any float dtype (its gradient keeps it).
     bias: optional ``features``-shaped bias.
     axis: the dims of ``x`` to contract.
+    unstack_axis: a feature axis of the output to return it unstacked along, as ``jnp.unstack(y, unstack_axis)``
+      would (a fused QKV projection's (..., H, 3, D) output as q, k, v with ``unstack_axis=-2``). Under FP8 the
+      backward then reads the parts' gradients straight into the GEMM's FP8 operand, never stacking them.
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
     recipe: overrides the autocast recipe for this call.
 
   Returns:
-    ``(*x's other dims, *features)`` in ``x``'s dtype.
+    ``(*x's other dims, *features)`` in ``x``'s dtype (a tuple of them unstacked, with ``unstack_axis``).
   """
   axes = _normalize_axes(axis, x.ndim, "x")
   n_contract = len(axes)
@@ -131,12 +136,14 @@ def dense(
   features = kernel.shape[n_contract:]
   if bias is not None and bias.shape != features:
     raise ValueError(f"bias must have shape {features}, got {bias.shape}")
+  unstack = Unstack.of(unstack_axis, x.ndim - n_contract + len(features), features)
   if recipe is None:
     recipe = get_autocast_state().fp8_recipe
   if recipe is None:
     dims = ((axes, tuple(range(n_contract))), ((), ()))
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
-    return y if bias is None else y + bias.astype(y.dtype)
+    y = y if bias is None else y + bias.astype(y.dtype)
+    return y if unstack is None else tuple(jnp.unstack(y, axis=unstack_axis))
   if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
     raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
   if isinstance(recipe, DelayedScaling) and fp8_meta is None:
@@ -157,7 +164,5 @@ def dense(
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
-  y = _dense_fp8(cfg, x2d, kernel.reshape(k, n), b, meta)
-  if pad:
-    y = y[:m]
-  return y.reshape(*batch_shape, *features)
+  y = _dense_fp8(cfg, unstack, x2d, kernel.reshape(k, n), b, meta)
+  return layer_output(y, m, batch_shape, features, unstack)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
+from te_jax._fp8_linear import (Fp8Config, Unstack, layer_output, linear_bwd, linear_fwd, quantize_grad,
+                                state_as_float32, state_like)
 from te_jax.autocast import get_autocast_state
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm import layernorm
@@ -79,24 +80,26 @@ def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep
   return NormFp8(q.data, q.data_t, 1.0 / s, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, x, gamma, beta, kernel, bias, meta):
-  return _ln_dense_fp8_fwd(cfg, norm, keep_hp, x, gamma, beta, kernel, bias, meta)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, unstack: Unstack | None, x, gamma, beta, kernel,
+                  bias, meta):
+  return _ln_dense_fp8_fwd(cfg, norm, keep_hp, unstack, x, gamma, beta, kernel, bias, meta)[0]
 
 
-def _ln_dense_fp8_fwd(cfg, norm, keep_hp, x, gamma, beta, kernel, bias, meta_in):
+def _ln_dense_fp8_fwd(cfg, norm, keep_hp, unstack, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   z = norm_to_fp8(cfg, norm, meta and meta.x, x, gamma, beta, keep_hp=keep_hp)
   out, res = linear_fwd(cfg, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias)
+  out = out if unstack is None else unstack.split(out)
   return (out, z.hp), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
 
 
-def _ln_dense_fp8_bwd(cfg, norm, keep_hp, residuals, cotangents):
+def _ln_dense_fp8_bwd(cfg, norm, keep_hp, unstack, residuals, cotangents):
   x, gamma, beta, mean, rsigma, res, amax_z, meta_in = residuals
   meta = state_as_float32(meta_in)
   g, g_hp = cotangents
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
-  qg = quantize(g, sg, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)
+  qg = quantize_grad(cfg, g, sg, unstack)
   dz, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
   if keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
     dz = (dz.astype(jnp.float32) + g_hp.astype(jnp.float32)).astype(dz.dtype)
@@ -150,6 +153,7 @@ def layernorm_dense(
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
     return_layernorm_output: bool = False,
+    unstack_axis: int | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
 ):
@@ -167,11 +171,14 @@ def layernorm_dense(
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
     return_layernorm_output: also return the normalized tensor (in ``x``'s dtype); under FP8 this costs an extra
       pass, since the fused kernel writes only FP8.
+    unstack_axis: a feature axis of the output to return it unstacked along, as in ``te_jax.dense`` (q, k and v of
+      an (H, 3, D) QKV projection with ``unstack_axis=-2``).
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
 
   Returns:
-    ``(..., *features)``, and the normalized tensor when ``return_layernorm_output``.
+    ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), and the normalized tensor when
+    ``return_layernorm_output``.
   """
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h = x.shape[-1]
@@ -180,10 +187,11 @@ def layernorm_dense(
   features = kernel.shape[1:]
   if bias is not None and bias.shape != features:
     raise ValueError(f"bias must have shape {features}, got {bias.shape}")
+  unstack = Unstack.of(unstack_axis, x.ndim - 1 + len(features), features)
   recipe = resolve_fp8(recipe, fp8_meta, "fp8_meta")
   if recipe is None:
     z = norm.plain(x, gamma, beta)
-    y = dense(z, kernel, bias, recipe=None)
+    y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
     return (y, z) if return_layernorm_output else y
   n = math.prod(features)
   check_fp8_dims(hidden=h, features=n)
@@ -191,9 +199,10 @@ def layernorm_dense(
   cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   b = None if bias is None else bias.reshape(n)
-  y, z = _ln_dense_fp8(cfg, norm, bool(return_layernorm_output), x2d, gamma, beta, kernel.reshape(h, n), b, meta)
+  y, z = _ln_dense_fp8(cfg, norm, bool(return_layernorm_output), unstack, x2d, gamma, beta, kernel.reshape(h, n), b,
+                       meta)
   m = x2d.shape[0] - pad
-  y = y[:m].reshape(*x.shape[:-1], *features)
+  y = layer_output(y, m, x.shape[:-1], features, unstack)
   if return_layernorm_output:
     return y, z[:m].reshape(x.shape)
   return y

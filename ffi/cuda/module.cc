@@ -13,6 +13,7 @@ namespace nb = nanobind;
 
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeInterleavedCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCudaHandler);
@@ -35,6 +36,7 @@ NB_MODULE(_te_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
+    d["te_quantize_interleaved_cuda"] = Capsule(te_jax::QuantizeInterleavedCudaHandler);
     d["te_act_fwd_cuda"] = Capsule(te_jax::ActFwdCudaHandler);
     d["te_act_bwd_cuda"] = Capsule(te_jax::ActBwdCudaHandler);
     d["te_norm_fwd_cuda"] = Capsule(te_jax::NormFwdCudaHandler);

@@ -44,6 +44,7 @@ class DenseGeneral(nn.Module):
   Attributes:
     features: the output features (int or tuple).
     axis: the input axes to contract.
+    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
     use_bias: add a bias.
     kernel_init: initializer of the kernel, called on its 2-D (inputs, outputs) shape as Flax does.
     bias_init: initializer of the bias.
@@ -56,6 +57,7 @@ class DenseGeneral(nn.Module):
 
   features: int | Sequence[int]
   axis: int | Sequence[int] = -1
+  unstack_axis: int | None = None
   use_bias: bool = True
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
@@ -66,7 +68,7 @@ class DenseGeneral(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
     features = _tuple(self.features)
     axis = tuple(sorted(a % inputs.ndim for a in _tuple(self.axis)))  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
@@ -86,8 +88,8 @@ class DenseGeneral(nn.Module):
       bias = self.param("bias", _logical(bias_init, self.bias_axes), features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
-    return dense(inputs.astype(dtype), kernel, bias, axis=axis, fp8_meta=dense_fp8_meta(self, recipe),
-                 recipe=recipe)
+    return dense(inputs.astype(dtype), kernel, bias, axis=axis, unstack_axis=self.unstack_axis,
+                 fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
 
 
 class Fp8DotGeneral(nn.Module):

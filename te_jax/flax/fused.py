@@ -58,6 +58,7 @@ class LayerNormDenseGeneral(nn.Module):
     layernorm_type: "layernorm" or "rmsnorm"; epsilon; zero_centered_gamma (store scale - 1).
     use_bias: add a bias after the GEMM.
     return_layernorm_output: also return the normalized input (for a post-LN residual).
+    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
     kernel_init, bias_init, scale_init: initializers (the kernel's on its 2-D shape, as Flax's DenseGeneral).
     kernel_axes, bias_axes, scale_axes: logical axis names.
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
@@ -70,6 +71,7 @@ class LayerNormDenseGeneral(nn.Module):
   zero_centered_gamma: bool = False
   use_bias: bool = True
   return_layernorm_output: bool = False
+  unstack_axis: int | None = None
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
   scale_init: Initializer | None = None
@@ -94,7 +96,7 @@ class LayerNormDenseGeneral(nn.Module):
     recipe = resolve_recipe(self.recipe)
     return layernorm_dense(inputs.astype(dtype), gamma, beta, kernel, bias, norm_type=self.layernorm_type,
                            epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                           return_layernorm_output=self.return_layernorm_output,
+                           return_layernorm_output=self.return_layernorm_output, unstack_axis=self.unstack_axis,
                            fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
 
 

@@ -206,11 +206,12 @@ class MultiHeadAttention(nn.Module):
     return _axes(self.logical_axes, *names)
 
   def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
-                  with_norm: bool, want_norm_output: bool, inputs: jax.Array):
-    """(LayerNorm ->) a dense projection to ``features``; returns (output, the normalized input or None)."""
-    kw = dict(features=features, use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
-              kernel_axes=self._axes(EMBED, *feature_axes), bias_axes=self._axes(*feature_axes),
-              dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+                  with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None):
+    """(LayerNorm ->) a dense projection to ``features`` (unstacked along ``unstack_axis``); returns (output, the
+    normalized input or None)."""
+    kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
+              bias_init=self.bias_init, kernel_axes=self._axes(EMBED, *feature_axes),
+              bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     if not with_norm:
       return DenseGeneral(**kw)(inputs), None
     out = LayerNormDenseGeneral(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
@@ -285,11 +286,10 @@ class MultiHeadAttention(nn.Module):
     d = self.head_dim
     if self_attention and self.fuse_qkv_params and kv_heads == h:
       # One (hidden, H, 3, D) kernel, heads major: with the heads sharded (tensor parallelism) every shard holds whole
-      # heads of q, k and v, the GEMM's flattened output dim is sharded in contiguous blocks, and the slices below are
-      # shard-local.
-      qkv, ln_out = self._projection("qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm,
-                                     self.return_layernorm_output, xq)
-      q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+      # heads of q, k and v, the GEMM's flattened output dim is sharded in contiguous blocks, and the unstacking is
+      # shard-local. Unstacked by the projection, whose backward reads dq, dk and dv straight into its FP8 operand.
+      (q, k, v), ln_out = self._projection("qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm,
+                                           self.return_layernorm_output, xq, unstack_axis=-2)
     else:
       # GQA, cross attention or separate kernels: a query projection and one (hidden, Hk, 2, D) key/value kernel;
       # with an input norm on self attention, the norm's output feeds the key/value projection too.
@@ -297,8 +297,8 @@ class MultiHeadAttention(nn.Module):
       q, ln_out = self._projection("query", (h, d), (HEADS, HEAD_DIM), self.input_layernorm,
                                    self.return_layernorm_output or kv_from_norm, xq)
       kv_in = ln_out if kv_from_norm else xkv
-      kv, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in)
-      k, v = kv[..., 0, :], kv[..., 1, :]
+      (k, v), _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
+                                   unstack_axis=-2)
 
     mask_type = self.attn_mask_type
     if decode:

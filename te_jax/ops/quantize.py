@@ -135,32 +135,41 @@ def _native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out
   return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
 
-def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
-  """Every dim of x may stay sharded: the cast is elementwise and the transpose a permutation of dims."""
-  del result_shape
-  ndim = len(arg_shapes[0].shape)
-  spec = full_spec(arg_shapes[0].sharding, ndim)
-  x_sharding = NamedSharding(mesh, P(*spec))
-  replicated = NamedSharding(mesh, P())
-  out_shardings = [x_sharding]
+def shard_plan(config: QuantizeConfig, mesh, spec: tuple):
+  """For x sharded as ``spec`` (every dim may stay sharded: the cast is elementwise and the transpose a permutation
+  of dims): the outputs' shardings, and the function that adds the collectives to the shard-local outputs (amax
+  max-reduced, so that every shard uses the same scale next step; dbias psum-reduced over the row dims)."""
+  ndim = len(spec)
+  out_shardings = [NamedSharding(mesh, P(*spec))]
   if config.transpose:
     out_shardings.append(NamedSharding(mesh, P(*(spec[i] for i in config.transposed_axes(ndim)))))
-  out_shardings.append(replicated)
+  out_shardings.append(NamedSharding(mesh, P()))
   if config.dbias:
     out_shardings.append(NamedSharding(mesh, P(spec[-1])))
   amax_axes = mesh_axes(*spec)
   sum_axes = mesh_axes(*spec[:-1])
 
-  def lower_fn(x, scale):
-    outs = list(_QUANTIZE.inner.bind(x, scale, config=config))
+  def reduce(outs):
+    outs = list(outs)
     i_amax = 2 if config.transpose else 1
-    if amax_axes:  # every shard must use the same scale next step
+    if amax_axes:
       outs[i_amax] = jax.lax.pmax(outs[i_amax], amax_axes)
     if config.dbias and sum_axes:
       outs[-1] = jax.lax.psum(outs[-1], sum_axes)
     return tuple(outs)
 
-  return mesh, lower_fn, tuple(out_shardings), (x_sharding, replicated)
+  return tuple(out_shardings), reduce
+
+
+def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
+  del result_shape
+  spec = full_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+  out_shardings, reduce = shard_plan(config, mesh, spec)
+
+  def lower_fn(x, scale):
+    return reduce(_QUANTIZE.inner.bind(x, scale, config=config))
+
+  return mesh, lower_fn, out_shardings, (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P()))
 
 
 def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types) -> str:
@@ -277,23 +286,34 @@ def quantize(
     ``Quantized(data, data_t, amax, dbias)``; ``data_t`` and ``dbias`` are None unless asked for.
   """
   x = _check_input(x)
-  scale = _check_scale(scale)
+  config = make_config(x.shape, dtype, transpose, transpose_batch_dims, dbias, "x")
+  return unpack(_QUANTIZE.bind(x, _check_scale(scale), config=config), config)
+
+
+def make_config(shape, dtype, transpose: bool, transpose_batch_dims: int | None, dbias: bool,
+                name: str) -> QuantizeConfig:
+  """The config of a quantize of an x of ``shape`` (called ``name`` in errors), its arguments checked."""
   out_dtype = _check_fp8_dtype(dtype)
+  rank = len(shape)
   batch_ndim = 0
   if transpose:
-    if x.ndim < 2:
-      raise ValueError(f"transpose=True needs x of rank >= 2, got shape {x.shape}")
-    batch_ndim = x.ndim - 2 if transpose_batch_dims is None else transpose_batch_dims
-    if not 0 <= batch_ndim <= x.ndim - 2:
-      raise ValueError(f"transpose_batch_dims must be in [0, {x.ndim - 2}] for x of rank {x.ndim}, got {batch_ndim}")
+    if rank < 2:
+      raise ValueError(f"transpose=True needs {name} of rank >= 2, got shape {tuple(shape)}")
+    batch_ndim = rank - 2 if transpose_batch_dims is None else transpose_batch_dims
+    if not 0 <= batch_ndim <= rank - 2:
+      raise ValueError(f"transpose_batch_dims must be in [0, {rank - 2}] for {name} of rank {rank}, got {batch_ndim}")
   elif transpose_batch_dims is not None:
     raise ValueError("transpose_batch_dims needs transpose=True")
-  config = QuantizeConfig(out_dtype=out_dtype, transpose=bool(transpose), batch_ndim=batch_ndim, dbias=bool(dbias))
-  outs = list(_QUANTIZE.bind(x, scale, config=config))
+  return QuantizeConfig(out_dtype=out_dtype, transpose=bool(transpose), batch_ndim=batch_ndim, dbias=bool(dbias))
+
+
+def unpack(outs, config: QuantizeConfig) -> Quantized:
+  """The primitive's results as ``Quantized``."""
+  outs = list(outs)
   data = outs.pop(0)
-  data_t = outs.pop(0) if transpose else None
+  data_t = outs.pop(0) if config.transpose else None
   amax_ = outs.pop(0)
-  dbias_ = outs.pop(0) if dbias else None
+  dbias_ = outs.pop(0) if config.dbias else None
   return Quantized(data, data_t, amax_, dbias_)
 
 

@@ -31,16 +31,21 @@ inline xla::ffi::ErrorOr<QuantizeView> MakeQuantizeView(xla::ffi::Span<const int
   return v;
 }
 
-// te_quantize's FFI signature after the platform's context, in two parts: the CUDA handler adds its workspace result
-// (dbias partials) between them.
+// The results of te_quantize and te_quantize_interleaved (CUDA), in order.
 template <typename B>
-auto QuantizeOperands(B b) {
-  return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
-      .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies x before the cast
-      .template Ret<xla::ffi::AnyBuffer>()                 // q: FP8, x's shape
+auto QuantizeResults(B b) {
+  return std::move(b).template Ret<xla::ffi::AnyBuffer>()  // q: FP8, x's shape
       .template Ret<xla::ffi::AnyBuffer>()                 // qt: FP8 transposed copy, or empty
       .template Ret<xla::ffi::BufferR0<xla::ffi::F32>>()   // amax: max |x|
       .template Ret<xla::ffi::AnyBuffer>();                // dbias: f32 column sums, or empty
+}
+
+// te_quantize's operands and results after the platform's context; the CUDA handler adds its workspace result (dbias
+// partials) after them, then QuantizeAttrs.
+template <typename B>
+auto QuantizeOperands(B b) {
+  return QuantizeResults(std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
+                             .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>());  // scale: multiplies x
 }
 
 template <typename B>
