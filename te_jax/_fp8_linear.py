@@ -24,7 +24,7 @@ from te_jax.ops.quantize_interleaved import quantize_interleaved
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["Fp8Config", "LinearResiduals", "Unstack", "layer_output", "linear_fwd", "linear_bwd", "quantize_grad",
-           "state_as_float32", "state_like"]
+           "residual_rows", "state_as_float32", "state_like"]
 
 
 def state_as_float32(tree):
@@ -122,6 +122,16 @@ def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple
   return tuple(p[:m].reshape(*lead_shape, *part_features) for p in y)
 
 
+def residual_rows(residual: jax.Array | None, out_shape: tuple[int, ...], m: int, n: int, pad: int, dtype):
+  """A layer's ``residual`` argument as its GEMM's (M + pad, N) C input in the output dtype (None stays None)."""
+  if residual is None:
+    return None
+  if tuple(residual.shape) != tuple(out_shape):
+    raise ValueError(f"residual must have the output's shape {tuple(out_shape)}, got {tuple(residual.shape)}")
+  r = residual.astype(dtype).reshape(m, n)
+  return jnp.pad(r, ((0, pad), (0, 0))) if pad else r
+
+
 def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: jax.Array,
                   unstack: Unstack | None) -> Quantized:
   """The output gradient as the backward GEMMs need it: FP8 (M, N), its transposed copy (N, M), its amax, and the
@@ -141,15 +151,16 @@ class LinearResiduals(NamedTuple):
   amax_w: jax.Array
 
 
-def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias) -> tuple[jax.Array, LinearResiduals]:
-  """``x @ kernel + bias`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its transposed copy,
-  the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's ``fp8_gemm_fprop``
-  says) with the bias epilogue."""
+def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias,
+               residual=None) -> tuple[jax.Array, LinearResiduals]:
+  """``x @ kernel + bias (+ residual)`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its
+  transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
+  ``fp8_gemm_fprop`` says) with the bias and residual epilogues."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
   qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
   sw_inv = 1.0 / sw
-  out = gemm(x_q, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, out_dtype=cfg.out_dtype,
-             fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
+  out = gemm(x_q, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, residual=residual,
+             out_dtype=cfg.out_dtype, fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
   return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from te_jax import scaling
 from te_jax._fp8_linear import (Fp8Config, Unstack, layer_output, linear_bwd, linear_fwd, quantize_grad,
-                                state_as_float32, state_like)
+                                residual_rows, state_as_float32, state_like)
 from te_jax.autocast import get_autocast_state
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
@@ -49,20 +49,21 @@ class DenseFp8Meta(NamedTuple):
     return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dense_fp8(cfg: Fp8Config, unstack: Unstack | None, x, kernel, bias, meta):
-  return _dense_fp8_fwd(cfg, unstack, x, kernel, bias, meta)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dense_fp8(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual, meta):
+  return _dense_fp8_fwd(cfg, unstack, has_residual, x, kernel, bias, residual, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, x, kernel, bias, meta_in):
+def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual, meta_in):
+  del has_residual  # (the backward's)
   meta = state_as_float32(meta_in)
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
   qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
-  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias)
+  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual)
   return (out if unstack is None else unstack.split(out)), (res, qx.amax, meta_in)
 
 
-def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, residuals, g):
+def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, residuals, g):
   res, amax_x, meta_in = residuals
   meta = state_as_float32(meta_in)
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
@@ -76,7 +77,7 @@ def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, residuals, g):
         cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
         cfg.update(meta.grad, qg.amax, cfg.bwd_dtype),
     ), meta_in)
-  return dx, dw, dbias, new_meta
+  return dx, dw, dbias, (g if has_residual else None), new_meta
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
@@ -101,6 +102,7 @@ def dense(
     *,
     axis: int | Sequence[int] = -1,
     unstack_axis: int | None = None,
+    residual: jax.Array | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
@@ -121,6 +123,8 @@ def dense(
     unstack_axis: a feature axis of the output to return it unstacked along, as ``jnp.unstack(y, unstack_axis)``
       would (a fused QKV projection's (..., H, 3, D) output as q, k, v with ``unstack_axis=-2``). Under FP8 the
       backward then reads the parts' gradients straight into the GEMM's FP8 operand, never stacking them.
+    residual: optional, the output's shape: added to the output (a residual connection); under FP8 in the GEMM's
+      epilogue, so ``x @ kernel + bias + residual`` is rounded once and costs no pass of its own.
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
     recipe: overrides the autocast recipe for this call.
 
@@ -137,12 +141,18 @@ def dense(
   if bias is not None and bias.shape != features:
     raise ValueError(f"bias must have shape {features}, got {bias.shape}")
   unstack = Unstack.of(unstack_axis, x.ndim - n_contract + len(features), features)
+  if unstack is not None and residual is not None:
+    raise ValueError("dense: unstack_axis and residual exclude each other")
   if recipe is None:
     recipe = get_autocast_state().fp8_recipe
   if recipe is None:
     dims = ((axes, tuple(range(n_contract))), ((), ()))
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
     y = y if bias is None else y + bias.astype(y.dtype)
+    if residual is not None:
+      if residual.shape != y.shape:
+        raise ValueError(f"residual must have the output's shape {y.shape}, got {residual.shape}")
+      y = y + residual.astype(y.dtype)
     return y if unstack is None else tuple(jnp.unstack(y, axis=unstack_axis))
   if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
     raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
@@ -164,5 +174,6 @@ def dense(
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
-  y = _dense_fp8(cfg, unstack, x2d, kernel.reshape(k, n), b, meta)
+  r = residual_rows(residual, (*batch_shape, *features), m, n, pad, x.dtype)
+  y = _dense_fp8(cfg, unstack, r is not None, x2d, kernel.reshape(k, n), b, r, meta)
   return layer_output(y, m, batch_shape, features, unstack)

@@ -3,7 +3,7 @@ that produce each GEMM's input.
 
 Forward under delayed scaling: the norm writes fc1's FP8 input (+ transposed copy + amax); fc1 runs with its bias
 in the epilogue; the activation kernel reads fc1's output and writes fc2's FP8 input (+ transposed copy + amax); fc2
-runs with its bias. Saved for backward: the FP8 GEMM inputs (transposed) and kernels, fc1's output (the activation's
+runs with its bias (and the residual, when one is given, in the same epilogue). Saved for backward: the FP8 GEMM inputs (transposed) and kernels, fc1's output (the activation's
 derivative needs it exactly), the norm's statistics. Backward: the output gradient's FP8 cast (+ fc2's bias
 gradient), fc2's dgrad and wgrad, one activation-backward kernel that writes the FP8 gradient of fc1's output (+
 transposed copy + fc1's bias gradient), fc1's dgrad and wgrad, then the norm's backward kernel.
@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, state_as_float32, state_like
+from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, residual_rows, state_as_float32, state_like
 from te_jax.activation import activation
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
@@ -38,12 +38,16 @@ class _MlpConfig:
   intermediate: int
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ln_mlp_fp8(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2):
-  return _ln_mlp_fp8_fwd(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1, meta_2)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ln_mlp_fp8(cfg: _MlpConfig, has_residual: bool, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual,
+                meta_1, meta_2):
+  return _ln_mlp_fp8_fwd(cfg, has_residual, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1,
+                         meta_2)[0]
 
 
-def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, meta_1_in, meta_2_in):
+def _ln_mlp_fp8_fwd(cfg: _MlpConfig, has_residual: bool, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
+                    residual, meta_1_in, meta_2_in):
+  del has_residual  # (the backward's)
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
   z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x, gamma, beta, keep_hp=False)
@@ -57,12 +61,12 @@ def _ln_mlp_fp8_fwd(cfg: _MlpConfig, x, gamma, beta, kernel_1, kernel_2, bias_1,
     a_hp = activation_fwd(h, cfg.activation_type).data
     s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
     a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
-  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2)
+  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual)
   residuals = (x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
   return y, residuals
 
 
-def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residuals, g):
+def _ln_mlp_fp8_bwd(cfg: _MlpConfig, has_residual: bool, residuals, g):
   x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1_in, meta_2_in = residuals
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
@@ -93,7 +97,7 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residuals, g):
                          fc2.update(meta_2.grad, qg.amax, fc2.bwd_dtype))
     new_1, new_2 = state_like((new_1, new_2), (meta_1_in, meta_2_in))
   dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
-  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, new_1, new_2
+  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, (g if has_residual else None), new_1, new_2
 
 
 _ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd)
@@ -112,6 +116,7 @@ def layernorm_mlp(
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
     activation_type=("gelu",),
+    residual: jax.Array | None = None,
     fp8_meta_1: DenseFp8Meta | None = None,
     fp8_meta_2: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
@@ -132,6 +137,8 @@ def layernorm_mlp(
     bias_1: optional ``(n, F)``; bias_2: optional ``(H,)``.
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
     activation_type: ``(act,)`` or ``(act, "linear")``: ``("gelu",)``, ``("silu", "linear")`` for SwiGLU, ...
+    residual: optional, ``x``'s shape: added to the output (a residual connection, ``x`` itself for a pre-LN
+      block), under FP8 in fc2's GEMM epilogue.
     fp8_meta_1, fp8_meta_2: the delayed-scaling states of fc1 and fc2; required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
 
@@ -163,7 +170,7 @@ def layernorm_mlp(
     h = dense(z, k1, b1, recipe=None)
     if gated:
       h = h.reshape(*h.shape[:-1], 2, f_dim)
-    return dense(activation(h, act), kernel_2, bias_2, recipe=None)
+    return dense(activation(h, act), kernel_2, bias_2, residual=residual, recipe=None)
   check_fp8_dims(hidden=h_dim, intermediate=f_dim)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
@@ -172,6 +179,7 @@ def layernorm_mlp(
 
   cfg = _MlpConfig(fp8_config(kernel_1, bias_1), fp8_config(kernel_2, bias_2), norm, act, gated, f_dim)
   delayed = isinstance(recipe, DelayedScaling)
-  y = _ln_mlp_fp8(cfg, x2d, gamma, beta, k1, kernel_2, b1, bias_2, fp8_meta_1 if delayed else None,
+  r = residual_rows(residual, x.shape, x2d.shape[0] - pad, h_dim, pad, x.dtype)
+  y = _ln_mlp_fp8(cfg, r is not None, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
   return y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -232,6 +232,44 @@ def test_fp8_scale_inv_is_applied():
   np.testing.assert_array_equal(np.asarray(two), 2 * np.asarray(one))
 
 
+def residual_case(kind: str, with_bias: bool, out_dtype, m=24, k=64, n=32):
+  """Operands, bias and an (m, n) residual, with the float64 sum the GEMM's epilogue adds (both cast to the output
+  dtype first)."""
+  if kind == "fp8":
+    lhs, rhs = fp8_operand((m,), k, E4M3, seed=50), fp8_operand((n,), k, E5M2, seed=51)
+  else:
+    lhs, rhs = hp_operand((m,), k, ml_dtypes.bfloat16, False, seed=50), hp_operand((n,), k, ml_dtypes.bfloat16,
+                                                                                   False, seed=51)
+  bias = random_bias(n, seed=52) if with_bias else None
+  residual = (np.random.default_rng(53).standard_normal((m, n)) * 8).astype(np.float32)
+  added64 = np.asarray(jnp.asarray(residual).astype(out_dtype)).astype(np.float64)
+  if bias is not None:
+    added64 = added64 + bias64_of(bias, out_dtype)
+  return lhs, rhs, bias, residual, added64
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_residual_values(kind, out, with_bias):
+  out_dtype = OUT_DTYPES[out]
+  lhs, rhs, bias, residual, added64 = residual_case(kind, with_bias, out_dtype)
+  ours, _ = run_gemm(lhs, rhs, bias, out_dtype, residual=residual)
+  base = (jnp_same_math(lhs, rhs, None, jnp.float32, False, False) + added64).astype(out_dtype)
+  assert_gemm_close(ours, base, lhs, rhs, added64, accum_u=FP8_ACCUM_U if kind == "fp8" else F32_U)
+
+
+def test_residual_shape_is_checked():
+  with pytest.raises(ValueError, match="residual must have the output's shape"):
+    te_jax.gemm(jnp.ones((4, 16)), jnp.ones((8, 16)), residual=jnp.ones((8, 4)))
+
+
+def test_zero_k_gives_bias_plus_residual():
+  out = te_jax.gemm(jnp.ones((4, 0)), jnp.ones((8, 0)), bias=jnp.arange(8.0), residual=jnp.ones((4, 8)),
+                    out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(np.arange(8.0) + 1, (4, 8)))
+
+
 def test_jnp_baseline_matches_float64():
   """The baseline itself is anchored: on small integers every product and sum is exact in float32."""
   rng = np.random.default_rng(12)
@@ -371,6 +409,27 @@ def test_sharded_gemm(case, kind, with_bias):
   assert np.all(diff <= bound), f"max diff {diff.max():.3g}, bound there {bound.flat[np.argmax(diff)]:.3g}"
 
 
+@pytest.mark.parametrize("case", SHARDING_CASES)
+def test_sharded_gemm_adds_the_residual_once(case):
+  """With K sharded, the residual goes on after the reduction, once; otherwise in each shard's epilogue."""
+  lhs_spec, rhs_spec, out_spec, want_spec, want = SHARDING_CASES[case]
+  mesh = Mesh(np.array(CPU_DEVICES), ("x",))
+  lhs, rhs = hp_operand((64,), 256, np.float32, False, seed=23), hp_operand((128,), 256, np.float32, False, seed=24)
+  residual = np.full((64, 128), 1000.0, np.float32)
+  out_sharding = None if out_spec is None else NamedSharding(mesh, out_spec)
+  f = jax.jit(lambda a, b, r: te_jax.gemm(a, b, residual=r, out_dtype=jnp.float32), out_shardings=out_sharding)
+  compiled = f.lower(jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)),
+                     jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)), residual).compile()
+  out = compiled(jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)),
+                 jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)), residual)
+  assert collections.Counter(_COLLECTIVE.findall(compiled.as_text())) == collections.Counter(want)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2), out.sharding
+  exact, abs_prod = exact64(lhs, rhs, residual.astype(np.float64))
+  k = 256
+  bound = 2 * (k - 1) * F32_U / (1 - (k - 1) * F32_U) * abs_prod + 1000.0 * F32_U * 2
+  assert np.all(np.abs(np.asarray(out) - exact) <= bound)
+
+
 # ---- GPU: the cuBLASLt handler -------------------------------------------------------------------------------------
 
 
@@ -386,15 +445,19 @@ def cuda_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, **kwargs):
   return out
 
 
-def gpu_reference(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, transpose_lhs=False, transpose_rhs=False):
+def gpu_reference(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, transpose_lhs=False, transpose_rhs=False,
+                  residual=None):
   """gemm_ref jitted on the same GPU (XLA's own GEMM at HIGHEST precision): the baseline on a GPU."""
   a = lhs.array.reshape(lhs.array.shape[0], -1) if transpose_lhs else lhs.array.reshape(-1, lhs.array.shape[-1])
   b = rhs.array.reshape(rhs.array.shape[0], -1) if transpose_rhs else rhs.array.reshape(-1, rhs.array.shape[-1])
-  config = GemmConfig(jnp.dtype(out_dtype), transpose_lhs, transpose_rhs, bias is not None)
+  config = GemmConfig(jnp.dtype(out_dtype), transpose_lhs, transpose_rhs, bias is not None,
+                      has_residual=residual is not None)
   one = np.float32(1.0)
   args = [a, b, one if lhs.scale_inv is None else lhs.scale_inv, one if rhs.scale_inv is None else rhs.scale_inv]
   if bias is not None:
     args.append(np.asarray(jnp.asarray(bias).astype(out_dtype)))
+  if residual is not None:
+    args.append(np.asarray(jnp.asarray(residual).astype(out_dtype)))
   (out,) = jax.jit(functools.partial(gemm_ref, config=config))(*(jax.device_put(x, gpu) for x in args))
   return out
 
@@ -471,6 +534,20 @@ def test_gpu_fp8(pair, out, with_bias, fast_accum, gpu):
 @pytest.mark.parametrize("mkn", GPU_FP8_SHAPES, ids=str)
 def test_gpu_fp8_shapes(pair, fast_accum, mkn, gpu):
   check_gpu_fp8(pair, jnp.bfloat16, True, fast_accum, mkn, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("mkn", [(24, 64, 32), (1000, 1024, 768)], ids=str)
+def test_gpu_residual(kind, out, with_bias, mkn, gpu):
+  out_dtype = OUT_DTYPES[out]
+  m, k, n = mkn
+  lhs, rhs, bias, residual, added64 = residual_case(kind, with_bias, out_dtype, m, k, n)
+  ours = cuda_gemm(lhs, rhs, bias, out_dtype, gpu, residual=residual)
+  base = gpu_reference(lhs, rhs, bias, out_dtype, gpu, residual=residual)
+  assert_gemm_close(ours, base, lhs, rhs, added64, accum_u=FP8_ACCUM_U if kind == "fp8" else F32_U)
 
 
 @pytest.mark.gpu

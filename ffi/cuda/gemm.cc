@@ -6,7 +6,8 @@
 // bf16/fp16/fp32 operands only.
 //
 // FP8 operands are dequantized inside the GEMM by their per-tensor scale_inv (device pointers, so no host sync).
-// Optional bias epilogue (bias in the output dtype). Fast accumulation is a per-call attribute: Transformer
+// Optional bias epilogue (bias in the output dtype) and residual (cuBLASLt's C input with beta = 1: out = lhs @ rhs^T
+// + bias + residual, in float32, rounded once; C has the output's type and layout). Fast accumulation is a per-call attribute: Transformer
 // Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
@@ -69,7 +70,8 @@ ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
   }
 }
 
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int>;
+using PlanKey =
+    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool, int>;
 
 // Everything cuBLASLt needs for one problem, built once.
 struct Plan {
@@ -106,6 +108,8 @@ struct Problem {
   bool transpose_lhs, transpose_rhs, bias, fast_accum;
   bool fp8;
   int align_lhs, align_rhs, align_out;  // pointer alignments in bytes, up to 256: the heuristic must know them
+  bool residual;
+  int align_residual;
 };
 
 int Alignment(const void* p) {
@@ -120,7 +124,8 @@ int Alignment(const void* p) {
 // untransposed lhs (m, k) is column-major (k, m) used as is (TRANSB = N).
 ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache) {
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
-                    p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out};
+                    p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
+                    p.residual,  p.align_residual};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
 
@@ -161,9 +166,10 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   const uint64_t ws = kWorkspaceBytes;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   const uint32_t align_a = p.align_rhs, align_b = p.align_lhs, align_d = p.align_out;
+  const uint32_t align_c = p.residual ? p.align_residual : p.align_out;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
   cublasLtMatmulHeuristicResult_t results[kCandidates];
   int found = 0;
@@ -259,7 +265,8 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
 }
 
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
-                    ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                    ffi::Result<ffi::AnyBuffer> out,
                     ffi::Result<ffi::AnyBuffer> workspace, bool transpose_lhs, bool transpose_rhs, bool fast_accum) {
   if (lhs.dimensions().size() != 2 || rhs.dimensions().size() != 2 || out->dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("gemm: lhs, rhs and out must be 2-D");
@@ -296,8 +303,14 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   if (p.bias && (bias.element_count() != p.n || bias.element_type() != out->element_type())) {
     return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype");
   }
+  p.residual = residual.element_count() > 0;
+  p.align_residual = p.residual ? Alignment(residual.untyped_data()) : 0;
+  if (p.residual && (static_cast<int64_t>(residual.element_count()) != p.m * p.n ||
+                     residual.element_type() != out->element_type())) {
+    return ffi::Error::InvalidArgument("gemm: residual must be empty or (m, n) in the output dtype");
+  }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
+  if (p.k == 0) {  // the Python side adds bias and residual itself when K = 0
     return CudaError(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "gemm: zero-K memset");
   }
 
@@ -338,10 +351,11 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                                                  &bias_ptr, sizeof(bias_ptr)),
                                   "BIAS_POINTER");
   }
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = p.residual ? 1.0f : 0.0f;
   auto run = [&](const cublasLtMatmulAlgo_t& algo, cudaStream_t on, void* d, void* ws) {
+    const void* c = p.residual ? residual.untyped_data() : d;
     return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
-                          &beta, d, plan->d, d, plan->d, &algo, ws, kWorkspaceBytes, on);
+                          &beta, c, plan->d, d, plan->d, &algo, ws, kWorkspaceBytes, on);
   };
   if (!plan->candidates.empty()) {
     // Chosen once, at the problem's first call, so that the algorithm (and with it the bits) never changes under a
@@ -392,6 +406,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // lhs_scale_inv (FP8 lhs only)
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
+                                  .Arg<ffi::AnyBuffer>()                     // residual: (M, N) in out dtype, or empty
                                   .Ret<ffi::AnyBuffer>()                     // out: (M, N) bf16/fp16/fp32
                                   .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB]
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)

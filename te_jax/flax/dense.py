@@ -68,7 +68,8 @@ class DenseGeneral(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+  def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
+    """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
     features = _tuple(self.features)
     axis = tuple(sorted(a % inputs.ndim for a in _tuple(self.axis)))  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
@@ -88,7 +89,7 @@ class DenseGeneral(nn.Module):
       bias = self.param("bias", _logical(bias_init, self.bias_axes), features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
-    return dense(inputs.astype(dtype), kernel, bias, axis=axis, unstack_axis=self.unstack_axis,
+    return dense(inputs.astype(dtype), kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,
                  fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
 
 

@@ -143,7 +143,8 @@ class LayerNormMLP(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, deterministic: bool = True) -> jax.Array:
+  def __call__(self, inputs: jax.Array, deterministic: bool = True, residual: jax.Array | None = None) -> jax.Array:
+    """The MLP of ``inputs``, plus ``residual`` (``inputs``' shape) when given: added in fc2's epilogue."""
     name, gated = parse_activation_type(tuple(self.activations))
     act = (name, "linear") if gated else (name,)
     n_act = 2 if gated else 1
@@ -164,11 +165,11 @@ class LayerNormMLP(nn.Module):
     meta_2 = dense_fp8_meta(self, recipe, prefix="wo_")
     norm_args = dict(norm_type=self.layernorm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
     if self.intermediate_dropout_rate == 0.0 or deterministic:
-      return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, fp8_meta_1=meta_1,
-                           fp8_meta_2=meta_2, recipe=recipe, **norm_args)
+      return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
+                           fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args)
     # Dropout sits between the activation and fc2: run the parts, each dense still in FP8.
     h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
                         fp8_meta=meta_1, recipe=recipe, **norm_args)
     a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
     a = nn.Dropout(rate=self.intermediate_dropout_rate)(a, deterministic=False)
-    return dense(a, k2, b2, fp8_meta=meta_2, recipe=recipe)
+    return dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)

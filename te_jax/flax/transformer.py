@@ -255,7 +255,7 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
                bias: jax.Array | None = None, *, segment_ids=None, positions: jax.Array | None = None,
-               decode: bool = False, deterministic: bool = False):
+               decode: bool = False, deterministic: bool = False, residual: jax.Array | None = None):
     """Attention of ``inputs_q`` over ``inputs_kv`` (self attention when it is None or the same array).
 
     Args:
@@ -268,6 +268,7 @@ class MultiHeadAttention(nn.Module):
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
       decode: use and update the KV cache (self attention only).
       deterministic: no dropout.
+      residual: added to the output (``inputs_q``' shape and layout), in the output projection's GEMM epilogue.
 
     Returns:
       The output (same layout as ``inputs_q``), and with ``return_layernorm_output`` also the normalized input.
@@ -322,7 +323,7 @@ class MultiHeadAttention(nn.Module):
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
-                       name="out")(out)
+                       name="out")(out, _seq_first_to_batch_first(residual, self.transpose_batch_sequence))
     out = _seq_first_to_batch_first(out, self.transpose_batch_sequence)
     if self.return_layernorm_output:
       return out, _seq_first_to_batch_first(ln_out, self.transpose_batch_sequence)
@@ -428,6 +429,14 @@ class TransformerLayer(nn.Module):
     y = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)(y, deterministic=deterministic)
     return self._residual_stream(y.astype(residual.dtype) + residual)
 
+  def _residual_block(self, block, residual, deterministic: bool):
+    """``residual + dropout(block(None))``; with no dropout to apply and the residual stream in the compute dtype,
+    ``block(residual)`` instead: the block adds it in its last GEMM's epilogue (no pass of its own)."""
+    compute_dtype = jnp.dtype(self.dtype or jnp.result_type(residual.dtype, self.param_dtype))
+    if (self.hidden_dropout == 0.0 or deterministic) and jnp.dtype(residual.dtype) == compute_dtype:
+      return self._residual_stream(block(residual))
+    return self._dropout_add(block(None), residual, deterministic)
+
   def _residual_stream(self, x):
     """With ``logical_axes``, pins the residual stream's sharding to the logical (batch, seq, hidden) names (a no-op
     outside ``nn.logical_axis_rules``)."""
@@ -489,12 +498,13 @@ class TransformerLayer(nn.Module):
     attn = self._mha("self_attention", mask_type, bias_type, self.enable_rotary_pos_emb,
                      return_layernorm_output=post_residual, window_size=self.window_size,
                      transpose_batch_sequence=self.transpose_batch_sequence)
-    y = attn(x, None, attention_mask, bias, segment_ids=segment_ids, positions=positions, decode=decode,
-             deterministic=deterministic)
-    residual = x
-    if post_residual:
-      y, residual = y
-    x = self._dropout_add(y, residual, deterministic)
+    attn_args = dict(segment_ids=segment_ids, positions=positions, decode=decode, deterministic=deterministic)
+    if post_residual:  # the residual is the attention's normalized input
+      y, residual = attn(x, None, attention_mask, bias, **attn_args)
+      x = self._dropout_add(y, residual, deterministic)
+    else:
+      x = self._residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **attn_args), x,
+                               deterministic)
     if self.output_layernorm:
       x = self._post_ln("self_attention_layernorm", x)
 
@@ -502,23 +512,22 @@ class TransformerLayer(nn.Module):
       cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
       cross = self._mha("encoder_decoder_attention", cross_type, None, False,
                         transpose_batch_sequence=self.transpose_batch_sequence)
-      y = cross(x, encoded, encoder_decoder_mask, deterministic=deterministic)
-      x = self._dropout_add(y, x, deterministic)
+      x = self._residual_block(
+          lambda r: cross(x, encoded, encoder_decoder_mask, deterministic=deterministic, residual=r), x, deterministic)
       if self.output_layernorm:
         x = self._post_ln("encoder_decoder_attention_layernorm", x)
 
     if self.output_layernorm:  # post-LN: the input is normalized already; the MLP is fc1, activation, fc2
-      y = self._plain_mlp(x, deterministic)
+      x = self._dropout_add(self._plain_mlp(x, deterministic), x, deterministic)
     else:
-      y = LayerNormMLP(intermediate_dim=self.mlp_hidden_size, activations=tuple(self.mlp_activations),
-                       intermediate_dropout_rate=self.intermediate_dropout, use_bias=self.use_bias,
-                       layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-                       zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
-                       kernel_axes_1=self._axes(EMBED, ACT, MLP), kernel_axes_2=self._axes(MLP, EMBED),
-                       bias_axes_1=self._axes(ACT, MLP), bias_axes_2=self._axes(EMBED),
-                       scale_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
-                       name="mlp")(x, deterministic=deterministic)
-    x = self._dropout_add(y, x, deterministic)
+      mlp = LayerNormMLP(intermediate_dim=self.mlp_hidden_size, activations=tuple(self.mlp_activations),
+                         intermediate_dropout_rate=self.intermediate_dropout, use_bias=self.use_bias,
+                         layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                         zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
+                         kernel_axes_1=self._axes(EMBED, ACT, MLP), kernel_axes_2=self._axes(MLP, EMBED),
+                         bias_axes_1=self._axes(ACT, MLP), bias_axes_2=self._axes(EMBED),
+                         scale_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
+      x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("mlp_layernorm", x)
     return x

@@ -135,11 +135,14 @@ class NativeSignature(NamedTuple):
     extra_operands: constant arrays appended to the primitive's operands (e.g. an empty optional bias).
     result_avals: every result the handler returns (workspaces included: XLA allocates them with the outputs).
     keep: which of those results the primitive returns, in order.
+    operand_order: the handler's operands as indices into (the primitive's operands, then ``extra_operands``);
+      None: in that order.
   """
 
   extra_operands: Sequence[np.ndarray]
   result_avals: Sequence[Any]
   keep: Sequence[int]
+  operand_order: Sequence[int] | None = None
 
 
 def _native_lowering(name, platform, target, ffi_attributes, native_signature, reference_lowering):
@@ -153,8 +156,11 @@ def _native_lowering(name, platform, target, ffi_attributes, native_signature, r
     sig = native_signature(platform, config, ctx.avals_in, ctx.avals_out)
     extra_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in sig.extra_operands]
     extra = [mlir.ir_constant(a) for a in sig.extra_operands]
-    ctx = ctx.replace(avals_in=[*ctx.avals_in, *extra_avals], avals_out=list(sig.result_avals))
-    results = call(ctx, *args, *extra, **ffi_attributes(config))
+    avals_in, operands = [*ctx.avals_in, *extra_avals], [*args, *extra]
+    if sig.operand_order is not None:
+      avals_in, operands = [avals_in[i] for i in sig.operand_order], [operands[i] for i in sig.operand_order]
+    ctx = ctx.replace(avals_in=avals_in, avals_out=list(sig.result_avals))
+    results = call(ctx, *operands, **ffi_attributes(config))
     return [results[i] for i in sig.keep]
 
   return lowering

@@ -1,8 +1,10 @@
-"""GEMM through cuBLASLt: FP8 (E4M3/E5M2, per-tensor scales) and bf16/fp16/fp32, with a bias epilogue.
+"""GEMM through cuBLASLt: FP8 (E4M3/E5M2, per-tensor scales) and bf16/fp16/fp32, with bias and residual epilogues.
 
 ``gemm(lhs, rhs)`` computes ``out[M, N] = lhs[M, K] @ rhs[N, K]^T``: both operands K-major (contracting dim
 last), the layout Hopper's FP8 tensor cores need. Leading dims of ``lhs`` fold into M, of ``rhs`` into N. FP8
-operands come with their ``scale_inv`` and are dequantized inside the GEMM. bf16/fp16/fp32 operands may also be
+operands come with their ``scale_inv`` and are dequantized inside the GEMM. A residual (M, N) is added in the
+epilogue (cuBLASLt's C input with beta = 1), so a residual connection costs no pass of its own. bf16/fp16/fp32
+operands may also be
 given transposed (``lhs`` as (K, M...), ``rhs`` as (K, N...)); FP8 operands may not, use the transposed copies
 ``te_jax.quantize(..., transpose=True)`` makes.
 
@@ -40,8 +42,9 @@ class GemmConfig:
     out_dtype: bfloat16, float16 or float32.
     transpose_lhs: lhs is stored (K, M) (bf16/fp16/fp32 only).
     transpose_rhs: rhs is stored (K, N) (bf16/fp16/fp32 only).
-    has_bias: a (N,) bias in ``out_dtype`` is the fifth operand, added in float32 before the output cast.
+    has_bias: a (N,) bias in ``out_dtype`` follows the scales, added in float32 before the output cast.
     fast_accum: FP8 fast accumulation (cuBLASLt FAST_ACCUM): faster, with fewer accumulator promotions.
+    has_residual: an (M, N) residual in ``out_dtype`` is the last operand, added in float32 before the output cast.
   """
 
   out_dtype: np.dtype
@@ -49,6 +52,7 @@ class GemmConfig:
   transpose_rhs: bool = False
   has_bias: bool = False
   fast_accum: bool = False
+  has_residual: bool = False
 
 
 def _mk(shape, transposed):
@@ -59,8 +63,8 @@ def _mk(shape, transposed):
 # ---- reference ---------------------------------------------------------------------------------------------------
 
 
-def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmConfig) -> list[jax.Array]:
-  """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias, cast."""
+def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) -> list[jax.Array]:
+  """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias and residual, cast."""
   a = lhs.T if config.transpose_lhs else lhs
   b = rhs.T if config.transpose_rhs else rhs
   if jnp.dtype(a.dtype) in FP8_DTYPES:
@@ -70,15 +74,17 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmConfig) 
       a, b, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
   )
   if config.has_bias:
-    out = out + bias[0].astype(jnp.float32)
+    out = out + rest[0].astype(jnp.float32)
+  if config.has_residual:
+    out = out + rest[-1].astype(jnp.float32)
   return [out.astype(config.out_dtype)]
 
 
 # ---- primitive ---------------------------------------------------------------------------------------------------
 
 
-def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias, config: GemmConfig):
-  del lhs_scale_inv, rhs_scale_inv, bias
+def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig):
+  del lhs_scale_inv, rhs_scale_inv, rest
   m, _ = _mk(lhs.shape, config.transpose_lhs)
   n, _ = _mk(rhs.shape, config.transpose_rhs)
   return [output_aval(lhs, (m, n), config.out_dtype)]
@@ -90,11 +96,17 @@ _WORKSPACE_BYTES = 32 << 20
 
 
 def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) -> NativeSignature:
-  """The handler always takes a bias operand (empty when there is none) and returns its workspace."""
-  del platform, avals_in
-  extra = () if config.has_bias else (np.zeros((0,), config.out_dtype),)
+  """The handler always takes bias and residual operands (empty when there are none), in that order, and returns its
+  workspace."""
+  del platform
+  empty = np.zeros((0,), config.out_dtype)
+  n = len(avals_in)  # lhs, rhs, the two scales, then the bias and the residual that are there
+  bias = n - 1 - config.has_residual if config.has_bias else n  # index in (operands, extras)
+  residual = n - 1 if config.has_residual else n + (not config.has_bias)
+  extra = (empty,) * ((not config.has_bias) + (not config.has_residual))
   workspace = jax.core.ShapedArray((_WORKSPACE_BYTES,), jnp.uint8)
-  return NativeSignature(extra_operands=extra, result_avals=(*avals_out, workspace), keep=(0,))
+  return NativeSignature(extra_operands=extra, result_avals=(*avals_out, workspace), keep=(0,),
+                         operand_order=(0, 1, 2, 3, bias, residual))
 
 
 def _attributes(config: GemmConfig) -> dict:
@@ -125,26 +137,32 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
   rhs_sharding = NamedSharding(mesh, P(k, n) if config.transpose_rhs else P(n, k))
   scalar = NamedSharding(mesh, P())
-  arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
-  if config.has_bias:
-    arg_shardings.append(NamedSharding(mesh, P(n)))
   # Sequence parallelism: when the output is wanted with M sharded over the K axes, reduce-scatter instead.
   out_m = full_spec(result_shape[0].sharding, 2)[0]
   scatter = bool(k_axes) and not m_axes and mesh_axes(out_m) == k_axes
   out_sharding = NamedSharding(mesh, P(k if scatter else m, n))
-  local_config = dataclasses.replace(config, has_bias=config.has_bias and not k_axes)
+  arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
+  if config.has_bias:
+    arg_shardings.append(NamedSharding(mesh, P(n)))
+  if config.has_residual:
+    arg_shardings.append(out_sharding)
+  # With K sharded, the epilogues go on once, after the reduction.
+  local_config = dataclasses.replace(config, has_bias=config.has_bias and not k_axes,
+                                     has_residual=config.has_residual and not k_axes)
 
-  def lower_fn(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *bias):
-    operands = (lhs, rhs, lhs_scale_inv, rhs_scale_inv, *(bias if local_config.has_bias else ()))
-    (out,) = _GEMM.inner.bind(*operands, config=local_config)
+  def lower_fn(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest):
+    (out,) = _GEMM.inner.bind(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *([] if k_axes else rest), config=local_config)
     if k_axes:
-      # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; the bias goes on after.
+      # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; bias and residual go on after.
       if scatter:
         out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=0, tiled=True)
       else:
         out = jax.lax.psum(out, k_axes)
-      if config.has_bias:
-        out = (out.astype(jnp.float32) + bias[0].astype(jnp.float32)).astype(config.out_dtype)
+      if rest:
+        out = out.astype(jnp.float32)
+        for r in rest:
+          out = out + r.astype(jnp.float32)
+        out = out.astype(config.out_dtype)
     return (out,)
 
   return mesh, lower_fn, (out_sharding,), tuple(arg_shardings)
@@ -154,7 +172,7 @@ def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
   del mesh, value_types, result_types
   lhs = "k m" if config.transpose_lhs else "m k"
   rhs = "k n" if config.transpose_rhs else "n k"
-  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else [])  # the scale_invs are scalars
+  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else []) + (["m n"] if config.has_residual else [])
   return ", ".join(operands) + " -> m n", {"reduction_factors": ("k",)}
 
 
@@ -209,6 +227,7 @@ def gemm(
     lhs_scale_inv: jax.Array | None = None,
     rhs_scale_inv: jax.Array | None = None,
     bias: jax.Array | None = None,
+    residual: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     transpose_lhs: bool = False,
     transpose_rhs: bool = False,
@@ -225,6 +244,8 @@ def gemm(
     rhs: (..., K), or (K, ...) with ``transpose_rhs``; the same kind (FP8 or not) as ``lhs``.
     lhs_scale_inv, rhs_scale_inv: float32 scalars, required for FP8 operands and only for them.
     bias: optional (N,) bias, cast to ``out_dtype``, fused into the GEMM epilogue.
+    residual: optional, shaped as the output (or (M, N)), cast to ``out_dtype``, added in the epilogue: the output
+      is ``lhs @ rhs^T + bias + residual`` rounded once.
     out_dtype: bfloat16, float16 or float32.
     transpose_lhs, transpose_rhs: the operand is stored with K first (not for FP8).
     fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise.
@@ -248,7 +269,9 @@ def gemm(
       raise ValueError(f"{name} must have rank >= 2, got shape {x.shape}")
 
   def as_2d(x, transposed):
-    return x.reshape(x.shape[0], -1) if transposed else x.reshape(-1, x.shape[-1])
+    if transposed:
+      return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
   a, b = as_2d(lhs, transpose_lhs), as_2d(rhs, transpose_rhs)
   (m, k), (n, k_b) = _mk(a.shape, transpose_lhs), _mk(b.shape, transpose_rhs)
@@ -258,18 +281,29 @@ def gemm(
     raise ValueError(f"FP8 GEMM needs K and N to be multiples of {_FP8_ALIGN}, got K={k}, N={n}")
   if bias is not None and bias.shape != (n,):
     raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-  gemm_dtype, fuse_bias = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
-  fuse_bias = fuse_bias and bias is not None
-  config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum))
+  lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:-1]
+  rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:-1]
+  assert math.prod(lhs_rows) == m and math.prod(rhs_rows) == n
+  if residual is not None and tuple(residual.shape) not in ((*lhs_rows, *rhs_rows), (m, n)):
+    raise ValueError(f"residual must have the output's shape {(*lhs_rows, *rhs_rows)} (or {(m, n)}), got "
+                     f"{residual.shape}")
+  gemm_dtype, fuse = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
+  fuse = fuse and k > 0  # with K = 0 the handler only zeroes the output
+  fuse_bias = fuse and bias is not None
+  fuse_residual = k > 0 and gemm_dtype == out_dtype and residual is not None
+  config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
+                      fuse_residual)
   one = jnp.ones((), jnp.float32)
   operands = [a, b, lhs_scale_inv if lhs_fp8 else one, rhs_scale_inv if rhs_fp8 else one]
   if fuse_bias:  # the bias is rounded to out_dtype first in every path
     operands.append(bias.astype(out_dtype).astype(gemm_dtype))
+  if fuse_residual:
+    operands.append(residual.astype(out_dtype).reshape(m, n))
   (out,) = _GEMM.bind(*operands, config=config)
-  if bias is not None and not fuse_bias:  # added in float32, as the epilogue would, then cast once
-    out = out.astype(jnp.float32) + bias.astype(out_dtype).astype(jnp.float32)
-  out = out.astype(out_dtype)
-  lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:-1]
-  rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:-1]
-  assert math.prod(lhs_rows) == m and math.prod(rhs_rows) == n
-  return out.reshape(*lhs_rows, *rhs_rows)
+  if (bias is not None and not fuse_bias) or (residual is not None and not fuse_residual):
+    out = out.astype(jnp.float32)  # added in float32, as the epilogue would, then cast once
+    if bias is not None and not fuse_bias:
+      out = out + bias.astype(out_dtype).astype(jnp.float32)
+    if residual is not None and not fuse_residual:
+      out = out + residual.astype(out_dtype).astype(jnp.float32).reshape(m, n)
+  return out.astype(out_dtype).reshape(*lhs_rows, *rhs_rows)
