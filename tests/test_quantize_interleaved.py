@@ -212,3 +212,19 @@ def test_unstack_axis_must_be_a_small_feature_axis(axis, match):
     te_jax.dense(jnp.ones((2, 3, 8)), jnp.ones((8, 2, 16)), unstack_axis=axis)
   with pytest.raises(ValueError, match=match):
     te_jax.layernorm_dense(jnp.ones((2, 3, 8)), jnp.ones(8), jnp.zeros(8), jnp.ones((8, 2, 16)), unstack_axis=axis)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_layernorm_dense_unstack_with_layernorm_output(fp8):
+  """``return_layernorm_output`` still returns the normalized input beside the unstacked parts."""
+  x = jnp.asarray(np.random.default_rng(11).standard_normal((2, 16, 32)), jnp.bfloat16)
+  gamma, beta = jnp.ones(32), jnp.zeros(32)
+  kernel = jnp.asarray(np.random.default_rng(12).standard_normal((32, 2, 2, 16)) / 6, jnp.float32)
+  recipe = _fp8_recipe() if fp8 else None
+  (parts, z) = te_jax.layernorm_dense(x, gamma, beta, kernel, unstack_axis=-2, return_layernorm_output=True,
+                                      recipe=recipe)
+  y, z_ref = te_jax.layernorm_dense(x, gamma, beta, kernel, return_layernorm_output=True, recipe=recipe)
+  assert len(parts) == 2 and parts[0].shape == (2, 16, 2, 16)
+  for i, p in enumerate(parts):
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(y[..., i, :]))
+  np.testing.assert_array_equal(np.asarray(z), np.asarray(z_ref))
