@@ -1,6 +1,8 @@
 """layernorm_dense, layernorm_mlp and their Flax modules: values and gradients against the unfused composition,
 the FP8 state updates, the kernels in the compiled program, and argument errors."""
 
+import doctest
+import importlib
 import re
 
 import flax.linen as nn
@@ -257,3 +259,9 @@ def test_gpu_layernorm_mlp_module_matches_plain_flax(fp8, gpu):
            (gp["scale"], g_ref["ln"]["scale"]), (gp["wo_bias"], g_ref["fc2"]["bias"]))
   for a, b in pairs:
     assert _rel(a, b) < tol, [_rel(a, b) for a, b in pairs]
+
+
+@pytest.mark.parametrize("module", ["te_jax.layernorm_dense", "te_jax.layernorm_mlp"])
+def test_docstring_examples(module):
+  result = doctest.testmod(importlib.import_module(module))
+  assert result.attempted > 0 and result.failed == 0, result

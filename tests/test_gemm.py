@@ -14,7 +14,9 @@
 """
 
 import collections
+import doctest
 import functools
+import importlib
 import json
 import math
 import os
@@ -622,3 +624,9 @@ def test_gpu_gemm_in_command_buffers(gpu):
     assert p["candidates"] > 1 and 0 <= p["chosen"] < p["candidates"], result["plans"]
   assert result["max_err"] <= 1e-4, result
   assert result["same_bits"], result
+
+
+@pytest.mark.parametrize("module", ["te_jax.ops.gemm", "te_jax.dense"])
+def test_docstring_examples(module):
+  result = doctest.testmod(importlib.import_module(module))
+  assert result.attempted > 0 and result.failed == 0, result

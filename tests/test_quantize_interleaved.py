@@ -8,6 +8,9 @@
 - ``dense`` / ``layernorm_dense`` with ``unstack_axis``: outputs and gradients equal to unstacking the stacked output.
 """
 
+import doctest
+import importlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -228,3 +231,9 @@ def test_layernorm_dense_unstack_with_layernorm_output(fp8):
   for i, p in enumerate(parts):
     np.testing.assert_array_equal(np.asarray(p), np.asarray(y[..., i, :]))
   np.testing.assert_array_equal(np.asarray(z), np.asarray(z_ref))
+
+
+@pytest.mark.parametrize("module", ["te_jax.ops.quantize_interleaved", "te_jax.ops.quantize"])
+def test_docstring_examples(module):
+  result = doctest.testmod(importlib.import_module(module))
+  assert result.attempted > 0 and result.failed == 0, result
