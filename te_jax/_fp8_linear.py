@@ -23,8 +23,8 @@ from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
 from te_jax.ops.quantize_interleaved import quantize_interleaved
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["Fp8Config", "LinearResiduals", "Unstack", "layer_output", "linear_fwd", "linear_bwd", "quantize_grad",
-           "residual_rows", "state_as_float32", "state_like"]
+__all__ = ["Fp8Config", "LinearResiduals", "Unstack", "check_residual", "layer_output", "linear_fwd", "linear_bwd",
+           "quantize_grad", "residual_rows", "state_as_float32", "state_like"]
 
 
 def state_as_float32(tree):
@@ -122,12 +122,17 @@ def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple
   return tuple(p[:m].reshape(*lead_shape, *part_features) for p in y)
 
 
-def residual_rows(residual: jax.Array | None, out_shape: tuple[int, ...], m: int, n: int, pad: int, dtype):
-  """A layer's ``residual`` argument as its GEMM's (M + pad, N) C input in the output dtype (None stays None)."""
+def check_residual(residual: jax.Array | None, out_shape: tuple[int, ...]) -> None:
+  """A layer's ``residual`` argument must be None or have the layer output's shape."""
+  if residual is not None and tuple(residual.shape) != tuple(out_shape):
+    raise ValueError(f"residual must have the output's shape {tuple(out_shape)}, got {tuple(residual.shape)}")
+
+
+def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype):
+  """A layer's (checked) ``residual`` argument as its GEMM's (M + pad, N) C input in the output dtype (None stays
+  None)."""
   if residual is None:
     return None
-  if tuple(residual.shape) != tuple(out_shape):
-    raise ValueError(f"residual must have the output's shape {tuple(out_shape)}, got {tuple(residual.shape)}")
   r = residual.astype(dtype).reshape(m, n)
   return jnp.pad(r, ((0, pad), (0, 0))) if pad else r
 

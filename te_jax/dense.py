@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import scaling
-from te_jax._fp8_linear import (Fp8Config, Unstack, layer_output, linear_bwd, linear_fwd, quantize_grad,
-                                residual_rows, state_as_float32, state_like)
+from te_jax._fp8_linear import (Fp8Config, Unstack, check_residual, layer_output, linear_bwd, linear_fwd,
+                                quantize_grad, residual_rows, state_as_float32, state_like)
 from te_jax.autocast import get_autocast_state
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
@@ -54,7 +54,8 @@ def _dense_fp8(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, k
   return _dense_fp8_fwd(cfg, unstack, has_residual, x, kernel, bias, residual, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual, meta_in):
+def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual,
+                   meta_in):
   del has_residual  # (the backward's)
   meta = state_as_float32(meta_in)
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
@@ -143,6 +144,7 @@ def dense(
   unstack = Unstack.of(unstack_axis, x.ndim - n_contract + len(features), features)
   if unstack is not None and residual is not None:
     raise ValueError("dense: unstack_axis and residual exclude each other")
+  check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
   if recipe is None:
     recipe = get_autocast_state().fp8_recipe
   if recipe is None:
@@ -150,8 +152,6 @@ def dense(
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
     y = y if bias is None else y + bias.astype(y.dtype)
     if residual is not None:
-      if residual.shape != y.shape:
-        raise ValueError(f"residual must have the output's shape {y.shape}, got {residual.shape}")
       y = y + residual.astype(y.dtype)
     return y if unstack is None else tuple(jnp.unstack(y, axis=unstack_axis))
   if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
@@ -174,6 +174,6 @@ def dense(
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
-  r = residual_rows(residual, (*batch_shape, *features), m, n, pad, x.dtype)
+  r = residual_rows(residual, m, n, pad, x.dtype)
   y = _dense_fp8(cfg, unstack, r is not None, x2d, kernel.reshape(k, n), b, r, meta)
   return layer_output(y, m, batch_shape, features, unstack)

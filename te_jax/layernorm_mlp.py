@@ -3,10 +3,11 @@ that produce each GEMM's input.
 
 Forward under delayed scaling: the norm writes fc1's FP8 input (+ transposed copy + amax); fc1 runs with its bias
 in the epilogue; the activation kernel reads fc1's output and writes fc2's FP8 input (+ transposed copy + amax); fc2
-runs with its bias (and the residual, when one is given, in the same epilogue). Saved for backward: the FP8 GEMM inputs (transposed) and kernels, fc1's output (the activation's
-derivative needs it exactly), the norm's statistics. Backward: the output gradient's FP8 cast (+ fc2's bias
-gradient), fc2's dgrad and wgrad, one activation-backward kernel that writes the FP8 gradient of fc1's output (+
-transposed copy + fc1's bias gradient), fc1's dgrad and wgrad, then the norm's backward kernel.
+runs with its bias (and the residual, when one is given, in the same epilogue). Saved for backward: the FP8 GEMM
+inputs (transposed) and kernels, fc1's output (the activation's derivative needs it exactly), the norm's statistics.
+Backward: the output gradient's FP8 cast (+ fc2's bias gradient), fc2's dgrad and wgrad, one activation-backward
+kernel that writes the FP8 gradient of fc1's output (+ transposed copy + fc1's bias gradient), fc1's dgrad and wgrad,
+then the norm's backward kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from te_jax._fp8_linear import Fp8Config, linear_bwd, linear_fwd, residual_rows, state_as_float32, state_like
+from te_jax._fp8_linear import (Fp8Config, check_residual, linear_bwd, linear_fwd, residual_rows, state_as_float32,
+                                state_like)
 from te_jax.activation import activation
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
@@ -160,6 +162,7 @@ def layernorm_mlp(
     raise ValueError(f"bias_1 must be ({n_act}, {f_dim}), got {bias_1.shape}")
   if bias_2 is not None and bias_2.shape != (h_dim,):
     raise ValueError(f"bias_2 must be ({h_dim},), got {bias_2.shape}")
+  check_residual(residual, x.shape)
   recipe = resolve_fp8(recipe, fp8_meta_1, "fp8_meta_1")
   if isinstance(recipe, DelayedScaling) and fp8_meta_2 is None:
     raise ValueError("DelayedScaling needs fp8_meta_2 (a DenseFp8Meta) with fc2's scaling state")
@@ -179,7 +182,7 @@ def layernorm_mlp(
 
   cfg = _MlpConfig(fp8_config(kernel_1, bias_1), fp8_config(kernel_2, bias_2), norm, act, gated, f_dim)
   delayed = isinstance(recipe, DelayedScaling)
-  r = residual_rows(residual, x.shape, x2d.shape[0] - pad, h_dim, pad, x.dtype)
+  r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
   y = _ln_mlp_fp8(cfg, r is not None, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
   return y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -7,8 +7,8 @@
 //
 // FP8 operands are dequantized inside the GEMM by their per-tensor scale_inv (device pointers, so no host sync).
 // Optional bias epilogue (bias in the output dtype) and residual (cuBLASLt's C input with beta = 1: out = lhs @ rhs^T
-// + bias + residual, in float32, rounded once; C has the output's type and layout). Fast accumulation is a per-call attribute: Transformer
-// Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
+// + bias + residual, in float32, rounded once; C has the output's type and layout). Fast accumulation is a per-call
+// attribute: Transformer Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
 // call of a problem also times the heuristic's candidates and keeps the fastest. Later calls only look their plan up.

@@ -287,6 +287,7 @@ def gemm(
   if residual is not None and tuple(residual.shape) not in ((*lhs_rows, *rhs_rows), (m, n)):
     raise ValueError(f"residual must have the output's shape {(*lhs_rows, *rhs_rows)} (or {(m, n)}), got "
                      f"{residual.shape}")
+  residual = None if residual is None else residual.reshape(m, n)
   gemm_dtype, fuse = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
   fuse = fuse and k > 0  # with K = 0 the handler only zeroes the output
   fuse_bias = fuse and bias is not None
@@ -298,12 +299,11 @@ def gemm(
   if fuse_bias:  # the bias is rounded to out_dtype first in every path
     operands.append(bias.astype(out_dtype).astype(gemm_dtype))
   if fuse_residual:
-    operands.append(residual.astype(out_dtype).reshape(m, n))
+    operands.append(residual.astype(out_dtype))
   (out,) = _GEMM.bind(*operands, config=config)
-  if (bias is not None and not fuse_bias) or (residual is not None and not fuse_residual):
-    out = out.astype(jnp.float32)  # added in float32, as the epilogue would, then cast once
-    if bias is not None and not fuse_bias:
-      out = out + bias.astype(out_dtype).astype(jnp.float32)
-    if residual is not None and not fuse_residual:
-      out = out + residual.astype(out_dtype).astype(jnp.float32).reshape(m, n)
+  unfused = [a for a, fused in ((bias, fuse_bias), (residual, fuse_residual)) if a is not None and not fused]
+  if unfused:  # added in float32, in the epilogue's order, then cast once
+    out = out.astype(jnp.float32)
+    for addend in unfused:
+      out = out + addend.astype(out_dtype).astype(jnp.float32)
   return out.astype(out_dtype).reshape(*lhs_rows, *rhs_rows)
