@@ -44,8 +44,9 @@ class NormSpec:
     return norm_fwd(x, gamma, beta, norm_type=self.norm_type, epsilon=self.epsilon,
                     zero_centered_gamma=self.zero_centered_gamma, **kwargs)
 
-  def bwd(self, dz, x, mean, rsigma, gamma):
-    return norm_bwd(dz, x, mean, rsigma, gamma, norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma)
+  def bwd(self, dz, x, mean, rsigma, gamma, dres=None):
+    return norm_bwd(dz, x, mean, rsigma, gamma, norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma,
+                    dres=dres)
 
   def plain(self, x, gamma, beta):
     return layernorm(x, gamma, beta, layernorm_type=self.norm_type, epsilon=self.epsilon,
@@ -80,30 +81,31 @@ def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep
   return NormFp8(q.data, q.data_t, 1.0 / s, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, unstack: Unstack | None, x, gamma, beta, kernel,
-                  bias, meta):
-  return _ln_dense_fp8_fwd(cfg, norm, keep_hp, unstack, x, gamma, beta, kernel, bias, meta)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, pass_input: bool, unstack: Unstack | None, x, gamma,
+                  beta, kernel, bias, meta):
+  return _ln_dense_fp8_fwd(cfg, norm, keep_hp, pass_input, unstack, x, gamma, beta, kernel, bias, meta)[0]
 
 
-def _ln_dense_fp8_fwd(cfg, norm, keep_hp, unstack, x, gamma, beta, kernel, bias, meta_in):
+def _ln_dense_fp8_fwd(cfg, norm, keep_hp, pass_input, unstack, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   z = norm_to_fp8(cfg, norm, meta and meta.x, x, gamma, beta, keep_hp=keep_hp)
   out, res = linear_fwd(cfg, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias)
   out = out if unstack is None else unstack.split(out)
-  return (out, z.hp), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
+  return (out, z.hp, x if pass_input else None), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
 
 
-def _ln_dense_fp8_bwd(cfg, norm, keep_hp, unstack, residuals, cotangents):
+def _ln_dense_fp8_bwd(cfg, norm, keep_hp, pass_input, unstack, residuals, cotangents):
   x, gamma, beta, mean, rsigma, res, amax_z, meta_in = residuals
   meta = state_as_float32(meta_in)
-  g, g_hp = cotangents
+  g, g_hp, g_x = cotangents
   sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
   qg = quantize_grad(cfg, g, sg, unstack)
   dz, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
   if keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
     dz = (dz.astype(jnp.float32) + g_hp.astype(jnp.float32)).astype(dz.dtype)
-  dx, dgamma, dbeta = norm.bwd(dz, x, mean, rsigma, gamma)
+  # The passed-through input's gradient is added to dx inside the norm's backward kernel.
+  dx, dgamma, dbeta = norm.bwd(dz, x, mean, rsigma, gamma, dres=g_x.astype(x.dtype) if pass_input else None)
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
@@ -153,6 +155,7 @@ def layernorm_dense(
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
     return_layernorm_output: bool = False,
+    return_input: bool = False,
     unstack_axis: int | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
@@ -171,14 +174,17 @@ def layernorm_dense(
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
     return_layernorm_output: also return the normalized tensor (in ``x``'s dtype); under FP8 this costs an extra
       pass, since the fused kernel writes only FP8.
+    return_input: also return ``x`` itself, last: used in place of ``x`` afterwards (the residual connection around
+      a pre-LN block), its gradient is added to ``x``'s inside the norm's backward kernel under FP8, instead of by a
+      separate pass over memory.
     unstack_axis: a feature axis of the output to return it unstacked along, as in ``te_jax.dense`` (q, k and v of
       an (H, 3, D) QKV projection with ``unstack_axis=-2``).
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
 
   Returns:
-    ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), and the normalized tensor when
-    ``return_layernorm_output``.
+    ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
+    ``return_layernorm_output``, then ``x`` when ``return_input``.
   """
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h = x.shape[-1]
@@ -192,17 +198,22 @@ def layernorm_dense(
   if recipe is None:
     z = norm.plain(x, gamma, beta)
     y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
-    return (y, z) if return_layernorm_output else y
+    return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
   n = math.prod(features)
   check_fp8_dims(hidden=h, features=n)
   x2d, pad = pad_rows(x.reshape(-1, h))
   cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   b = None if bias is None else bias.reshape(n)
-  y, z = _ln_dense_fp8(cfg, norm, bool(return_layernorm_output), unstack, x2d, gamma, beta, kernel.reshape(h, n), b,
-                       meta)
+  y, z, x_out = _ln_dense_fp8(cfg, norm, bool(return_layernorm_output), bool(return_input), unstack, x2d, gamma, beta,
+                              kernel.reshape(h, n), b, meta)
   m = x2d.shape[0] - pad
   y = layer_output(y, m, x.shape[:-1], features, unstack)
-  if return_layernorm_output:
-    return y, z[:m].reshape(x.shape)
-  return y
+  unpad = lambda v: None if v is None else v[:m].reshape(x.shape)  # noqa: E731
+  return _outputs(y, unpad(z), unpad(x_out))
+
+
+def _outputs(y, z, x):
+  """``y``, or the tuple of ``y`` and those of the normalized tensor ``z`` and the input ``x`` that are not None."""
+  extra = tuple(v for v in (z, x) if v is not None)
+  return (y, *extra) if extra else y

@@ -40,16 +40,22 @@ class _MlpConfig:
   intermediate: int
 
 
+# How the residual reaches fc2's epilogue: none, a given array, or the block's own input (a pre-LN block), whose
+# gradient the backward then adds inside the norm's backward kernel.
+_NO_RESIDUAL, _GIVEN_RESIDUAL, _INPUT_RESIDUAL = "none", "given", "input"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ln_mlp_fp8(cfg: _MlpConfig, has_residual: bool, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual,
+def _ln_mlp_fp8(cfg: _MlpConfig, residual_kind: str, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual,
                 meta_1, meta_2):
-  return _ln_mlp_fp8_fwd(cfg, has_residual, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1,
+  return _ln_mlp_fp8_fwd(cfg, residual_kind, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1,
                          meta_2)[0]
 
 
-def _ln_mlp_fp8_fwd(cfg: _MlpConfig, has_residual: bool, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
+def _ln_mlp_fp8_fwd(cfg: _MlpConfig, residual_kind: str, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
                     residual, meta_1_in, meta_2_in):
-  del has_residual  # (the backward's)
+  if residual_kind == _INPUT_RESIDUAL:
+    residual = x
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
   z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x, gamma, beta, keep_hp=False)
@@ -68,7 +74,7 @@ def _ln_mlp_fp8_fwd(cfg: _MlpConfig, has_residual: bool, x, gamma, beta, kernel_
   return y, residuals
 
 
-def _ln_mlp_fp8_bwd(cfg: _MlpConfig, has_residual: bool, residuals, g):
+def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residual_kind: str, residuals, g):
   x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1_in, meta_2_in = residuals
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
@@ -86,7 +92,7 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, has_residual: bool, residuals, g):
   m = h.shape[0]
   dh_q, dh_t = dh.data.reshape(m, -1), dh.data_t.reshape(-1, m)  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
   dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1)
-  dx, dgamma, dbeta = cfg.norm.bwd(dz, x, mean, rsigma, gamma)
+  dx, dgamma, dbeta = cfg.norm.bwd(dz, x, mean, rsigma, gamma, dres=g if residual_kind == _INPUT_RESIDUAL else None)
   db1 = dh.dbias.reshape(-1).astype(fc1.bias_dtype) if fc1.has_bias else None
   db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
   new_1 = new_2 = None
@@ -99,7 +105,8 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, has_residual: bool, residuals, g):
                          fc2.update(meta_2.grad, qg.amax, fc2.bwd_dtype))
     new_1, new_2 = state_like((new_1, new_2), (meta_1_in, meta_2_in))
   dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
-  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, (g if has_residual else None), new_1, new_2
+  dres = g if residual_kind == _GIVEN_RESIDUAL else None
+  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
 
 
 _ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd)
@@ -139,8 +146,9 @@ def layernorm_mlp(
     bias_1: optional ``(n, F)``; bias_2: optional ``(H,)``.
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
     activation_type: ``(act,)`` or ``(act, "linear")``: ``("gelu",)``, ``("silu", "linear")`` for SwiGLU, ...
-    residual: optional, ``x``'s shape: added to the output (a residual connection, ``x`` itself for a pre-LN
-      block), under FP8 in fc2's GEMM epilogue.
+    residual: optional, ``x``'s shape: added to the output (a residual connection), under FP8 in fc2's GEMM
+      epilogue. When it is ``x`` itself (a pre-LN block), its gradient is also added inside the norm's backward
+      kernel rather than by a separate pass.
     fp8_meta_1, fp8_meta_2: the delayed-scaling states of fc1 and fc2; required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
 
@@ -182,7 +190,11 @@ def layernorm_mlp(
 
   cfg = _MlpConfig(fp8_config(kernel_1, bias_1), fp8_config(kernel_2, bias_2), norm, act, gated, f_dim)
   delayed = isinstance(recipe, DelayedScaling)
-  r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
-  y = _ln_mlp_fp8(cfg, r is not None, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
+  if residual is x:
+    kind, r = _INPUT_RESIDUAL, None
+  else:
+    r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
+    kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
+  y = _ln_mlp_fp8(cfg, kind, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
   return y[: x2d.shape[0] - pad].reshape(x.shape)

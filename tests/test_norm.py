@@ -221,16 +221,19 @@ def check_fwd_many(cases, *, device=CPU):
   return outs
 
 
-def bwd_case(shape, dtype, norm_type, seed, zero_centered=False, dz_dtype=None):
+def bwd_case(shape, dtype, norm_type, seed, zero_centered=False, dz_dtype=None, dres=False):
   """(dz, x, mean, rsigma, gamma, kwargs): the statistics from the CPU handler's forward (the bwd takes any); dz in
-  ``dz_dtype`` (default x's)."""
+  ``dz_dtype`` (default x's); with ``dres``, kwargs hold a gradient to add to dx (x's dtype)."""
   x, gamma, beta = make_case(shape, dtype, seed)
   g = gamma - 1 if zero_centered else gamma
   fwd = te_jax.norm_fwd(jax.device_put(x, CPU), g, beta if norm_type == "layernorm" else None, norm_type=norm_type,
                         epsilon=EPS, zero_centered_gamma=zero_centered)
   dz = np.random.default_rng(seed + 1).standard_normal(shape).astype(dz_dtype or dtype)
   mean = None if fwd.mean is None else np.asarray(fwd.mean)
-  return dz, x, mean, np.asarray(fwd.rsigma), g, dict(norm_type=norm_type, zero_centered_gamma=zero_centered)
+  kw = dict(norm_type=norm_type, zero_centered_gamma=zero_centered)
+  if dres:
+    kw["dres"] = (4 * np.random.default_rng(seed + 2).standard_normal(shape)).astype(dtype)
+  return dz, x, mean, np.asarray(fwd.rsigma), g, kw
 
 
 def bwd64(dz, x, mean, rsigma, gamma, kw):
@@ -243,9 +246,13 @@ def bwd64(dz, x, mean, rsigma, gamma, kw):
   c2 = np.mean(dy * xhat, axis=-1, keepdims=True)
   c1 = 0.0 if mean is None else np.mean(dy, axis=-1, keepdims=True)
   dx = (dy - c1 - xhat * c2) * r
+  dx_scale = np.abs(dy).max(axis=-1, keepdims=True, initial=0.0) * r
+  if "dres" in kw:
+    dres = np.asarray(kw["dres"]).astype(np.float64)
+    dx, dx_scale = dx + dres, dx_scale + np.abs(dres).max(axis=-1, keepdims=True, initial=0.0)
   rows = tuple(range(x.ndim - 1))
   return (dx, np.sum(dz * xhat, axis=rows), np.sum(dz, axis=rows), np.sum(np.abs(dz * xhat), axis=rows),
-          np.sum(np.abs(dz), axis=rows), np.abs(dy).max(axis=-1, keepdims=True, initial=0.0) * r)
+          np.sum(np.abs(dz), axis=rows), dx_scale)
 
 
 def native_bwd_many(cases, *, device=CPU):
@@ -262,8 +269,9 @@ def native_bwd_many(cases, *, device=CPU):
 
 def reference_bwd_many(cases):
   def one(dz, x, mean, rsigma, gamma, kw):
-    config = NormConfig(kw["norm_type"], zero_centered_gamma=kw["zero_centered_gamma"])
-    return norm_bwd_ref(dz, x, rsigma, gamma, *([] if mean is None else [mean]), config=config)
+    config = NormConfig(kw["norm_type"], zero_centered_gamma=kw["zero_centered_gamma"], dres="dres" in kw)
+    rest = ([] if mean is None else [mean]) + ([kw["dres"]] if "dres" in kw else [])
+    return norm_bwd_ref(dz, x, rsigma, gamma, *rest, config=config)
 
   args = [tuple(None if a is None else jax.device_put(a, CPU) for a in c[:5]) for c in cases]
   return jax.jit(lambda args: [one(*a, c[5]) for a, c in zip(args, cases)])(args)
@@ -372,6 +380,26 @@ def test_cpu_bwd(norm_type, dtype, dz_dtype, zero_centered):
   cases = [bwd_case(shape, dtype, norm_type, seed=i, zero_centered=zero_centered, dz_dtype=dz_dtype)
            for i, shape in enumerate(CPU_SHAPES)]
   check_bwd_many(cases)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_cpu_bwd_dres(norm_type, dtype):
+  """A residual gradient added to dx (in float32, one rounding); dgamma and dbeta as without it."""
+  cases = [bwd_case(shape, dtype, norm_type, seed=i, dres=True) for i, shape in enumerate(CPU_SHAPES)]
+  outs = check_bwd_many(cases)
+  plain = native_bwd_many([c[:5] + ({k: v for k, v in c[5].items() if k != "dres"},) for c in cases])
+  for got, want in zip(outs, plain):
+    for a, b in zip(got[1:], want[1:]):
+      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+def test_bwd_dres_errors():
+  dz, x, mean, rsigma, g, kw = bwd_case((4, 16), BF16, "layernorm", seed=3)
+  with pytest.raises(TypeError, match="dres must have x's shape"):
+    te_jax.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 16), np.float32))
+  with pytest.raises(TypeError, match="dres must have x's shape"):
+    te_jax.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 8), BF16))
 
 
 # ---- the reference itself ------------------------------------------------------------------------------------------
@@ -753,6 +781,21 @@ def test_gpu_bwd(dtype, dz_dtype, gpu):
   cases = [bwd_case(shape, dtype, norm_type, seed=i, zero_centered=i % 2 == 1, dz_dtype=dz_dtype)
            for i, shape in enumerate(GPU_SHAPES) for norm_type in NORM_TYPES]
   check_bwd_many(cases, device=gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_gpu_bwd_dres(dtype, gpu):
+  """dres through the ring (1 chunk per thread of 16-bit inputs, float32) and loaded in the normalize pass (2 and 4
+  chunks), and in the any-shape kernel; dgamma/dbeta the same bits as without it."""
+  assert_cuda_targets()
+  cases = [bwd_case(shape, dtype, norm_type, seed=i, zero_centered=i % 2 == 1, dres=True)
+           for i, shape in enumerate(GPU_SHAPES) for norm_type in NORM_TYPES]
+  outs = check_bwd_many(cases, device=gpu)
+  plain = native_bwd_many([c[:5] + ({k: v for k, v in c[5].items() if k != "dres"},) for c in cases], device=gpu)
+  for got, want in zip(outs, plain):
+    for a, b in zip(got[1:], want[1:]):
+      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
 
 
 @pytest.mark.gpu

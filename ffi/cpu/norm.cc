@@ -165,8 +165,8 @@ struct BwdRows {
   float* dbeta;
 };
 
-template <typename LoadX, typename LoadDz, typename Store>
-void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, Store store) {
+template <typename LoadX, typename LoadDz, typename LoadRes, typename Store>
+void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, LoadRes load_res, Store store) {
   std::vector<float> xhat(a.cols), dy(a.cols);
   std::vector<double> dg(a.cols, 0.0), db(a.cols, 0.0);
   const double n = static_cast<double>(a.cols);
@@ -186,7 +186,10 @@ void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, Store store) {
     }
     const float c1 = a.rmsnorm ? 0.0f : static_cast<float>(s1 / n);
     const float c2 = static_cast<float>(s2 / n);
-    for (int64_t c = 0; c < a.cols; ++c) store(r * a.cols + c, ((dy[c] - c1) - xhat[c] * c2) * rs);
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const int64_t i = r * a.cols + c;
+      store(i, ((dy[c] - c1) - xhat[c] * c2) * rs + load_res(i));
+    }
   }
   for (int64_t c = 0; c < a.cols; ++c) a.dgamma[c] = static_cast<float>(dg[c]);
   if (!a.rmsnorm) {
@@ -195,9 +198,11 @@ void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, Store store) {
 }
 
 ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma, ffi::BufferR1<ffi::F32> gamma,
-                      ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::BufferR1<ffi::F32>> dgamma,
-                      ffi::Result<ffi::BufferR1<ffi::F32>> dbeta, bool rmsnorm, bool zero_centered_gamma) {
-  auto shape = CheckNormBwd(dz, x, rsigma, Count(gamma), mean, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
+                      ffi::AnyBuffer mean, ffi::AnyBuffer dres, ffi::Result<ffi::AnyBuffer> dx,
+                      ffi::Result<ffi::BufferR1<ffi::F32>> dgamma, ffi::Result<ffi::BufferR1<ffi::F32>> dbeta,
+                      bool rmsnorm, bool zero_centered_gamma) {
+  auto shape =
+      CheckNormBwd(dz, x, rsigma, Count(gamma), mean, dres, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
   if (shape.has_error()) return shape.error();
   const int64_t rows = shape->rows, cols = shape->cols;
   std::vector<float> g(cols);
@@ -206,7 +211,13 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma
                   static_cast<const float*>(rsigma.untyped_data()), dgamma->typed_data(), dbeta->typed_data()};
   bool ok = WithReader(x, [&](auto load_x) {
     WithReader(dz, [&](auto load_dz) {
-      WithWriter(dx, 1.0f, [&](auto store) { NormBwdLoop(a, load_x, load_dz, store); });
+      WithWriter(dx, 1.0f, [&](auto store) {
+        if (Count(dres) == 0) {
+          NormBwdLoop(a, load_x, load_dz, [](int64_t) { return 0.0f; }, store);
+        } else {
+          WithReader(dres, [&](auto load_res) { NormBwdLoop(a, load_x, load_dz, load_res, store); });
+        }
+      });
     });
   });
   return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument("norm_bwd: x must be float32, bfloat16 or float16");

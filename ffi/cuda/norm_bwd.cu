@@ -29,6 +29,7 @@ struct BwdArgs {
   const float* mean;  // LayerNorm only
   const float* rsigma;
   const float* gamma;
+  const void* dres;  // a gradient added to dx (x's shape and type), or null
   void* dx;
   float* partial;     // [partial_rows][cols] dgamma partials, then (LayerNorm) as many dbeta partials
   int64_t rows;
@@ -39,23 +40,6 @@ struct BwdArgs {
   int workers;
   int64_t partial_rows;  // the workspace's row count per parameter (>= workers)
   int64_t row_block;     // rows per worker
-};
-
-// Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are
-// copied in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is
-// reduced: kStages - 1 rows in flight), then (LayerNorm) the thread's dbeta accumulators, kept here rather than in
-// registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the total stays within
-// 96 KiB at 512 threads (two such blocks per SM), else two.
-template <typename T, typename Tdz, bool kRms, int kN>
-struct BwdSmem {
-  static constexpr int kWx = Chunk<T>::kWords;    // uint4 per chunk of x ...
-  static constexpr int kWdz = Chunk<Tdz>::kWords;  // ... and of dz
-  static constexpr int kSlots = kN * (kWx + kWdz);  // uint4 per thread and stage: x's chunks, then dz's
-  static constexpr int kAcc = kRms ? 0 : kN * kVec / 4;  // float4 dbeta accumulators per thread
-  static constexpr int kStages = (3 * kSlots + kAcc) * 16 * kMaxBlock <= 96 * 1024 ? 3 : 2;
-  static constexpr size_t Bytes(int threads) {
-    return static_cast<size_t>(kStages * kSlots + kAcc) * 16 * threads;
-  }
 };
 
 // Resident blocks per SM the backward kernel is compiled for: 2 (at most 64 registers per thread) for 16-bit x and
@@ -69,13 +53,36 @@ constexpr int BwdMinBlocks() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN <= 2 ? 2 : 1;
 }
 
-template <typename T, typename Tdz, bool kRms, int kN>
+// Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are
+// copied in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is
+// reduced: kStages - 1 rows in flight), then (LayerNorm) the thread's dbeta accumulators, kept here rather than in
+// registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the total stays within
+// 96 KiB at 512 threads (two such blocks per SM), else two. With dres (kRes), its rows join the ring where a
+// two-stage ring of the three still lets BwdMinBlocks blocks share an SM (kResRing); otherwise each thread loads
+// its dres chunks from global memory in the normalize pass.
+template <typename T, typename Tdz, bool kRms, bool kRes, int kN>
+struct BwdSmem {
+  static constexpr int kWx = Chunk<T>::kWords;    // uint4 per chunk of x (and of dres) ...
+  static constexpr int kWdz = Chunk<Tdz>::kWords;  // ... and of dz
+  static constexpr int kAcc = kRms ? 0 : kN * kVec / 4;  // float4 dbeta accumulators per thread
+  static constexpr bool kResRing =
+      kRes && (2 * kN * (2 * kWx + kWdz) + kAcc) * 16 * kMaxBlock * BwdMinBlocks<T, Tdz, kN>() <= 224 * 1024;
+  static constexpr int kWr = kResRing ? kWx : 0;
+  static constexpr int kSlots = kN * (kWx + kWdz + kWr);  // uint4 per thread and stage: x's, dz's, dres's chunks
+  static constexpr int kStages = (3 * kSlots + kAcc) * 16 * kMaxBlock <= 96 * 1024 ? 3 : 2;
+  static constexpr size_t Bytes(int threads) {
+    return static_cast<size_t>(kStages * kSlots + kAcc) * 16 * threads;
+  }
+};
+
+template <typename T, typename Tdz, bool kRms, bool kRes, int kN>
 __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwdKernel(BwdArgs a) {
-  using Smem = BwdSmem<T, Tdz, kRms, kN>;
+  using Smem = BwdSmem<T, Tdz, kRms, kRes, kN>;
   constexpr int kStages = Smem::kStages;
   constexpr int kSlots = Smem::kSlots;
   constexpr int kWx = Smem::kWx;
   constexpr int kWdz = Smem::kWdz;
+  constexpr int kWr = Smem::kWr;
   extern __shared__ uint4 ring[];  // [stage][slot][thread], then the dbeta accumulators [k][thread]
   __shared__ float red[2][2][kMaxWarps];
   const int Tn = a.threads_per_row;
@@ -113,6 +120,13 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
         for (int w = 0; w < kWx; ++w) __pipeline_memcpy_async(slot(i, j * kWx + w), xs + w, sizeof(uint4));
 #pragma unroll
         for (int w = 0; w < kWdz; ++w) __pipeline_memcpy_async(slot(i, kN * kWx + j * kWdz + w), dzs + w, sizeof(uint4));
+        if constexpr (Smem::kResRing) {
+          const uint4* rs = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dres) + row * a.cols + c * kVec);
+#pragma unroll
+          for (int w = 0; w < kWr; ++w) {
+            __pipeline_memcpy_async(slot(i, kN * (kWx + kWdz) + j * kWr + w), rs + w, sizeof(uint4));
+          }
+        }
       }
     }
     __pipeline_commit();
@@ -183,6 +197,17 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
         const float dy = dzc.Get(e) * gi;
         dx[e] = ((dy - c1) - xhat * c2) * rs;
       }
+      if constexpr (kRes) {
+        Chunk<T> rc;
+        if constexpr (Smem::kResRing) {
+#pragma unroll
+          for (int w = 0; w < kWr; ++w) rc.raw[w] = *slot(i, kN * (kWx + kWdz) + j * kWr + w);
+        } else {
+          rc.Load(static_cast<const T*>(a.dres) + row * a.cols + c * kVec);
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dx[e] += rc.Get(e);
+      }
       Out<T>::Store(a.dx, row * a.cols + c * kVec, dx, 1.0f);
     }
   }
@@ -242,7 +267,9 @@ __global__ void __launch_bounds__(kGenericThreads) NormBwdGenericKernel(BwdArgs 
       const float gi = a.zero_centered ? a.gamma[c] + 1.0f : a.gamma[c];
       const float xhat = (ToFloat(xs[row * a.cols + c]) - m) * rs;
       const float dy = ToFloat(dzs[row * a.cols + c]) * gi;
-      Out<T>::StoreOne(a.dx, row * a.cols + c, ((dy - c1) - xhat * c2) * rs, 1.0f);
+      float dx = ((dy - c1) - xhat * c2) * rs;
+      if (a.dres != nullptr) dx += ToFloat(static_cast<const T*>(a.dres)[row * a.cols + c]);
+      Out<T>::StoreOne(a.dx, row * a.cols + c, dx, 1.0f);
     }
   }
 }
@@ -284,7 +311,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
   static constexpr int kNs32[] = {1, 2};
   constexpr bool k32 = sizeof(T) == 4 || sizeof(Tdz) == 4;
   const bool aligned = Aligned(a.x, 16) && Aligned(a.dz, 16) && Aligned(a.dx, 16) && Aligned(a.gamma, 16) &&
-                       Aligned(a.partial, 16);
+                       Aligned(a.partial, 16) && Aligned(a.dres, 16);
   const Shape shape = a.cols % kVec == 0 && aligned
                           ? PickShape(chunks, k32 ? kNs32 : kNs16, k32 ? 2 : 3, kMaxBlock, false)
                           : Shape{};
@@ -302,11 +329,12 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
     a.workers_per_block = std::max(1, PowerOfTwoAtMost(kMaxBlock / shape.threads));
     const int blocks = (a.workers + a.workers_per_block - 1) / a.workers_per_block;
     const int threads = a.workers_per_block * shape.threads;
-    DispatchBool(rms, [&](auto kRms) {
+    DispatchBool(rms, [&](auto kRms) { DispatchBool(a.dres != nullptr, [&](auto kRes) {
       auto launch = [&](auto kN) {
         constexpr int n = decltype(kN)::value;
-        auto kernel = NormBwdKernel<T, Tdz, decltype(kRms)::value, n>;
-        const size_t smem = BwdSmem<T, Tdz, decltype(kRms)::value, n>::Bytes(threads);
+        constexpr bool r = decltype(kRms)::value, res = decltype(kRes)::value;
+        auto kernel = NormBwdKernel<T, Tdz, r, res, n>;
+        const size_t smem = BwdSmem<T, Tdz, r, res, n>::Bytes(threads);
         const cudaError_t status = LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a);
         if (status != cudaSuccess) {  // the message is built only on failure: this is every call's path
           err = CudaError(status, "norm_bwd kernel launch (" + std::to_string(a.rows) + " x " + std::to_string(a.cols) +
@@ -320,7 +348,7 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
       } else {
         DispatchN<1, 2, 4>(shape.n, launch);
       }
-    });
+    }); });
   }
   if (err.failure()) return err;
   const dim3 grid((a.cols + kColSumCols - 1) / kColSumCols, rms ? 1 : 2);
@@ -332,10 +360,12 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
 // ---- handler ------------------------------------------------------------------------------------------------------
 
 ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma,
-                       ffi::BufferR1<ffi::F32> gamma, ffi::AnyBuffer mean, ffi::Result<ffi::AnyBuffer> dx,
+                       ffi::BufferR1<ffi::F32> gamma, ffi::AnyBuffer mean, ffi::AnyBuffer dres,
+                       ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::BufferR1<ffi::F32>> dgamma, ffi::Result<ffi::BufferR1<ffi::F32>> dbeta,
                        ffi::Result<ffi::AnyBuffer> workspace, bool rmsnorm, bool zero_centered_gamma) {
-  auto shape = CheckNormBwd(dz, x, rsigma, Count(gamma), mean, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
+  auto shape =
+      CheckNormBwd(dz, x, rsigma, Count(gamma), mean, dres, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
   if (shape.has_error()) return shape.error();
   const int64_t rows = shape->rows, cols = shape->cols;
   if (cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_bwd: x's last dim must be in [1, 2^30]");
@@ -358,6 +388,7 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
   a.mean = rmsnorm ? nullptr : static_cast<const float*>(mean.untyped_data());
   a.rsigma = static_cast<const float*>(rsigma.untyped_data());
   a.gamma = gamma.typed_data();
+  a.dres = Count(dres) == 0 ? nullptr : dres.untyped_data();
   a.dx = dx->untyped_data();
   a.partial = static_cast<float*>(workspace->untyped_data());
   a.rows = rows;

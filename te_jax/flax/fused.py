@@ -83,7 +83,10 @@ class LayerNormDenseGeneral(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array):
+  def __call__(self, inputs: jax.Array, *, return_input: bool = False):
+    """The layer's output (with ``return_layernorm_output``, also the normalized input); with ``return_input``, also
+    ``inputs`` in the compute dtype, last, whose gradient the FP8 backward adds inside the norm's kernel (use it in
+    place of ``inputs`` afterwards, e.g. as the residual of a pre-LN block)."""
     features = tuple(self.features) if isinstance(self.features, Sequence) else (self.features,)
     hidden = inputs.shape[-1]
     gamma, beta = _norm_params(self, hidden)
@@ -96,8 +99,8 @@ class LayerNormDenseGeneral(nn.Module):
     recipe = resolve_recipe(self.recipe)
     return layernorm_dense(inputs.astype(dtype), gamma, beta, kernel, bias, norm_type=self.layernorm_type,
                            epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                           return_layernorm_output=self.return_layernorm_output, unstack_axis=self.unstack_axis,
-                           fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
+                           return_layernorm_output=self.return_layernorm_output, return_input=return_input,
+                           unstack_axis=self.unstack_axis, fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
 
 
 class LayerNormMLP(nn.Module):
@@ -160,6 +163,8 @@ class LayerNormMLP(nn.Module):
       b2 = self.param("wo_bias", _logical(self.bias_init, self.bias_axes_2), (hidden,), self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     x = inputs.astype(dtype)
+    if residual is inputs and x.dtype == inputs.dtype:
+      residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
     recipe = resolve_recipe(self.recipe)
     meta_1 = dense_fp8_meta(self, recipe, prefix="wi_")
     meta_2 = dense_fp8_meta(self, recipe, prefix="wo_")

@@ -206,18 +206,24 @@ class MultiHeadAttention(nn.Module):
     return _axes(self.logical_axes, *names)
 
   def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
-                  with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None):
+                  with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None,
+                  pass_input: bool = False):
     """(LayerNorm ->) a dense projection to ``features`` (unstacked along ``unstack_axis``); returns (output, the
-    normalized input or None)."""
+    normalized input or None, and with ``pass_input`` and a norm, the input passed through the norm's layer (its
+    gradient folds into the norm's backward), else None)."""
     kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
               bias_init=self.bias_init, kernel_axes=self._axes(EMBED, *feature_axes),
               bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     if not with_norm:
-      return DenseGeneral(**kw)(inputs), None
+      return DenseGeneral(**kw)(inputs), None, None
     out = LayerNormDenseGeneral(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
                                 zero_centered_gamma=self.zero_centered_gamma,
-                                return_layernorm_output=want_norm_output, scale_axes=self._axes(EMBED), **kw)(inputs)
-    return out if want_norm_output else (out, None)
+                                return_layernorm_output=want_norm_output, scale_axes=self._axes(EMBED),
+                                **kw)(inputs, return_input=pass_input)
+    out = out if want_norm_output or pass_input else (out,)
+    y, rest = out[0], list(out[1:])
+    ln_out = rest.pop(0) if want_norm_output else None
+    return y, ln_out, (rest.pop(0) if pass_input else None)
 
   def _rope(self, q, k, positions, rotary_dim: int, offset):
     """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
@@ -285,21 +291,25 @@ class MultiHeadAttention(nn.Module):
     xkv = xq if self_attention else _seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
 
     d = self.head_dim
+    # A residual that is the input itself (a pre-LN block) is taken from the input norm's layer, which then adds its
+    # gradient inside the norm's backward kernel.
+    pass_input = residual is not None and residual is inputs_q and self.input_layernorm
     if self_attention and self.fuse_qkv_params and kv_heads == h:
       # One (hidden, H, 3, D) kernel, heads major: with the heads sharded (tensor parallelism) every shard holds whole
       # heads of q, k and v, the GEMM's flattened output dim is sharded in contiguous blocks, and the unstacking is
       # shard-local. Unstacked by the projection, whose backward reads dq, dk and dv straight into its FP8 operand.
-      (q, k, v), ln_out = self._projection("qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm,
-                                           self.return_layernorm_output, xq, unstack_axis=-2)
+      (q, k, v), ln_out, x_passed = self._projection(
+          "qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm, self.return_layernorm_output, xq,
+          unstack_axis=-2, pass_input=pass_input)
     else:
       # GQA, cross attention or separate kernels: a query projection and one (hidden, Hk, 2, D) key/value kernel;
       # with an input norm on self attention, the norm's output feeds the key/value projection too.
       kv_from_norm = self_attention and self.input_layernorm
-      q, ln_out = self._projection("query", (h, d), (HEADS, HEAD_DIM), self.input_layernorm,
-                                   self.return_layernorm_output or kv_from_norm, xq)
+      q, ln_out, x_passed = self._projection("query", (h, d), (HEADS, HEAD_DIM), self.input_layernorm,
+                                             self.return_layernorm_output or kv_from_norm, xq, pass_input=pass_input)
       kv_in = ln_out if kv_from_norm else xkv
-      (k, v), _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
-                                   unstack_axis=-2)
+      (k, v), _, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
+                                      unstack_axis=-2)
 
     mask_type = self.attn_mask_type
     if decode:
@@ -323,7 +333,8 @@ class MultiHeadAttention(nn.Module):
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
-                       name="out")(out, _seq_first_to_batch_first(residual, self.transpose_batch_sequence))
+                       name="out")(out, x_passed if pass_input else
+                                   _seq_first_to_batch_first(residual, self.transpose_batch_sequence))
     out = _seq_first_to_batch_first(out, self.transpose_batch_sequence)
     if self.return_layernorm_output:
       return out, _seq_first_to_batch_first(ln_out, self.transpose_batch_sequence)

@@ -13,7 +13,9 @@ Forward, per row of ``x`` (every dim but the last is a row dim), in float32:
 
 Backward, with ``xhat = (x - mean) * rsigma`` (RMSNorm ``x * rsigma``) and ``dy = dz * g``:
 ``dx = ((dy - mean(dy)) - xhat * mean(dy * xhat)) * rsigma`` (RMSNorm without the ``mean(dy)`` term),
-``dgamma = sum over rows of dz * xhat``, ``dbeta = sum over rows of dz``, float32. The CUDA kernel sums dgamma and
+``dgamma = sum over rows of dz * xhat``, ``dbeta = sum over rows of dz``, float32. An optional ``dres`` (the gradient
+``x`` gets by another path, e.g. a residual connection) is added to ``dx`` in float32 before its rounding, saving the
+separate add's pass over memory. The CUDA kernel sums dgamma and
 dbeta in a fixed order (per-row-block partials, then a column sum), so every run gives the same bits.
 
 The statistics and the backward reductions are sums whose order the reference leaves to XLA: the kernels agree with
@@ -59,6 +61,7 @@ class NormConfig:
     zero_centered_gamma: gamma is stored as gamma - 1; the op multiplies by gamma + 1.
     out_dtype: the forward output dtype: float32, bfloat16, float16, float8_e4m3fn or float8_e5m2.
     transpose: the forward also returns the transposed FP8 copy, shape ``(hidden, *rows)`` (FP8 outputs only).
+    dres: the backward takes a gradient to add to dx (backward only).
   """
 
   norm_type: str = "layernorm"
@@ -66,6 +69,7 @@ class NormConfig:
   zero_centered_gamma: bool = False
   out_dtype: np.dtype = _F32
   transpose: bool = False
+  dres: bool = False
 
   @property
   def rms(self) -> bool:
@@ -140,26 +144,36 @@ def norm_fwd_ref(x, gamma, scale, *beta, config: NormConfig) -> list[jax.Array]:
   return outs + ([] if config.rms else [mean]) + [rsigma]
 
 
-def norm_bwd_ref(dz, x, rsigma, gamma, *mean, config: NormConfig) -> list[jax.Array]:
+def norm_bwd_ref(dz, x, rsigma, gamma, *rest, config: NormConfig) -> list[jax.Array]:
   """The pure-jnp backward: ``[dx (x's dtype), dgamma (float32), dbeta (float32, LayerNorm only)]``.
 
-  ``mean`` is given for LayerNorm only.
+  ``rest`` is ``mean`` (LayerNorm only), then ``dres`` (``config.dres`` only).
   """
+  mean, dres = _bwd_rest(rest, config)
   xf, dzf = x.astype(jnp.float32), dz.astype(jnp.float32)
   r = rsigma[..., None]
-  xhat = xf * r if config.rms else (xf - mean[0][..., None]) * r
+  xhat = xf * r if config.rms else (xf - mean[..., None]) * r
   dy = dzf * _effective_gamma(gamma, config)
   c2 = jnp.mean(dy * xhat, axis=-1, keepdims=True)
   if config.rms:
     dx = (dy - xhat * c2) * r
   else:
     dx = ((dy - jnp.mean(dy, axis=-1, keepdims=True)) - xhat * c2) * r
+  if dres is not None:
+    dx = dx + dres.astype(jnp.float32)
   rows = tuple(range(x.ndim - 1))
   outs = [dx.astype(x.dtype), jnp.sum(dzf * xhat, axis=rows)]
   return outs if config.rms else outs + [jnp.sum(dzf, axis=rows)]
 
 
 # ---- helpers shared by the primitives ----------------------------------------------------------------------------
+
+
+def _bwd_rest(rest, config: NormConfig):
+  """(mean or None, dres or None) from the backward's operands after gamma."""
+  rest = list(rest)
+  mean = None if config.rms else rest.pop(0)
+  return mean, (rest.pop(0) if config.dres else None)
 
 
 def _attributes(config: NormConfig) -> dict:
@@ -289,8 +303,8 @@ _NORM_FWD = define_op(
 # ---- backward primitive ------------------------------------------------------------------------------------------
 
 
-def _bwd_abstract_eval(dz, x, rsigma, gamma, *mean, config: NormConfig):
-  del dz, rsigma, mean
+def _bwd_abstract_eval(dz, x, rsigma, gamma, *rest, config: NormConfig):
+  del dz, rsigma, rest
   outs = [output_aval(x, x.shape, x.dtype), output_aval(x, gamma.shape, jnp.float32)]
   return outs if config.rms else outs + [output_aval(x, gamma.shape, jnp.float32)]
 
@@ -301,28 +315,37 @@ def _bwd_partial_rows(rows: int, hidden: int) -> int:
 
 
 def _bwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out) -> NativeSignature:
-  """The handlers take (dz, x, rsigma, gamma, mean) and return (dx, dgamma, dbeta), RMSNorm's mean and dbeta empty;
-  the CUDA one also returns its workspace: the float32 dgamma (and dbeta) partials of each row block."""
+  """The handlers take (dz, x, rsigma, gamma, mean, dres) and return (dx, dgamma, dbeta), RMSNorm's mean and dbeta
+  empty, dres empty when not given; the CUDA one also returns its workspace: the float32 dgamma (and dbeta) partials
+  of each row block."""
   x = avals_in[1]
   results = list(avals_out) + ([_empty(jnp.float32)] if config.rms else [])
   if platform == "cuda":
     per_param = _bwd_partial_rows(math.prod(x.shape[:-1]), x.shape[-1]) * x.shape[-1]
     results.append(jax.core.ShapedArray((per_param * (1 if config.rms else 2),), jnp.float32))
-  extra = (np.zeros((0,), np.float32),) if config.rms else ()
+  given, order, extra = 4, [0, 1, 2, 3], []  # dz, x, rsigma, gamma, then mean and dres where given
+  for present, dtype in ((not config.rms, np.float32), (config.dres, x.dtype)):
+    if present:
+      order.append(given)
+      given += 1
+    else:
+      order.append(len(avals_in) + len(extra))
+      extra.append(np.zeros((0,), dtype))
   keep = [0, 1] if config.rms else [0, 1, 2]
-  return NativeSignature(extra_operands=extra, result_avals=results, keep=keep)
+  return NativeSignature(extra_operands=extra, result_avals=results, keep=keep, operand_order=order)
 
 
 def _bwd_partition(config: NormConfig, mesh, arg_shapes, result_shape):
   """Rows stay sharded as dz's are; the hidden dim is gathered; dgamma and dbeta are summed over the row shards."""
   del result_shape
   row_spec, x_sharding, rows, replicated = _row_shardings(mesh, arg_shapes[0])
-  arg_shardings = [x_sharding, x_sharding, rows, replicated] + ([] if config.rms else [rows])
+  arg_shardings = ([x_sharding, x_sharding, rows, replicated] + ([] if config.rms else [rows]) +
+                   ([x_sharding] if config.dres else []))
   out_shardings = [x_sharding] + [replicated] * (1 if config.rms else 2)
   row_axes = mesh_axes(*row_spec)
 
-  def lower_fn(dz, x, rsigma, gamma, *mean):
-    dx, *params = _NORM_BWD.inner.bind(dz, x, rsigma, gamma, *mean, config=config)
+  def lower_fn(dz, x, rsigma, gamma, *rest):
+    dx, *params = _NORM_BWD.inner.bind(dz, x, rsigma, gamma, *rest, config=config)
     if row_axes:  # one all-reduce for both parameter gradients
       params = jax.lax.psum(tuple(params), row_axes)
     return (dx, *params)
@@ -335,7 +358,7 @@ def _bwd_sharding_rule(config: NormConfig, mesh, value_types, result_types):
   rows = _row_dims(len(value_types[0].shape))
   x = " ".join([*rows, "h"])
   r = " ".join(rows)
-  operands = [x, x, r, "h"] + ([] if config.rms else [r])
+  operands = [x, x, r, "h"] + ([] if config.rms else [r]) + ([x] if config.dres else [])
   results = [x, "h"] + ([] if config.rms else ["h"])
   return f"{', '.join(operands)} -> {', '.join(results)}", {"need_replication_factors": ("h",)}
 
@@ -475,6 +498,7 @@ def norm_bwd(
     *,
     norm_type: str = "layernorm",
     zero_centered_gamma: bool = False,
+    dres: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The gradients of ``norm_fwd``'s output with respect to ``x``, gamma and beta, given its statistics.
 
@@ -493,6 +517,8 @@ def norm_bwd(
     gamma: the forward's gamma (gamma - 1 under ``zero_centered_gamma``).
     norm_type: "layernorm" or "rmsnorm".
     zero_centered_gamma: as in the forward.
+    dres: optional, ``x``'s shape and dtype: a gradient of ``x`` from another path (a residual connection), added to
+      dx in float32 before dx is rounded to ``x``'s dtype.
 
   Returns:
     ``(dx, dgamma, dbeta)``: dx in ``x``'s dtype; dgamma and dbeta float32 ``(hidden,)``; dbeta None for RMSNorm.
@@ -503,7 +529,10 @@ def norm_bwd(
     raise TypeError(f"dz must have x's shape {x.shape} and x's dtype ({x.dtype}) or float32, got {dz.shape} "
                     f"{dz.dtype}")
   check_norm_args(norm_type, 0.0)
-  config = NormConfig(norm_type, zero_centered_gamma=bool(zero_centered_gamma))
+  if dres is not None and (not hasattr(dres, "dtype") or dres.shape != x.shape or dres.dtype != x.dtype):
+    raise TypeError(f"dres must have x's shape {x.shape} and dtype {x.dtype}, got "
+                    f"{getattr(dres, 'shape', type(dres).__name__)} {getattr(dres, 'dtype', '')}")
+  config = NormConfig(norm_type, zero_centered_gamma=bool(zero_centered_gamma), dres=dres is not None)
   rows = tuple(x.shape[:-1])
   rsigma = _check_stats(rsigma, "rsigma", rows)
   gamma = _check_param(gamma, "gamma", x.shape[-1]).astype(jnp.float32)
@@ -513,5 +542,6 @@ def norm_bwd(
     extra = ()
   else:
     extra = (_check_stats(mean, "mean", rows),)
+  extra += () if dres is None else (dres,)
   outs = list(_NORM_BWD.bind(dz, x, rsigma, gamma, *extra, config=config))
   return outs[0], outs[1], None if config.rms else outs[2]

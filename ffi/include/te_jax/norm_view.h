@@ -39,11 +39,13 @@ inline xla::ffi::ErrorOr<NormShape> CheckNormFwd(const xla::ffi::AnyBuffer& x, i
 }
 
 // Backward: dz like x (x's type or float32), dx x's type and shape, float32 rsigma (rows,) and mean (rows,) or
-// empty for RMSNorm, gamma and dgamma (cols,), dbeta (cols,) or empty for RMSNorm. Returns (rows, cols).
+// empty for RMSNorm, gamma and dgamma (cols,), dbeta (cols,) or empty for RMSNorm, dres x's type and shape or empty.
+// Returns (rows, cols).
 inline xla::ffi::ErrorOr<NormShape> CheckNormBwd(const xla::ffi::AnyBuffer& dz, const xla::ffi::AnyBuffer& x,
                                                  const xla::ffi::AnyBuffer& rsigma, int64_t gamma_count,
-                                                 const xla::ffi::AnyBuffer& mean, const xla::ffi::AnyBuffer& dx,
-                                                 int64_t dgamma_count, int64_t dbeta_count, bool rmsnorm) {
+                                                 const xla::ffi::AnyBuffer& mean, const xla::ffi::AnyBuffer& dres,
+                                                 const xla::ffi::AnyBuffer& dx, int64_t dgamma_count,
+                                                 int64_t dbeta_count, bool rmsnorm) {
   NormShape s;
   s.cols = Cols(x);
   if (s.cols < 1 || dx.element_type() != x.element_type() ||
@@ -54,7 +56,8 @@ inline xla::ffi::ErrorOr<NormShape> CheckNormBwd(const xla::ffi::AnyBuffer& dz, 
   if (Count(dz) != Count(x) || Count(dx) != Count(x) || rsigma.element_type() != xla::ffi::DataType::F32 ||
       Count(rsigma) != s.rows || mean.element_type() != xla::ffi::DataType::F32 ||
       Count(mean) != (rmsnorm ? 0 : s.rows) || gamma_count != s.cols || dgamma_count != s.cols ||
-      dbeta_count != (rmsnorm ? 0 : s.cols)) {
+      dbeta_count != (rmsnorm ? 0 : s.cols) ||
+      (Count(dres) != 0 && (Count(dres) != Count(x) || dres.element_type() != x.element_type()))) {
     return xla::ffi::Error::InvalidArgument("norm_bwd: operand or result sizes do not match x");
   }
   return s;
@@ -85,6 +88,7 @@ auto NormBwdOperands(B b) {
       .template Arg<xla::ffi::AnyBuffer>()                 // rsigma: f32 per row
       .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // gamma: (cols,)
       .template Arg<xla::ffi::AnyBuffer>()                 // mean: f32 per row, empty for RMSNorm
+      .template Arg<xla::ffi::AnyBuffer>()                 // dres: added to dx (x's shape and type), or empty
       .template Ret<xla::ffi::AnyBuffer>()                 // dx: x's shape and type
       .template Ret<xla::ffi::BufferR1<xla::ffi::F32>>()   // dgamma: (cols,)
       .template Ret<xla::ffi::BufferR1<xla::ffi::F32>>();  // dbeta: (cols,), empty for RMSNorm
