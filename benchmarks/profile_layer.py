@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import os
 import re
 import statistics
 import sys
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--shrink", type=int, default=1, help="divide the dimensions by this (a quick CPU run)")
+  parser.add_argument("--untraced", action="store_true",
+                      help="only the untraced times (per call, dispatch), e.g. to compare XLA_FLAGS settings")
   a = parser.parse_args(argv)
   if a.bench == "ops":
     ops = kernel_metrics.acceptance_ops(a.shrink)
@@ -188,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     fn = harness.layer_fwd_bwd(model, rec, **kw)
     variables, _ = harness.warm_layer(model, rec, fn, jax.random.key(8), x, dy, **kw)
     args = (variables, x, dy)
+    if a.untraced:
+      per_call, dispatch = host_times(fn, args)
+      print(f"{name}: {per_call:.3f} ms per call of {HOST_BATCH} dispatched back to back, {dispatch:.3f} ms to "
+            f"dispatch one (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
+      continue
     report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
   return 0
 

@@ -10,6 +10,7 @@ backward pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -71,13 +72,16 @@ class Fp8Config:
     a = jnp.max(jnp.stack([amax(p) for p in x])) if isinstance(x, tuple) else amax(x)
     return scaling.compute_scale(a, jnp.float32(1.0), scaling.fp8_max(dtype))
 
-  def update(self, state: scaling.ScaleState | None, new_amax: jax.Array, dtype) -> scaling.ScaleState | None:
-    """The next step's state after a step whose tensor had ``new_amax`` (unchanged for stateless recipes)."""
-    if not self.delayed:
-      return state
-    return scaling.update_scale_state(
-        state, new_amax, dtype, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
-    )
+  def update_metas(self, items):
+    """The next step's delayed-scaling states of one or more GEMMs, updated together (one batched computation):
+    ``items`` are ``(meta, amax_x, amax_kernel, amax_grad)`` with ``meta`` a (x, kernel, grad) state tuple such as
+    ``DenseFp8Meta``; returns the new metas, of the same types."""
+    states = [s for meta, *_ in items for s in meta]
+    amaxes = [a for _, *amaxes in items for a in amaxes]
+    dtypes = [self.fwd_dtype, self.fwd_dtype, self.bwd_dtype] * len(items)
+    new = scaling.update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin,
+                                      algo=self.recipe.amax_compute_algo)
+    return [type(meta)(*new[3 * i:3 * i + 3]) for i, (meta, *_) in enumerate(items)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,13 @@ class Unstack:
     m, n = y.shape
     y = y.reshape(m, n // (self.parts * self.group), self.parts, self.group)
     return tuple(y[:, :, i, :].reshape(m, n // self.parts) for i in range(self.parts))
+
+  def split_rows(self, w_t: jax.Array) -> tuple[jax.Array, ...]:
+    """The (N, K) transposed kernel -> each part's rows, (N // parts, K): the GEMM against part i's rows writes
+    part i directly."""
+    n, k = w_t.shape
+    w_t = w_t.reshape(n // (self.parts * self.group), self.parts, self.group, k)
+    return tuple(w_t[:, i].reshape(n // self.parts, k) for i in range(self.parts))
 
 
 def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple[int, ...], features: tuple[int, ...],
@@ -156,16 +167,22 @@ class LinearResiduals(NamedTuple):
   amax_w: jax.Array
 
 
-def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias,
-               residual=None) -> tuple[jax.Array, LinearResiduals]:
+def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, residual=None,
+               unstack: Unstack | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
   """``x @ kernel + bias (+ residual)`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its
   transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
-  ``fp8_gemm_fprop`` says) with the bias and residual epilogues."""
+  ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, one GEMM per part, each against
+  that part's rows of the transposed kernel, returns the parts (no slicing of a stacked output afterwards)."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
   qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
   sw_inv = 1.0 / sw
-  out = gemm(x_q, qw.data_t, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, bias=bias, residual=residual,
-             out_dtype=cfg.out_dtype, fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
+  fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype,
+                               fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
+  if unstack is None:
+    out = fwd_gemm(qw.data_t, bias=bias, residual=residual)
+  else:
+    biases = (None,) * unstack.parts if bias is None else unstack.split(bias[None])
+    out = tuple(fwd_gemm(w, bias=None if b is None else b[0]) for w, b in zip(unstack.split_rows(qw.data_t), biases))
   return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
 
 

@@ -60,8 +60,8 @@ def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, 
   meta = state_as_float32(meta_in)
   sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
   qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
-  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual)
-  return (out if unstack is None else unstack.split(out)), (res, qx.amax, meta_in)
+  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, unstack)
+  return out, (res, qx.amax, meta_in)
 
 
 def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, residuals, g):
@@ -73,11 +73,7 @@ def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, 
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = state_like(DenseFp8Meta(
-        cfg.update(meta.x, amax_x, cfg.fwd_dtype),
-        cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
-        cfg.update(meta.grad, qg.amax, cfg.bwd_dtype),
-    ), meta_in)
+    new_meta = state_like(cfg.update_metas([(meta, amax_x, res.amax_w, qg.amax)])[0], meta_in)
   return dx, dw, dbias, (g if has_residual else None), new_meta
 
 

@@ -90,8 +90,7 @@ def _ln_dense_fp8(cfg: Fp8Config, norm: NormSpec, keep_hp: bool, pass_input: boo
 def _ln_dense_fp8_fwd(cfg, norm, keep_hp, pass_input, unstack, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   z = norm_to_fp8(cfg, norm, meta and meta.x, x, gamma, beta, keep_hp=keep_hp)
-  out, res = linear_fwd(cfg, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias)
-  out = out if unstack is None else unstack.split(out)
+  out, res = linear_fwd(cfg, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias, unstack=unstack)
   return (out, z.hp, x if pass_input else None), (x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
 
 
@@ -109,9 +108,7 @@ def _ln_dense_fp8_bwd(cfg, norm, keep_hp, pass_input, unstack, residuals, cotang
   dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = state_like(DenseFp8Meta(cfg.update(meta.x, amax_z, cfg.fwd_dtype),
-                                       cfg.update(meta.kernel, res.amax_w, cfg.fwd_dtype),
-                                       cfg.update(meta.grad, qg.amax, cfg.bwd_dtype)), meta_in)
+    new_meta = state_like(cfg.update_metas([(meta, amax_z, res.amax_w, qg.amax)])[0], meta_in)
   return dx, dgamma.astype(gamma.dtype), None if dbeta is None else dbeta.astype(beta.dtype), dw, dbias, new_meta
 
 

@@ -97,13 +97,9 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residual_kind: str, residuals, g):
   db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
   new_1 = new_2 = None
   if meta_1 is not None:
-    new_1 = DenseFp8Meta(fc1.update(meta_1.x, amax_z, fc1.fwd_dtype),
-                         fc1.update(meta_1.kernel, res_1.amax_w, fc1.fwd_dtype),
-                         fc1.update(meta_1.grad, dh.amax, fc1.bwd_dtype))
-    new_2 = DenseFp8Meta(fc2.update(meta_2.x, amax_a, fc2.fwd_dtype),
-                         fc2.update(meta_2.kernel, res_2.amax_w, fc2.fwd_dtype),
-                         fc2.update(meta_2.grad, qg.amax, fc2.bwd_dtype))
-    new_1, new_2 = state_like((new_1, new_2), (meta_1_in, meta_2_in))
+    # One batched update for both GEMMs (fc1 and fc2 share the recipe).
+    new = fc1.update_metas([(meta_1, amax_z, res_1.amax_w, dh.amax), (meta_2, amax_a, res_2.amax_w, qg.amax)])
+    new_1, new_2 = state_like(tuple(new), (meta_1_in, meta_2_in))
   dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
   dres = g if residual_kind == _GIVEN_RESIDUAL else None
   return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2

@@ -13,6 +13,7 @@ Conventions (those of Transformer Engine's delayed scaling):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ __all__ = [
     "roll_amax_history",
     "amax_from_history",
     "update_scale_state",
+    "update_scale_states",
 ]
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
@@ -53,10 +55,11 @@ def fp8_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value: float, margin: int = 0) -> jax.Array:
-  """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0, not finite, or too small."""
+def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value, margin: int = 0) -> jax.Array:
+  """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0, not finite, or too small (elementwise:
+  ``fp8_max_value`` may be a float or an array broadcasting with ``amax``)."""
   amax = jnp.asarray(amax, jnp.float32)
-  new = jnp.float32(fp8_max_value) / (amax * jnp.float32(2.0**margin))
+  new = jnp.asarray(fp8_max_value, jnp.float32) / (amax * jnp.float32(2.0**margin))
   ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(new)
   return jnp.where(ok, new, scale).astype(jnp.float32)
 
@@ -87,6 +90,25 @@ def update_scale_state(
     algo: AmaxComputeAlgo = "max",
 ) -> ScaleState:
   """One delayed-scaling step: roll ``amax`` into the history, then derive the next scale from it."""
-  history = roll_amax_history(state.amax_history, amax)
-  scale = compute_scale(amax_from_history(history, algo), state.scale, fp8_max(fp8_dtype), margin)
-  return ScaleState(history, scale)
+  return update_scale_states([state], [amax], [fp8_dtype], margin=margin, algo=algo)[0]
+
+
+def update_scale_states(
+    states: Sequence[ScaleState],
+    amaxes: Sequence[jax.Array],
+    fp8_dtypes: Sequence,
+    *,
+    margin: int = 0,
+    algo: AmaxComputeAlgo = "max",
+) -> list[ScaleState]:
+  """``update_scale_state`` of several tensors (histories of one length) as one batched computation: the same values,
+  from a few XLA kernels in all instead of a few per tensor (each is a launch of a tiny kernel)."""
+  if algo not in ("max", "most_recent"):
+    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
+  history = jnp.stack([s.amax_history for s in states])
+  amax = jnp.stack([jnp.reshape(a, ()).astype(history.dtype) for a in amaxes])
+  history = jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)  # roll_amax_history of each row
+  latest = jnp.max(history, axis=1) if algo == "max" else history[:, 0]
+  fp8_maxes = jnp.asarray([fp8_max(d) for d in fp8_dtypes], jnp.float32)
+  scales = compute_scale(latest, jnp.stack([s.scale for s in states]), fp8_maxes, margin)
+  return [ScaleState(history[i], scales[i]) for i in range(len(states))]
