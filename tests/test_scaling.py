@@ -119,6 +119,24 @@ def test_update_scale_state_replayed(history_len, margin, algo, fp8, fp8_max):
   assert state.scale.dtype == jnp.float32 and state.amax_history.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_scale_states_batched_equals_one_by_one(algo):
+  """Several tensors (E4M3 and E5M2, a NaN, a zero and an inf amax among them) updated in one batched computation
+  get the same bits as updated one at a time."""
+  rng = np.random.default_rng(0)
+  dtypes = [jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2, jnp.float8_e4m3fn]
+  states = [scaling.ScaleState(jnp.asarray(rng.uniform(0, 4, 6), jnp.float32), jnp.float32(rng.uniform(1, 100)))
+            for _ in dtypes]
+  amaxes = [jnp.float32(v) for v in (3.0, 0.0, np.nan, np.inf, 0.5)]
+  batched = jax.jit(lambda s, a: scaling.update_scale_states(s, a, dtypes, margin=1, algo=algo))(states, amaxes)
+  for state, amax, dtype, got in zip(states, amaxes, dtypes, batched):
+    want = scaling.update_scale_state(state, amax, dtype, margin=1, algo=algo)
+    assert_f32_equal(got.amax_history, want.amax_history, what="history")
+    assert_f32_equal(got.scale, want.scale, what="scale")
+  with pytest.raises(ValueError, match="amax_compute_algo must be"):
+    scaling.update_scale_states(states, amaxes, dtypes, algo="mean")
+
+
 def test_scale_state_create():
   s = scaling.ScaleState.create(3)
   assert_f32_equal(s.amax_history, np.zeros(3, np.float32), what="history")
