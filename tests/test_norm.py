@@ -674,21 +674,26 @@ def test_sharded_fwd_equals_unsharded(mesh_shape, names, shape, spec, norm_type,
   assert all_reduces(hlo) == expected
 
 
+@pytest.mark.parametrize("dres", [False, True], ids=["plain", "dres"])
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 @pytest.mark.parametrize("mesh_shape,names,shape,spec", FWD_SHARDING[:4], ids=lambda v: str(v).replace(" ", ""))
-def test_sharded_bwd(mesh_shape, names, shape, spec, norm_type):
+def test_sharded_bwd(mesh_shape, names, shape, spec, norm_type, dres):
   """dx bitwise as unsharded; dgamma/dbeta summed over the row shards by one all-reduce (within the bound of any
-  summation order)."""
+  summation order); a dres sharded like x stays shard-local."""
   mesh = _mesh(mesh_shape, names)
-  dz, x, mean, rsigma, g, kw = bwd_case(shape, BF16, norm_type, seed=15)
-  f = jax.jit(lambda dz, x, mean, rsigma: te_jax.norm_bwd(dz, x, mean, rsigma, g, **kw))
+  dz, x, mean, rsigma, g, kw = bwd_case(shape, BF16, norm_type, seed=15, dres=dres)
+  r = kw.pop("dres", None)
+  f = jax.jit(lambda dz, x, mean, rsigma, r: te_jax.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=r))
   full_sharding = NamedSharding(mesh, spec)
   row_sharding = NamedSharding(mesh, P(*tuple(spec)[:len(shape) - 1]))
   args = (jax.device_put(dz, full_sharding), jax.device_put(x, full_sharding),
-          None if mean is None else jax.device_put(mean, row_sharding), jax.device_put(rsigma, row_sharding))
+          None if mean is None else jax.device_put(mean, row_sharding), jax.device_put(rsigma, row_sharding),
+          None if r is None else jax.device_put(r, full_sharding))
   compiled = f.lower(*args).compile()
   dx, dgamma, dbeta = compiled(*args)
-  want = f(*(None if a is None else jax.device_put(np.asarray(a), CPU) for a in (dz, x, mean, rsigma)))
+  want = f(*(None if a is None else jax.device_put(np.asarray(a), CPU) for a in (dz, x, mean, rsigma, r)))
+  if r is not None:
+    kw["dres"] = r
   assert_same_bits(dx, want[0], "dx")
   check_bwd_many([(dz, x, mean, rsigma, g, kw)])  # the bounds, on the unsharded handler
   _, dg64, db64, dg_mag, db_mag, _ = bwd64(dz, x, mean, rsigma, g, kw)
