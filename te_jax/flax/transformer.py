@@ -274,7 +274,9 @@ class MultiHeadAttention(nn.Module):
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
       decode: use and update the KV cache (self attention only).
       deterministic: no dropout.
-      residual: added to the output (``inputs_q``' shape and layout), in the output projection's GEMM epilogue.
+      residual: added to the output (``inputs_q``' shape and layout), in the output projection's GEMM epilogue;
+        when it is ``inputs_q`` itself and the input is normalized here (a pre-LN block), its gradient is added inside
+        the norm's backward kernel.
 
     Returns:
       The output (same layout as ``inputs_q``), and with ``return_layernorm_output`` also the normalized input.
