@@ -7,6 +7,8 @@ where the residual is the block's input under FP8: the norm's backward kernel ad
 rounding dx, so that gradient is within one rounding too.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -90,19 +92,23 @@ def test_layernorm_mlp_residual(recipe, on_gpu, request):
 
 @DEVICES
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_layernorm_dense_passed_input(recipe, on_gpu, request):
-  """``return_input``: x passed through the layer as a residual; its gradient joins dx in the norm's kernel."""
+@pytest.mark.parametrize("norm_type,rows", [("layernorm", 48), ("rmsnorm", 40)], ids=["layernorm", "rmsnorm-padded"])
+def test_layernorm_dense_passed_input(recipe, norm_type, rows, on_gpu, request):
+  """``return_input``: x passed through the layer as a residual; its gradient joins dx in the norm's kernel (also
+  with rows padded to a multiple of 16 inside)."""
   device = request.getfixturevalue("gpu") if on_gpu else CPU
   rec = RECIPES[recipe]
-  x = _rand((3, 16, 64), 11, ml_dtypes.bfloat16)
-  gamma, beta, kernel = 1 + _rand((64,), 12, scale=0.1), _rand((64,), 13, scale=0.1), _rand((64, 64), 14, scale=0.1)
+  x = _rand((rows // 8, 8, 64), 11, ml_dtypes.bfloat16)
+  gamma, kernel = 1 + _rand((64,), 12, scale=0.1), _rand((64, 64), 14, scale=0.1)
+  beta = _rand((64,), 13, scale=0.1) if norm_type == "layernorm" else None
+  ln_dense = functools.partial(te_jax.layernorm_dense, norm_type=norm_type, recipe=rec)
 
-  def passed(x, g, b, k):
-    y, x_out = te_jax.layernorm_dense(x, g, b, k, return_input=True, recipe=rec)
+  def passed(x, g, k):
+    y, x_out = ln_dense(x, g, beta, k, return_input=True)
     return y + x_out
 
-  _check_folded(passed, lambda x, g, b, k: te_jax.layernorm_dense(x, g, b, k, recipe=rec) + x, [x, gamma, beta, kernel],
-                jnp.zeros(()), device, rounded_once=(0,) if rec is not None else ())
+  _check_folded(passed, lambda x, g, k: ln_dense(x, g, beta, k) + x, [x, gamma, kernel], jnp.zeros(()), device,
+                rounded_once=(0,) if rec is not None else ())
 
 
 def test_residual_shape_is_checked():
@@ -132,12 +138,15 @@ def test_transformer_layer_folds_only_without_dropout(hidden_dropout, determinis
   assert (len(adds_of_stream) == 0) == folded, adds_of_stream
 
 
-@pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
-def test_transformer_layer_backward_has_no_residual_adds(layer_type):
+@pytest.mark.parametrize("layer_type,gqa_groups", [("encoder", None), ("decoder", None), ("decoder", 2)],
+                         ids=["encoder", "decoder", "decoder-gqa"])
+def test_transformer_layer_backward_has_no_residual_adds(layer_type, gqa_groups):
   """Pre-LN without dropout, FP8: the gradients of both residual connections are added inside the norms' backward
-  kernels, so the backward has no add of two residual-stream-shaped gradients."""
+  kernels (with GQA, through the query projection's norm), so the backward has no add of two residual-stream-shaped
+  gradients."""
   layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4, hidden_dropout=0.0,
-                                   attention_dropout=0.0, dtype=jnp.bfloat16, layer_type=layer_type)
+                                   attention_dropout=0.0, dtype=jnp.bfloat16, layer_type=layer_type,
+                                   num_gqa_groups=gqa_groups)
   x = jnp.asarray(_rand((2, 16, 64), 15, ml_dtypes.bfloat16))
   with te_jax.autocast(enabled=True, recipe=te_jax.recipe.Float8CurrentScaling()):
     variables = layer.init(jax.random.key(0), x, deterministic=True)
