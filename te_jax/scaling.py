@@ -103,12 +103,10 @@ def update_scale_states(
 ) -> list[ScaleState]:
   """``update_scale_state`` of several tensors (histories of one length) as one batched computation: the same values,
   from a few XLA kernels in all instead of a few per tensor (each is a launch of a tiny kernel)."""
-  if algo not in ("max", "most_recent"):
-    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
   history = jnp.stack([s.amax_history for s in states])
   amax = jnp.stack([jnp.reshape(a, ()).astype(history.dtype) for a in amaxes])
-  history = jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)  # roll_amax_history of each row
-  latest = jnp.max(history, axis=1) if algo == "max" else history[:, 0]
+  history = jax.vmap(roll_amax_history)(history, amax)
+  latest = jax.vmap(lambda h: amax_from_history(h, algo))(history)
   fp8_maxes = jnp.asarray([fp8_max(d) for d in fp8_dtypes], jnp.float32)
   scales = compute_scale(latest, jnp.stack([s.scale for s in states]), fp8_maxes, margin)
   return [ScaleState(history[i], scales[i]) for i in range(len(states))]

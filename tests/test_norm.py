@@ -277,6 +277,14 @@ def reference_bwd_many(cases):
   return jax.jit(lambda args: [one(*a, c[5]) for a, c in zip(args, cases)])(args)
 
 
+def check_dres_leaves_params(cases, outs, *, device=CPU):
+  """The dgamma and dbeta of ``outs`` (cases with a dres) are the same bits as those of the cases without it."""
+  plain = native_bwd_many([c[:5] + ({k: v for k, v in c[5].items() if k != "dres"},) for c in cases], device=device)
+  for got, want in zip(outs, plain):
+    for a, b in zip(got[1:], want[1:]):
+      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+
+
 def check_bwd_many(cases, *, device=CPU):
   outs = native_bwd_many(cases, device=device)
   refs = reference_bwd_many(cases)
@@ -387,11 +395,7 @@ def test_cpu_bwd(norm_type, dtype, dz_dtype, zero_centered):
 def test_cpu_bwd_dres(norm_type, dtype):
   """A residual gradient added to dx (in float32, one rounding); dgamma and dbeta as without it."""
   cases = [bwd_case(shape, dtype, norm_type, seed=i, dres=True) for i, shape in enumerate(CPU_SHAPES)]
-  outs = check_bwd_many(cases)
-  plain = native_bwd_many([c[:5] + ({k: v for k, v in c[5].items() if k != "dres"},) for c in cases])
-  for got, want in zip(outs, plain):
-    for a, b in zip(got[1:], want[1:]):
-      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+  check_dres_leaves_params(cases, check_bwd_many(cases))
 
 
 def test_bwd_dres_errors():
@@ -796,11 +800,7 @@ def test_gpu_bwd_dres(dtype, gpu):
   assert_cuda_targets()
   cases = [bwd_case(shape, dtype, norm_type, seed=i, zero_centered=i % 2 == 1, dres=True)
            for i, shape in enumerate(GPU_SHAPES) for norm_type in NORM_TYPES]
-  outs = check_bwd_many(cases, device=gpu)
-  plain = native_bwd_many([c[:5] + ({k: v for k, v in c[5].items() if k != "dres"},) for c in cases], device=gpu)
-  for got, want in zip(outs, plain):
-    for a, b in zip(got[1:], want[1:]):
-      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+  check_dres_leaves_params(cases, check_bwd_many(cases, device=gpu), device=gpu)
 
 
 @pytest.mark.gpu
