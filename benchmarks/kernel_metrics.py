@@ -46,6 +46,10 @@ def acceptance_ops(shrink: int = 1) -> dict[str, tuple[Callable[..., Any], tuple
   ops["layernorm fwd"] = (jax.jit(lambda x, gm, b, s: te_jax.norm_fwd(x, gm, b, norm_type="layernorm", epsilon=1e-6,
                                                                       out_dtype=E4M3, scale=s)),
                           (xn, gamma, beta, scale))
+  ops["rmsnorm fwd"] = (jax.jit(lambda x, gm, s: te_jax.norm_fwd(x, gm, norm_type="rmsnorm", epsilon=1e-6,
+                                                                 out_dtype=E4M3, scale=s)), (xn, gamma, scale))
+  # The copy ceiling as the benchmarks measure it (a 1 GiB jnp.copy), for kernel-time bandwidths against its own.
+  ops["copy 1 GiB"] = (jax.jit(jnp.copy), (jnp.zeros(((1 << 28) // shrink**2,), jnp.float32),))
   return ops
 
 

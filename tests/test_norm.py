@@ -804,6 +804,27 @@ def test_gpu_bwd_dres(dtype, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_gpu_one_pass_statistics(dtype, gpu):
+  """Rows whose |mean| / sigma spans the forward's one-pass bound (1/8): the variance as msq - mean^2 below it, the
+  two-pass one above, decided row by row (one row per block, rows sharing a warp or a block's barriers), under the
+  same rule as every other row; all-equal rows (variance 0, |mean| > 0) take the two-pass form."""
+  assert_cuda_targets()
+  rng = np.random.default_rng(23)
+  cases = []
+  for shape in [(512, 8192), (300, 2048), (1000, 64), (700, 1024), (97, 16)]:
+    rows = shape[0]
+    sigma = np.exp2(rng.uniform(-4, 4, (rows, 1)))
+    ratio = rng.uniform(0.0, 0.25, (rows, 1)) * rng.choice([-1.0, 1.0], (rows, 1))
+    x = ratio * sigma + sigma * rng.standard_normal(shape)
+    x[::17] = rng.uniform(-4, 4, (len(x[::17]), 1))  # constant rows
+    _, g, b = make_case(shape, F32, seed=rows)
+    x = x.astype(IN_DTYPES[dtype])
+    cases += [(x, g, b, fwd_kwargs("layernorm", E4M3)), (x, g, b, fwd_kwargs("layernorm", BF16))]
+  check_fwd_many(cases, device=gpu)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_gpu_large_and_deterministic(norm_type, gpu):
   """The benchmark's shape class (many rows, hidden 8192: 8 rows per backward worker) forward and backward, and the

@@ -11,8 +11,8 @@
 // aligned array (all but the ragged edges) takes a copy of that loop without bounds checks. For the transposed
 // copy, the FP8 bytes are parked in shared memory (XOR-swizzled by row group: no bank conflicts on either side) and
 // written out as 8x8 byte blocks transposed in registers, as quantize.cu does. amax is one atomicMax per block on
-// bit patterns; dbias is deterministic: per-tile column partials in an XLA-allocated workspace, then a fixed-order
-// column sum.
+// bit patterns; dbias is deterministic: per-tile column partials in an XLA-allocated workspace, summed in a fixed
+// order by the last block of each column of tiles.
 //
 // Template parameters are the activation, gated, forward/backward, the input dtype and FP8-or-not: 120 kernels.
 // The FP8 format, the high-precision output dtype, the transposed copy and dbias are uniform run-time branches,
@@ -66,7 +66,9 @@ struct Params {
   uint8_t* out_t;       // (batch, halves_out * cols, rows), or null
   unsigned* amax;       // FP8 only
   float* dbias_partial; // (batch * tiles_m, halves_out * cols), or null
-  int64_t rows, cols, tiles_m, tiles_n;
+  unsigned* dbias_done; // (tiles_n): the tiles of each column of tiles whose partials are written, zeroed per call
+  float* dbias;         // (halves_out * cols): the column sums of the partials
+  int64_t batch, rows, cols, tiles_m, tiles_n;
   bool vec;             // cols % 8 == 0 and 16-byte aligned bases: vector accesses for whole chunks
   bool rows_vec;        // rows % 8 == 0 and an 8-byte aligned out_t: 8-byte stores of the transposed copy
   bool e5m2;            // FP8 format
@@ -221,8 +223,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
             for (int j = 0; j < kVec; ++j) dsum[h][j] += y[h][j];
           }
           if constexpr (kFp8) {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) amax_bits = max(amax_bits, __float_as_uint(y[h][j]) & 0x7FFFFFFFu);
+            amax_bits = FoldAbsMax8(amax_bits, y[h]);
             const uint2 packed = PackFp8(y[h], scale, p.e5m2);
             if (kWhole || r < rows) StoreFp8<kWhole>(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
             if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
@@ -286,22 +287,45 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
       // Thread t sums column t % 128 of half t / 128.
       const int h = threadIdx.x / kTile;
       const int64_t c = col0 + threadIdx.x % kTile;
-      if (h < kOutHalves && c < cols) {
+      const int64_t out_cols = kOutHalves * cols;
+      const bool has_column = h < kOutHalves && c < cols;
+      if (has_column) {
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
-        p.dbias_partial[(b * p.tiles_m + tm) * kOutHalves * cols + h * cols + c] = s;
+        p.dbias_partial[(b * p.tiles_m + tm) * out_cols + h * cols + c] = s;
+      }
+      // The block that writes the last partial row of this column of tiles sums its columns' partials, in row order
+      // (deterministic), instead of a second kernel: a threadfence-reduction (the partials are visible device-wide
+      // before the count that reveals them; the summing block reads them from L2).
+      __shared__ bool last;
+      __threadfence();
+      __syncthreads();
+      const unsigned n_partial = static_cast<unsigned>(p.batch * p.tiles_m);
+      if (threadIdx.x == 0) last = atomicAdd(p.dbias_done + tn, 1u) == n_partial - 1;
+      __syncthreads();
+      if (last && has_column) {
+        __threadfence();
+        const float* column = p.dbias_partial + h * cols + c;
+        float s = 0.0f;
+#pragma unroll 16
+        for (unsigned q = 0; q < n_partial; ++q) s += __ldcg(column + q * out_cols);
+        p.dbias[h * cols + c] = s;
       }
     }
   }
   if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
 }
 
-// Launches the kernel for x's dtype and the output kind, then the dbias column sum.
+// The count of finished tiles per column of tiles (the dbias sums' completion counters): after the partials in the
+// backward's workspace.
+inline int64_t DbiasCounters(const ActivationView& v) { return (v.cols + kTile - 1) / kTile; }
+
+// Launches the kernel for x's dtype and the output kind (zeroing the dbias counters first, when dbias is asked for).
 template <bool kBwd>
 ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in_type, ffi::DataType out_type,
-                  int64_t act, Params p, float* dbias) {
-  const int64_t out_cols = (kBwd && v.gated ? 2 : 1) * v.cols;
+                  int64_t act, Params p) {
+  p.batch = v.batch;
   p.rows = v.rows;
   p.cols = v.cols;
   p.tiles_m = (v.rows + kTile - 1) / kTile;
@@ -322,15 +346,11 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
       return CudaError(cudaGetLastError(), "activation kernel launch");
     });
   };
-  ffi::Error err = WithFloatType(in_type, "activation: inputs must be float32, bfloat16 or float16", launch);
-  if (err.failure()) return err;
-  if (dbias != nullptr) {
-    const int threads = 256;
-    ColumnSumKernel<<<(out_cols + threads - 1) / threads, threads, 0, stream>>>(p.dbias_partial, dbias,
-                                                                              v.batch * p.tiles_m, out_cols);
-    TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "dbias column-sum launch");
+  if (p.dbias_partial != nullptr) {
+    TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dbias_done, 0, DbiasCounters(v) * sizeof(unsigned), stream),
+                                "dbias counters memset");
   }
-  return ffi::Error::Success();
+  return WithFloatType(in_type, "activation: inputs must be float32, bfloat16 or float16", launch);
 }
 
 // Zeroes amax, which the kernel folds block maxima into (and which stays 0 for an empty input).

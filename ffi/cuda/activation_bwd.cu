@@ -17,8 +17,9 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
   const bool want_dbias = dbias->element_count() > 0;
   const int64_t partial_rows = v.batch * ((v.rows + kTile - 1) / kTile);
   if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
-                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols)) {
-    return ffi::Error::InvalidArgument("activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols]");
+                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols + DbiasCounters(v))) {
+    return ffi::Error::InvalidArgument(
+        "activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols + ceil(N / 128)]");
   }
   if (auto err = Prologue(stream, amax); err.failure()) return err;
   if (v.in_elements() == 0) {
@@ -35,14 +36,17 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
   p.out = dx->untyped_data();
   p.out_t = dx_t->element_count() > 0 ? static_cast<uint8_t*>(dx_t->untyped_data()) : nullptr;
   p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
-  p.dbias_partial = want_dbias ? static_cast<float*>(workspace->untyped_data()) : nullptr;
-  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p,
-                      want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
+  if (want_dbias) {
+    p.dbias_partial = static_cast<float*>(workspace->untyped_data());
+    p.dbias_done = reinterpret_cast<unsigned*>(p.dbias_partial + partial_rows * out_cols);
+    p.dbias = static_cast<float*>(dbias->untyped_data());
+  }
+  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p);
 }
 
 }  // namespace
 
-// Allocates nothing (the dbias partials go to a workspace result): XLA may capture it into a CUDA graph.
+// Allocates nothing (the dbias partials and counters go to a workspace result): XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
                               ActAttrs(ActBwdOperands(BindWithStream())
                                            .Ret<ffi::AnyBuffer>()),  // workspace: f32 dbias partials, or empty

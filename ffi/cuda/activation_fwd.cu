@@ -19,7 +19,7 @@ ffi::Error ActFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::
   p.out = out->untyped_data();
   p.out_t = out_t->element_count() > 0 ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr;
   p.amax = reinterpret_cast<unsigned*>(amax->typed_data());
-  return Launch<false>(stream, *view, x.element_type(), out->element_type(), act, p, nullptr);
+  return Launch<false>(stream, *view, x.element_type(), out->element_type(), act, p);
 }
 
 }  // namespace

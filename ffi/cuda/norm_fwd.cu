@@ -88,6 +88,7 @@ struct FwdArgs {
   int64_t rows;
   int cols;
   float epsilon;
+  float inv_n;            // 1 / cols where cols is a power of two (exact), else 0: divide
   bool zero_centered;
   int threads_per_row;    // T
   int rows_per_pass;      // P
@@ -124,6 +125,9 @@ __device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch
   }
 }
 
+template <typename Tout>
+constexpr int64_t kOutBytes = Out<Tout>::kFp8 ? 1 : sizeof(Tout);
+
 // Resident blocks per SM the forward kernel is compiled for: 2 (at most 64 registers per thread, so 1024 threads per
 // SM) where that does not spill; a float32 input with 4 chunks per thread (32 registers of data) keeps 1.
 template <typename Tin, int kN>
@@ -131,20 +135,40 @@ constexpr int FwdMinBlocks() {
   return sizeof(Tin) == 4 && kN == 4 ? 1 : 2;
 }
 
+// sum / n, exactly: a product with 1 / n where n is a power of two (the same bits as the division), else the division.
+__device__ __forceinline__ float DivN(float sum, const FwdArgs& a) {
+  return a.inv_n != 0.0f ? __fmul_rn(sum, a.inv_n) : __fdiv_rn(sum, static_cast<float>(a.cols));
+}
+
+// LayerNorm's variance from one pass over the row: msq - mean^2 (mean = sum / n, msq = sum of squares / n, one row
+// reduction of the two sums), trusted where |mean| <= sigma / 8. There the subtraction loses at most 1/64 of the
+// result's bits to cancellation, and its error stays that of the two-pass form (measured in float32 emulation of
+// these sums: rsigma within 2.4 units of roundoff, as the two-pass form's 2.1). Other rows (and rows holding inf or
+// NaN) take the two-pass form, sum((x - mean)^2) / n, over the registers the row is held in.
+__device__ __forceinline__ bool OnePassVarianceHolds(float mean, float var) {
+  return 64.0f * __fmul_rn(mean, mean) <= var;
+}
+
 template <typename Tin, typename Tout, bool kRms, int kN>
 __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKernel(FwdArgs a) {
   extern __shared__ __align__(16) uint8_t staged[];  // transposed copy: R rows x pitch FP8 bytes
-  __shared__ float red[2][1][kMaxWarps];
+  __shared__ float red[2][2][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
   using O = Out<Tout>;
   const int T = a.threads_per_row;
-  const int t = threadIdx.x % T;
-  const int rr = threadIdx.x / T;
+  // T is a power of two for every hidden size up to 4096 x kN (and 8192 at kN = 4): a mask and a shift then.
+  const bool pow2_t = (T & (T - 1)) == 0;
+  const int t = pow2_t ? threadIdx.x & (T - 1) : threadIdx.x % T;
+  const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
   const int chunks = a.cols / kVec;
+  const int stride = T * kVec;  // elements from one of this thread's chunks to the next
+  // Chunk j of this thread is valid if j * T < valid (32-bit compares; the row's pointers below are set once).
+  const int valid = chunks - t;
+  const float* gamma_t = a.gamma + t * kVec;
+  const float* beta_t = kRms ? nullptr : a.beta + t * kVec;
   const int pitch = kN * T * kVec;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * (a.strided ? 1 : a.passes);
   const int64_t step = static_cast<int64_t>(a.rows_per_pass) * (a.strided ? gridDim.x : 1);
-  const float n = static_cast<float>(a.cols);
   const float scale = O::kFp8 ? *a.scale : 1.0f;
   const bool stage = O::kFp8 && a.out_t != nullptr;
   uint32_t amax_bits = 0;
@@ -154,61 +178,80 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
     const int local = l * a.rows_per_pass + rr;
     const int64_t row = row0 + l * step + rr;
     const bool row_ok = row < a.rows;
-    const Tin* xr = static_cast<const Tin*>(a.x) + row * a.cols;
+    const int64_t first = (row_ok ? row : 0) * a.cols + t * kVec;  // this thread's first element of the row
+    const Tin* x_t = static_cast<const Tin*>(a.x) + first;
     Chunk<Tin> v[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      const int c = t + j * T;
-      if (row_ok && c < chunks) {
-        v[j].Load(xr + c * kVec);
-      } else {
-        v[j].Zero();  // adds nothing to the sum; excluded from the deviations below
-      }
+      // Chunks past the row (or of a row past the last) read as zeros: they add nothing to the sums and are excluded
+      // from the deviations below. Their address is only formed, never read.
+      v[j].LoadIf(row_ok && j * T < valid, x_t + j * stride);
     }
-    float mean = 0.0f;
+    float mean = 0.0f, var = 0.0f;
+    bool two_pass = true;  // RMSNorm's one pass is its sum of squares
     if constexpr (!kRms) {
-      float s[1] = {0.0f};
+      float s[2] = {0.0f, 0.0f};  // sum, sum of squares
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) s[0] += v[j].Get(i);
-      }
-      RowSum(s, T, red[slot++ & 1]);
-      mean = s[0] / n;
-    }
-    float s2[1] = {0.0f};
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      if (t + j * T < chunks) {
-#pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float d = v[j].Get(i) - mean;
-          s2[0] = fmaf(d, d, s2[0]);
+          const float x = v[j].Get(i);
+          s[0] += x;
+          s[1] = fmaf(x, x, s[1]);
         }
       }
+      RowSum(s, T, red[slot++ & 1]);
+      mean = DivN(s[0], a);
+      var = fmaf(-mean, mean, DivN(s[1], a));
+      two_pass = !OnePassVarianceHolds(mean, var);
     }
-    RowSum(s2, T, red[slot++ & 1]);
-    const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
+    // Every thread of a row has the same statistics' bits, so a row decides as one; rows that share a warp (T < 32)
+    // or a block with barriers in its row sums (T > 32, P > 1) take the second pass together, each keeping its own
+    // one-pass variance where that holds.
+    bool any_two_pass = two_pass;
+    if constexpr (!kRms) {
+      if (T < 32) {
+        any_two_pass = __any_sync(0xffffffffu, two_pass);
+      } else if (T > 32 && a.rows_per_pass > 1) {
+        any_two_pass = __syncthreads_or(two_pass);
+      }
+    }
+    if (any_two_pass) {
+      float s2[1] = {0.0f};
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if (j * T < valid) {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float d = v[j].Get(i) - mean;
+            s2[0] = fmaf(d, d, s2[0]);
+          }
+        }
+      }
+      RowSum(s2, T, red[slot++ & 1]);
+      if (two_pass) var = DivN(s2[0], a);
+    }
+    const float rsigma = __frsqrt_rn(var + a.epsilon);
     if (t == 0 && row_ok) {
       if constexpr (!kRms) a.mean[row] = mean;
       a.rsigma[row] = rsigma;
     }
     if (!row_ok) continue;  // past the last row: nothing to store, nothing for amax
+    void* dst = static_cast<uint8_t*>(a.out) + first * kOutBytes<Tout>;  // this thread's first output
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      const int c = t + j * T;
-      if (c >= chunks) continue;
+      if (j * T >= valid) continue;
       float g[kVec], b[kVec], y[kVec];
-      LoadParams(a.gamma + c * kVec, g);
-      if constexpr (!kRms) LoadParams(a.beta + c * kVec, b);
+      LoadParams(gamma_t + j * stride, g);
+      if constexpr (!kRms) LoadParams(beta_t + j * stride, b);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const float gi = a.zero_centered ? __fadd_rn(g[i], 1.0f) : g[i];
         y[i] = Normalize<kRms>(v[j].Get(i), mean, rsigma, gi, kRms ? 0.0f : b[i]);
-        if constexpr (O::kFp8) amax_bits = max(amax_bits, __float_as_uint(y[i]) & 0x7FFFFFFFu);
       }
-      const uint2 q = O::Store(a.out, row * a.cols + c * kVec, y, scale);
-      if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + c * kVec) = q;
+      if constexpr (O::kFp8) amax_bits = FoldAbsMax8(amax_bits, y);
+      const uint2 q = O::Store(dst, j * stride, y, scale);
+      if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + (t + j * T) * kVec) = q;
     }
   }
   if constexpr (O::kFp8) {
@@ -403,6 +446,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi:
   a.rows = rows;
   a.cols = static_cast<int>(cols);
   a.epsilon = epsilon;
+  a.inv_n = (cols & (cols - 1)) == 0 ? 1.0f / static_cast<float>(cols) : 0.0f;
   a.zero_centered = zero_centered_gamma;
   if (want_t && !Aligned(a.out_t, 16)) return ffi::Error::InvalidArgument("norm_fwd: out_t must be 16-byte aligned");
 

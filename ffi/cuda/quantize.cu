@@ -128,9 +128,9 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias, kInterlea
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       f[j] = in[i].Get(j);
-      amax_bits = max(amax_bits, __float_as_uint(f[j]) & 0x7FFFFFFFu);
       if constexpr (kDbias) dsum[j] += f[j];
     }
+    amax_bits = FoldAbsMax8(amax_bits, f);
     uint2 packed;
     packed.x = Cvt4<kFmt>(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale);
     packed.y = Cvt4<kFmt>(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale);

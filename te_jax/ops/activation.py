@@ -209,7 +209,7 @@ def _bwd_abstract_eval(g, x, scale, *, config: ActivationConfig):
 def _signature(platform: str, config: ActivationConfig, avals_out, *, backward: bool, rows: int) -> NativeSignature:
   """The handlers return (out, out_t, amax) forward and (dx, dx_t, amax, dbias, [workspace]) backward, the ones not
   asked for empty; the CUDA backward one also returns its dbias workspace: float32 column partials, one row per
-  128-row tile (see ffi/cuda/activation.cuh)."""
+  128-row tile, then one counter per 128 columns of a half (see ffi/cuda/activation.cuh)."""
   out_dtype = config.out_dtype
   empty_out = jax.core.ShapedArray((0,), out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
@@ -227,7 +227,9 @@ def _signature(platform: str, config: ActivationConfig, avals_out, *, backward: 
       cols = math.prod(_feature_shape(out.shape, config))
       batch = math.prod(out.shape[:config.batch_ndim])
       partial_rows = batch * -(-rows // 128)
-      results.append(jax.core.ShapedArray((partial_rows * cols,), jnp.float32) if config.dbias else empty_f32)
+      counters = -(-out.shape[-1] // 128)
+      results.append(jax.core.ShapedArray((partial_rows * cols + counters,), jnp.float32) if config.dbias
+                     else empty_f32)
   return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
 

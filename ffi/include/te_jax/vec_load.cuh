@@ -33,6 +33,19 @@ struct Chunk {
 #pragma unroll
     for (int w = 0; w < kWords; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
   }
+  // Load(p) if `pred`, else zeros: one predicated load per 16 bytes, with p computed whatever pred is (callers pass
+  // an address inside the array either way), so that the compiler keeps one pointer instead of recomputing it under
+  // each predicate.
+  __device__ __forceinline__ void LoadIf(bool pred, const T* p) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      uint4& r = raw[w];
+      asm("{\n .reg .pred q;\n setp.ne.u32 q, %4, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+          " mov.b32 %3, 0;\n @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%5];\n}"
+          : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+          : "r"(static_cast<unsigned>(pred)), "l"(reinterpret_cast<const uint4*>(p) + w));
+    }
+  }
   __device__ __forceinline__ void Zero() {
 #pragma unroll
     for (int w = 0; w < kWords; ++w) raw[w] = make_uint4(0, 0, 0, 0);
