@@ -295,22 +295,45 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
         for (int w = 0; w < kWarps; ++w) s += col_sums[w][threadIdx.x];
         p.dbias_partial[(b * p.tiles_m + tm) * out_cols + h * cols + c] = s;
       }
-      // The block that writes the last partial row of this column of tiles sums its columns' partials, in row order
-      // (deterministic), instead of a second kernel: a threadfence-reduction (the partials are visible device-wide
-      // before the count that reveals them; the summing block reads them from L2).
+      // The block that writes the last partial row of this column of tiles sums its columns' partials in a fixed
+      // order (deterministic), instead of a second kernel. The pattern of a grid barrier: the block's partials, then
+      // one thread's fence and count (the fence is cumulative through the block barrier), and the summing block's
+      // fence before it reads them from L2. One fence per block: a fence in every thread would wait for each
+      // thread's outstanding output stores.
       __shared__ bool last;
-      __threadfence();
       __syncthreads();
       const unsigned n_partial = static_cast<unsigned>(p.batch * p.tiles_m);
-      if (threadIdx.x == 0) last = atomicAdd(p.dbias_done + tn, 1u) == n_partial - 1;
-      __syncthreads();
-      if (last && has_column) {
+      if (threadIdx.x == 0) {
         __threadfence();
-        const float* column = p.dbias_partial + h * cols + c;
+        last = atomicAdd(p.dbias_done + tn, 1u) == n_partial - 1;
+      }
+      __syncthreads();
+      if (last) {
+        __threadfence();
+        // kParts threads per column (2, or 1 for the two halves of a gated gradient), each summing a contiguous
+        // range of partial rows in order; then the ranges in order.
+        constexpr int kColumns = kOutHalves * kTile;
+        constexpr int kParts = kThreads / kColumns;
+        const int part = threadIdx.x / kColumns;
+        const int hc = threadIdx.x % kColumns;
+        const int64_t cc = col0 + hc % kTile;
+        const unsigned per = (n_partial + kParts - 1) / kParts;
+        const unsigned q_end = min(n_partial, (part + 1) * per);
         float s = 0.0f;
-#pragma unroll 16
-        for (unsigned q = 0; q < n_partial; ++q) s += __ldcg(column + q * out_cols);
-        p.dbias[h * cols + c] = s;
+        if (cc < cols) {
+          const float* column = p.dbias_partial + (hc / kTile) * cols + cc;
+#pragma unroll 8
+          for (unsigned q = part * per; q < q_end; ++q) s += __ldcg(column + q * out_cols);
+        }
+        if constexpr (kParts > 1) {
+          col_sums[part][hc] = s;
+          __syncthreads();
+          if (part == 0) {
+#pragma unroll
+            for (int k = 1; k < kParts; ++k) s += col_sums[k][hc];
+          }
+        }
+        if (part == 0 && cc < cols) p.dbias[(hc / kTile) * cols + cc] = s;
       }
     }
   }
