@@ -3,12 +3,14 @@
 //
 // Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
 // up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
-// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are two passes over those
-// registers in float32 (the sum, then the sum of squared deviations), each reduced by a warp butterfly and then the
-// row's warps in order, so every thread of the row gets the same bits. P rows share a block; for RMSNorm, when
-// there are more such groups than blocks fit on the device at once, the resident blocks loop over them. amax is
-// reduced on the bit patterns of |y| and folded into the result with one atomicMax per block. Anything else goes
-// through a one-row-per-block kernel that re-reads the row from global memory (L1/L2) for each pass.
+// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are float32 sums over those
+// registers, each reduced by a warp butterfly and then the row's warps in order, so every thread of the row gets the
+// same bits: LayerNorm's sum and sum of squares in one pass and one reduction, with the two-pass variance (the sum of
+// squared deviations) for rows where the one-pass form could lose accuracy (OnePassVarianceHolds); RMSNorm's sum of
+// squares. P rows share a block; when there are more such groups than blocks fit on the device at once, the resident
+// blocks loop over them, loading a 16-bit row one pass ahead. amax is reduced on the bit patterns of |y| and folded
+// into the result with one atomicMax per block. Anything else goes through a one-row-per-block kernel that re-reads
+// the row from global memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
 // FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
 // the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
