@@ -127,6 +127,7 @@ __device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch
   }
 }
 
+// Bytes per output element (the Fp8<kFmt> tags are empty types).
 template <typename Tout>
 constexpr int64_t kOutBytes = Out<Tout>::kFp8 ? 1 : sizeof(Tout);
 

@@ -21,9 +21,9 @@ dbeta in a fixed order (per-row-block partials, then a column sum), so every run
 The statistics and the backward reductions are sums whose order the reference leaves to XLA: the kernels agree with
 it within float32 summation error. The CUDA forward computes LayerNorm's variance in one pass, ``sum(x^2) / n -
 mean^2``, for rows with ``|mean| <= sigma / 8``, where that form's rounding error is the two-pass form's (both
-within a few units of float32 roundoff of float64), and the reference's two-pass form for the other rows. Given the statistics, the rest is elementwise and bitwise the same everywhere:
-``y`` (with the one fused multiply-add above, which is what XLA compiles ``t * g + beta`` to), its cast, amax and
-the transposed copy.
+within a few units of float32 roundoff of float64), and the reference's two-pass form for the other rows. Given the
+statistics, the rest is elementwise and bitwise the same everywhere: ``y`` (with the one fused multiply-add above,
+which is what XLA compiles ``t * g + beta`` to), its cast, amax and the transposed copy.
 """
 
 from __future__ import annotations
