@@ -176,16 +176,17 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   const bool stage = O::kFp8 && a.out_t != nullptr;
   uint32_t amax_bits = 0;
   int slot = 0;
+  auto row_of = [&](int l) { return row0 + l * step + rr; };
   // This thread's first element of pass l's row (of row 0 for a row past the last, which is never read).
   auto first_of = [&](int l) {
-    const int64_t row = row0 + l * step + rr;
+    const int64_t row = row_of(l);
     return (row < a.rows ? row : 0) * a.cols + t * kVec;
   };
   // Chunks past the row (or of a row past the last) read as zeros: they add nothing to the sums and are excluded from
   // the deviations below.
   auto load = [&](Chunk<Tin> (&v)[kN], int l) {
     const Tin* x_t = static_cast<const Tin*>(a.x) + first_of(l);
-    const bool row_ok = row0 + l * step + rr < a.rows;
+    const bool row_ok = row_of(l) < a.rows;
 #pragma unroll
     for (int j = 0; j < kN; ++j) v[j].LoadIf(row_ok && j * T < valid, x_t + j * stride);
   };
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
 
   for (int l = 0; l < a.passes; ++l) {
     const int local = l * a.rows_per_pass + rr;
-    const int64_t row = row0 + l * step + rr;
+    const int64_t row = row_of(l);
     const bool row_ok = row < a.rows;
     const int64_t first = first_of(l);
     Chunk<Tin> v[kN];
