@@ -7,7 +7,8 @@
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
 #                                             # LM_ARGS for train_lm.py; ncu, Nsight Compute counters of the
-#                                             # kernels of benchmarks/kernel_metrics.py: NCU_KERNELS, NCU_SKIP)
+#                                             # kernels of benchmarks/kernel_metrics.py: NCU_KERNELS, NCU_SKIP,
+#                                             # NCU_SECTIONS)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -102,10 +103,11 @@ want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/tra
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
 want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
-  "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 8 \
+  "XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --launch-skip ${NCU_SKIP:-0} --launch-count 10 \
    -k regex:'${NCU_KERNELS:-ActivationKernel|NormFwdKernel}' \
-   --section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
-   --section SchedulerStats --section WarpStateStats --print-details all \
+   ${NCU_SECTIONS:---section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
+   --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters} \
+   --print-details all \
    python3 benchmarks/kernel_metrics.py"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
