@@ -141,6 +141,22 @@ def test_argument_errors():
     te_jax.layernorm_dense(x[..., :40], gamma[:40], beta[:40], k1[:40, 0, :], recipe=Float8CurrentScaling())
 
 
+@pytest.mark.parametrize("make, match", [
+    (lambda: te_flax.LayerNormMLP(intermediate_dim=0), "intermediate_dim"),
+    (lambda: te_flax.LayerNormMLP(intermediate_dim=64.0), "intermediate_dim"),
+    (lambda: te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout_rate=1.5), "intermediate_dropout_rate"),
+    (lambda: te_flax.LayerNormDenseGeneral(features="64"), "features"),
+    (lambda: te_flax.LayerNormDenseGeneral(features=(4, 0)), "features"),
+    (lambda: te_flax.DenseGeneral(features=()), "features"),
+    (lambda: te_flax.DenseGeneral(features=8, axis=2), "axis"),
+    (lambda: te_flax.DenseGeneral(features=8, axis=(-1, 1)), "axis"),
+], ids=["mlp-dim-0", "mlp-dim-float", "mlp-dropout", "features-str", "features-0", "features-empty", "axis-range",
+        "axis-twice"])
+def test_module_argument_errors(make, match):
+  with pytest.raises(ValueError, match=match):
+    make().init(jax.random.key(0), jnp.ones((4, 64), jnp.float32))
+
+
 @pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
 def test_layernorm_mlp_module_trains_and_keeps_fp8_state(act):
   model = te_flax.LayerNormMLP(intermediate_dim=128, activations=act, dtype=jnp.bfloat16)

@@ -229,6 +229,18 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="rotary_percent"):
     te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=2, enable_rotary_pos_emb=True,
                                rotary_percent=0.0).init(jax.random.key(0), x)
+  # hidden_size names the input's width: a different one is an error, not a silently different head_dim.
+  with pytest.raises(ValueError, match="hidden_size=16"):
+    te_flax.TransformerLayer(hidden_size=16, num_attention_heads=2).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="3-D"):
+    te_flax.TransformerLayer(hidden_size=32, num_attention_heads=2).init(jax.random.key(0), x[0])
+  with pytest.raises(ValueError, match="inputs_q must be 3-D"):
+    mha.init(jax.random.key(0), x[0])
+  with pytest.raises(ValueError, match="hidden_dropout"):
+    te_flax.TransformerLayer(hidden_size=32, num_attention_heads=2, hidden_dropout=1.0).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="attention_dropout"):
+    te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=2, attention_dropout=-0.1).init(
+        jax.random.key(0), x, deterministic=True)
 
 
 # ---- FP8 -------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,27 @@ Initializer = Callable[..., jax.Array]
 
 
 def _tuple(x) -> tuple:
-  return tuple(x) if isinstance(x, Sequence) else (x,)
+  return tuple(x) if isinstance(x, Sequence) and not isinstance(x, str) else (x,)
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _features(features) -> tuple[int, ...]:
+  """``features`` (an int or a sequence of ints) as a tuple of positive ints, or a ValueError that names it."""
+  out = _tuple(features)
+  if not out or not all(_is_int(f) and f > 0 for f in out):
+    raise ValueError(f"features must be a positive int or a non-empty sequence of them, got {features!r}")
+  return tuple(int(f) for f in out)
+
+
+def _input_axes(axis, ndim: int) -> tuple[int, ...]:
+  """The contracted input axes, each in [-ndim, ndim) and none twice, as sorted non-negative ints (Flax's order)."""
+  axes = _tuple(axis)
+  if not axes or not all(_is_int(a) and -ndim <= a < ndim for a in axes) or len({a % ndim for a in axes}) < len(axes):
+    raise ValueError(f"axis must be distinct axes of the {ndim}-D inputs, got {axis!r}")
+  return tuple(sorted(int(a) % ndim for a in axes))
 
 
 def _logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
@@ -70,8 +90,8 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
-    features = _tuple(self.features)
-    axis = tuple(sorted(a % inputs.ndim for a in _tuple(self.axis)))  # sorted, as Flax does: same kernel shapes
+    features = _features(self.features)
+    axis = _input_axes(self.axis, inputs.ndim)  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
     n_in = len(axis)
 

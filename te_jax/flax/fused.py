@@ -13,7 +13,7 @@ import numpy as np
 from te_jax.activation import activation
 from te_jax.dense import dense
 from te_jax.flax._fp8_state import dense_fp8_meta, resolve_recipe
-from te_jax.flax.dense import _logical
+from te_jax.flax.dense import _features, _is_int, _logical
 from te_jax.layernorm_dense import layernorm_dense
 from te_jax.layernorm_mlp import layernorm_mlp
 from te_jax.ops.activation import parse_activation_type
@@ -87,7 +87,7 @@ class LayerNormDenseGeneral(nn.Module):
     """The layer's output (with ``return_layernorm_output``, also the normalized input); with ``return_input``, also
     ``inputs`` in the compute dtype, last, whose gradient the FP8 backward adds inside the norm's kernel (use it in
     place of ``inputs`` afterwards, e.g. as the residual of a pre-LN block)."""
-    features = tuple(self.features) if isinstance(self.features, Sequence) else (self.features,)
+    features = _features(self.features)
     hidden = inputs.shape[-1]
     gamma, beta = _norm_params(self, hidden)
     kernel = self.param("kernel", _logical(_flat_init(self.kernel_init, 1), self.kernel_axes), (hidden, *features),
@@ -149,6 +149,10 @@ class LayerNormMLP(nn.Module):
   def __call__(self, inputs: jax.Array, deterministic: bool = True, residual: jax.Array | None = None) -> jax.Array:
     """The MLP of ``inputs``, plus ``residual`` (``inputs``' shape) when given: added in fc2's epilogue."""
     name, gated = parse_activation_type(tuple(self.activations))
+    if not (_is_int(self.intermediate_dim) and self.intermediate_dim > 0):
+      raise ValueError(f"intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
+    if not 0.0 <= self.intermediate_dropout_rate < 1.0:
+      raise ValueError(f"intermediate_dropout_rate must be in [0, 1), got {self.intermediate_dropout_rate}")
     act = (name, "linear") if gated else (name,)
     n_act = 2 if gated else 1
     hidden, f = inputs.shape[-1], self.intermediate_dim

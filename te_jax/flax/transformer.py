@@ -197,6 +197,8 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"num_gqa_groups={kv_heads} must divide num_attention_heads={self.num_attention_heads}")
     if not 0.0 < self.rotary_percent <= 1.0:
       raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+    if not 0.0 <= self.attention_dropout < 1.0:
+      raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
     rotary_dim = int(self.head_dim * self.rotary_percent) // 2 * 2
     if self.enable_rotary_pos_emb and rotary_dim < 2:
       raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} leaves no feature pair")
@@ -286,8 +288,12 @@ class MultiHeadAttention(nn.Module):
       raise ValueError("decode=True (KV cache) is for self attention: pass inputs_kv=None")
     if decode and segment_ids is not None:
       raise ValueError("decode=True does not take segment_ids")
-    hidden = inputs_q.shape[-1]
     kv_heads, rotary_dim = self._check()
+    for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
+      if x is not None and x.ndim != 3:
+        raise ValueError(f"{name} must be 3-D ((B, S, hidden), or (S, B, hidden) with transpose_batch_sequence), "
+                         f"got shape {x.shape}")
+    hidden = inputs_q.shape[-1]
     h = self.num_attention_heads
     xq = _seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
     xkv = xq if self_attention else _seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
@@ -491,6 +497,8 @@ class TransformerLayer(nn.Module):
       decode: use and update the self-attention KV cache.
     """
     self._check()
+    if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
+      raise ValueError(f"inputs must be 3-D with last dim hidden_size={self.hidden_size}, got shape {inputs.shape}")
     if encoded is not None and self.layer_type != "decoder":
       raise ValueError("encoded (cross attention) is given, but layer_type is 'encoder'")
     mask_type = self.self_attn_mask_type or ("causal" if self.layer_type == "decoder" else "padding")
