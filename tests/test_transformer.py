@@ -184,10 +184,26 @@ def test_relative_position_biases_buckets():
     n = abs(n)
     exact = n if n < 8 else min(half - 1, 8 + int(np.log(n / 8) / np.log(128 / 8) * 8))
     assert b == base + exact, (r, b, base + exact)
-  bias, v = rpb.init_with_output(jax.random.key(0), 5, 7)
-  table = v["params"]["rel_embedding"]
-  ids = rpb.bucket(np.arange(7)[None] - np.arange(5)[:, None], bidirectional=True, num_buckets=32, max_distance=128)
-  np.testing.assert_allclose(bias[0], table[:, ids], rtol=1e-6)
+
+
+
+@pytest.mark.parametrize("q, k, bidirectional", [(5, 7, True), (7, 5, False), (1, 9, True), (9, 1, True),
+                                                 (1, 1, False), (40, 300, True)])
+def test_relative_position_biases_values_and_gradient(q, k, bidirectional):
+  """The bias is the table entry of each pair's bucket, exactly; the table's gradient sums each bucket's pairs."""
+  rpb = te_flax.RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=3)
+  bias, v = rpb.init_with_output(jax.random.key(0), q, k, bidirectional=bidirectional)
+  table = np.asarray(v["params"]["rel_embedding"])
+  ids = rpb.bucket(np.arange(k)[None] - np.arange(q)[:, None], bidirectional=bidirectional, num_buckets=32,
+                   max_distance=128)
+  assert bias.shape == (1, 3, q, k)
+  np.testing.assert_array_equal(bias[0], table[:, ids])
+  w = np.asarray(jax.random.normal(jax.random.key(1), (1, 3, q, k)), np.float64)
+  grad = jax.grad(lambda v: jnp.sum(rpb.apply(v, q, k, bidirectional=bidirectional) * w))(v)
+  want = np.einsum("hqk,qkb->hb", w[0], np.eye(32)[ids])
+  np.testing.assert_allclose(grad["params"]["rel_embedding"], want, rtol=1e-5, atol=1e-5 * np.abs(w).sum() / 32)
+  with pytest.raises(ValueError, match="positive ints"):
+    rpb.apply(v, 0, k)
 
 
 def test_relative_embedding_layer_runs_with_bias():

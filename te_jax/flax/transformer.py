@@ -32,7 +32,7 @@ import numpy as np
 from te_jax.activation import activation
 from te_jax.attention import ATTN_MASK_TYPES, dot_product_attention
 from te_jax.flax.attention import resolve_fp8
-from te_jax.flax.dense import DenseGeneral, _logical
+from te_jax.flax.dense import DenseGeneral, _is_int, _logical
 from te_jax.flax.fused import LayerNormDenseGeneral, LayerNormMLP
 from te_jax.flax.normalization import LayerNorm
 from te_jax.rope import apply_rope, rope_frequencies
@@ -111,15 +111,32 @@ class RelativePositionBiases(nn.Module):
     if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 4:
       raise ValueError(f"num_buckets must be >= 4 and max_distance > num_buckets / 4, got {self.num_buckets} and "
                        f"{self.max_distance}")
-    context = np.arange(q_seqlen, dtype=np.int32)[:, None]
-    memory = np.arange(k_seqlen, dtype=np.int32)[None, :]
-    buckets = self.bucket(memory - context, bidirectional=bidirectional, num_buckets=self.num_buckets,
+    if not (_is_int(q_seqlen) and _is_int(k_seqlen) and q_seqlen > 0 and k_seqlen > 0):
+      raise ValueError(f"q_seqlen and k_seqlen must be positive ints, got {q_seqlen!r} and {k_seqlen!r}")
+    # The bias depends on key - query only: one value per head for each of the q + k - 1 relative positions (a
+    # one-hot matmul of that size, exact), then laid out as (q, k) by _diagonals. No (q, k, buckets) one-hot, and
+    # the table's gradient is a sum over diagonals and buckets in a fixed order (no scatter).
+    relative = np.arange(1 - q_seqlen, k_seqlen, dtype=np.int32)
+    buckets = self.bucket(relative, bidirectional=bidirectional, num_buckets=self.num_buckets,
                           max_distance=self.max_distance)
     table = self.param("rel_embedding", _logical(self.embedding_init, self.embedding_axes),
                        (self.num_attention_heads, self.num_buckets), jnp.float32)
-    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (q, k, buckets)
-    bias = jnp.einsum("hb,qkb->hqk", table, one_hot)
-    return bias[None].astype(self.dtype)
+    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (q + k - 1, buckets)
+    per_relative = jnp.einsum("hb,rb->hr", table, one_hot)
+    return _diagonals(per_relative, q_seqlen, k_seqlen)[None].astype(self.dtype)
+
+
+def _diagonals(per_relative: jax.Array, q: int, k: int) -> jax.Array:
+  """``out[..., i, j] = per_relative[..., j - i + q - 1]`` for ``per_relative`` of length ``q + k - 1``: row i is the
+  window starting at ``q - 1 - i``, cut from the rows repeated end to end (broadcast, reshape and slices, which XLA
+  fuses into one pass over the output; their transposes are a pad and a sum)."""
+  if q == 1:
+    return per_relative[..., None, :k]
+  lead, length = per_relative.shape[:-1], q + k - 1
+  rows = jnp.broadcast_to(per_relative[..., None, :], (*lead, q, length)).reshape(*lead, q * length)
+  # Flat index q - 1 + i (length - 1) + j is row i, column q - 1 - i + j: the window of row i, read at column j.
+  windows = rows[..., q - 1:q - 1 + q * (length - 1)].reshape(*lead, q, length - 1)
+  return windows[..., :k]
 
 
 class MultiHeadAttention(nn.Module):
