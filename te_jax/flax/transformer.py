@@ -380,7 +380,8 @@ class TransformerLayer(nn.Module):
   ((2, 8, 64), ['mlp', 'self_attention'])
 
   Attributes:
-    hidden_size, mlp_hidden_size, num_attention_heads: the sizes; head_dim defaults to hidden / heads.
+    hidden_size, mlp_hidden_size, num_attention_heads: the sizes (hidden_size is the inputs' last dim); head_dim
+      defaults to hidden / heads.
     num_gqa_groups: key/value heads (GQA).
     layer_type: "encoder" (self attention, default mask "padding") or "decoder" (causal self attention, and cross
       attention over ``encoded`` when it is given).
