@@ -153,11 +153,12 @@ def test_transpose_batch_sequence_is_the_same_layer():
   np.testing.assert_allclose(a, jnp.swapaxes(b, 0, 1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
-def test_kv_cache_decoding_matches_the_full_forward(rope):
+@pytest.mark.parametrize("rope, relpos", [(False, False), (True, False), (False, True)],
+                         ids=["no-rope", "rope", "relative-bias"])
+def test_kv_cache_decoding_matches_the_full_forward(rope, relpos):
   layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
-                                   layer_type="decoder", enable_rotary_pos_emb=rope, dtype=jnp.float32,
-                                   backend="unfused")
+                                   layer_type="decoder", enable_rotary_pos_emb=rope,
+                                   enable_relative_embedding=relpos, dtype=jnp.float32, backend="unfused")
   x = _x((2, 9, 32), 8)
   v = layer.init(jax.random.key(9), x, deterministic=True)
   full = layer.apply(v, x, deterministic=True)
@@ -198,6 +199,13 @@ def test_relative_position_biases_values_and_gradient(q, k, bidirectional):
                    max_distance=128)
   assert bias.shape == (1, 3, q, k)
   np.testing.assert_array_equal(bias[0], table[:, ids])
+  # Queries at an offset (decoding with a KV cache of k keys): the rows of the full (k, k) bias there.
+  if q <= k:
+    full = rpb.apply(v, k, k, bidirectional=bidirectional)
+    for offset in {0, (k - q) // 2, k - q}:
+      np.testing.assert_array_equal(
+          jax.jit(lambda o: rpb.apply(v, q, k, bidirectional=bidirectional, q_offset=o))(offset),
+          full[:, :, offset:offset + q])
   w = np.asarray(jax.random.normal(jax.random.key(1), (1, 3, q, k)), np.float64)
   grad = jax.grad(lambda v: jnp.sum(rpb.apply(v, q, k, bidirectional=bidirectional) * w))(v)
   want = np.einsum("hqk,qkb->hb", w[0], np.eye(32)[ids])

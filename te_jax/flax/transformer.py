@@ -106,23 +106,35 @@ class RelativePositionBiases(nn.Module):
     return buckets + np.where(is_small, n, large)
 
   @nn.compact
-  def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
-    """The bias ``(1, heads, q_seqlen, k_seqlen)`` to add to the attention logits (a post-scale bias)."""
+  def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True,
+               q_offset: jax.Array | int | None = None) -> jax.Array:
+    """The bias ``(1, heads, q_seqlen, k_seqlen)`` to add to the attention logits (a post-scale bias).
+
+    ``q_offset`` (may be traced, in ``[0, k_seqlen - q_seqlen]``): the queries are at positions ``q_offset + t``, as
+    when decoding with a KV cache of ``k_seqlen`` keys; default 0.
+    """
     if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 4:
       raise ValueError(f"num_buckets must be >= 4 and max_distance > num_buckets / 4, got {self.num_buckets} and "
                        f"{self.max_distance}")
     if not (_is_int(q_seqlen) and _is_int(k_seqlen) and q_seqlen > 0 and k_seqlen > 0):
       raise ValueError(f"q_seqlen and k_seqlen must be positive ints, got {q_seqlen!r} and {k_seqlen!r}")
-    # The bias depends on key - query only: one value per head for each of the q + k - 1 relative positions (a
-    # one-hot matmul of that size, exact), then laid out as (q, k) by _diagonals. No (q, k, buckets) one-hot, and
-    # the table's gradient is a sum over diagonals and buckets in a fixed order (no scatter).
-    relative = np.arange(1 - q_seqlen, k_seqlen, dtype=np.int32)
+    if q_offset is not None and q_seqlen > k_seqlen:
+      raise ValueError(f"with q_offset, q_seqlen={q_seqlen} must be at most k_seqlen={k_seqlen}")
+    # The bias depends on key - query only: one value per head for each relative position (a one-hot matmul of that
+    # size, exact), laid out as (q, k) by _diagonals. No (q, k, buckets) one-hot, and the table's gradient is a sum
+    # over diagonals and buckets in a fixed order (no scatter). With an offset, every position a query can have
+    # (-(k - 1) .. k - 1), then the q + k - 1 of this offset.
+    lowest = 1 - (k_seqlen if q_offset is not None else q_seqlen)
+    relative = np.arange(lowest, k_seqlen, dtype=np.int32)
     buckets = self.bucket(relative, bidirectional=bidirectional, num_buckets=self.num_buckets,
                           max_distance=self.max_distance)
     table = self.param("rel_embedding", _logical(self.embedding_init, self.embedding_axes),
                        (self.num_attention_heads, self.num_buckets), jnp.float32)
-    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (q + k - 1, buckets)
+    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (relative positions, buckets)
     per_relative = jnp.einsum("hb,rb->hr", table, one_hot)
+    if q_offset is not None:  # relative position j - (q_offset + t) sits at index j - q_offset - t + k - 1
+      start = k_seqlen - q_seqlen - jnp.asarray(q_offset, jnp.int32)
+      per_relative = jax.lax.dynamic_slice_in_dim(per_relative, start, q_seqlen + k_seqlen - 1, axis=-1)
     return _diagonals(per_relative, q_seqlen, k_seqlen)[None].astype(self.dtype)
 
 
@@ -527,10 +539,15 @@ class TransformerLayer(nn.Module):
     seq_axis = 0 if self.transpose_batch_sequence else 1
     if self.enable_relative_embedding:
       length = x.shape[seq_axis]
-      bias = RelativePositionBiases(self.relative_embedding_buckets, self.relative_embedding_max_distance,
-                                    self.num_attention_heads, embedding_axes=self._axes(HEADS, None),
-                                    dtype=jnp.float32, name="relpos_bias")(
-                                        length, length, bidirectional=self.layer_type == "encoder")
+      relpos = RelativePositionBiases(self.relative_embedding_buckets, self.relative_embedding_max_distance,
+                                      self.num_attention_heads, embedding_axes=self._axes(HEADS, None),
+                                      dtype=jnp.float32, name="relpos_bias")
+      cache = self.variables.get("cache", {}).get("self_attention") if decode else None
+      if cache is None:  # no KV cache yet (or none used): queries and keys are this input's positions
+        bias = relpos(length, length, bidirectional=self.layer_type == "encoder")
+      else:  # decoding: these queries sit at the cache index, over every key the cache holds
+        bias = relpos(length, cache["cached_key"].shape[1], bidirectional=self.layer_type == "encoder",
+                      q_offset=cache["cache_index"])
       bias_type = "post_scale_bias"
 
     post_residual = self.apply_residual_connection_post_layernorm
