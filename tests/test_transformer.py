@@ -153,12 +153,14 @@ def test_transpose_batch_sequence_is_the_same_layer():
   np.testing.assert_allclose(a, jnp.swapaxes(b, 0, 1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rope, relpos", [(False, False), (True, False), (False, True)],
-                         ids=["no-rope", "rope", "relative-bias"])
-def test_kv_cache_decoding_matches_the_full_forward(rope, relpos):
+@pytest.mark.parametrize("kw", [{}, {"enable_rotary_pos_emb": True}, {"enable_relative_embedding": True},
+                                {"window_size": (2, 0)}, {"self_attn_bias_type": "alibi"}],
+                         ids=["plain", "rope", "relative-bias", "window", "alibi"])
+def test_kv_cache_decoding_matches_the_full_forward(kw):
+  """Each feature that depends on the queries' positions (RoPE, relative biases, the sliding window, ALiBi) sees
+  them at the cache index when decoding."""
   layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
-                                   layer_type="decoder", enable_rotary_pos_emb=rope,
-                                   enable_relative_embedding=relpos, dtype=jnp.float32, backend="unfused")
+                                   layer_type="decoder", dtype=jnp.float32, backend="unfused", **kw)
   x = _x((2, 9, 32), 8)
   v = layer.init(jax.random.key(9), x, deterministic=True)
   full = layer.apply(v, x, deterministic=True)

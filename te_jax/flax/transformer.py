@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax.activation import activation
-from te_jax.attention import ATTN_MASK_TYPES, dot_product_attention
+from te_jax.attention import ATTN_MASK_TYPES, alibi_slopes, dot_product_attention
 from te_jax.flax.attention import resolve_fp8
 from te_jax.flax.dense import DenseGeneral, _is_int, _logical
 from te_jax.flax.fused import LayerNormDenseGeneral, LayerNormMLP
@@ -267,8 +267,8 @@ class MultiHeadAttention(nn.Module):
     return rope(q), rope(k)
 
   def _decode_cache(self, k, v):
-    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache and the mask of its unfilled part
-    (True = masked out), or k, v and None at init."""
+    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache and the index the queries start at, or
+    k, v and None at init."""
     initialized = self.has_variable("cache", "cached_key")
     cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
     cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
@@ -283,11 +283,23 @@ class MultiHeadAttention(nn.Module):
     cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, i, 0, 0))
     cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, i, 0, 0))
     index.value = i + steps
-    # Query t (at position i + t) sees the cached keys 0 .. i + t: the rest is masked out (True).
+    return cached_k.value, cached_v.value, i
+
+  def _decode_mask_and_bias(self, offset, steps: int, max_len: int, mask, bias, bias_type):
+    """The attention's mask and bias for ``steps`` queries at positions ``offset + t`` over the ``max_len`` cached
+    keys, with the query positions the attention itself cannot know: causal over the keys filled so far, the sliding
+    window, ALiBi's distances. Returns (mask, bias, bias_type)."""
+    query_pos = offset + jnp.arange(steps)[:, None]
     key_pos = jnp.arange(max_len)[None, :]
-    query_pos = i + jnp.arange(steps)[:, None]
-    mask = (key_pos > query_pos)[None, None]
-    return cached_k.value, cached_v.value, mask
+    masked = key_pos > query_pos  # query t sees the cached keys 0 .. offset + t
+    if self.window_size is not None and self.window_size[0] >= 0:
+      masked = masked | (key_pos < query_pos - self.window_size[0])
+    mask = masked[None, None] if mask is None else jnp.logical_or(mask, masked[None, None])
+    if bias_type == "alibi":
+      distance = jnp.abs(key_pos - query_pos).astype(jnp.float32)
+      bias = -jnp.asarray(alibi_slopes(self.num_attention_heads))[None, :, None, None] * distance[None, None]
+      bias_type = "post_scale_bias"
+    return mask, bias, bias_type
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
@@ -348,23 +360,23 @@ class MultiHeadAttention(nn.Module):
       (k, v), _, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
                                       unstack_axis=-2)
 
-    mask_type = self.attn_mask_type
+    mask_type, bias_type, window = self.attn_mask_type, self.attn_bias_type, self.window_size
     if decode:
       if self.enable_rotary_pos_emb:
         initialized = self.has_variable("cache", "cache_index")
         offset = self.get_variable("cache", "cache_index") if initialized else None
         q, k = self._rope(q, k, positions, rotary_dim, offset)
-      k, v, decode_mask = self._decode_cache(k, v)
-      if decode_mask is not None:
-        mask = decode_mask if mask is None else jnp.logical_or(mask, decode_mask)
-        mask_type = "arbitrary"
+      k, v, offset = self._decode_cache(k, v)
+      if offset is not None:  # the queries' positions go into an explicit mask (and ALiBi bias)
+        mask, bias, bias_type = self._decode_mask_and_bias(offset, q.shape[1], k.shape[1], mask, bias, bias_type)
+        mask_type, window = "arbitrary", None
     elif self.enable_rotary_pos_emb:
       q, k = self._rope(q, k, positions, rotary_dim, None)
 
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
-    kw = dict(segment_ids=segment_ids, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
-              scale_factor=self.scale_factor, dropout_rate=rate, window_size=self.window_size, backend=self.backend)
+    kw = dict(segment_ids=segment_ids, attn_mask_type=mask_type, attn_bias_type=bias_type,
+              scale_factor=self.scale_factor, dropout_rate=rate, window_size=window, backend=self.backend)
     fp8 = resolve_fp8(self.fp8_attention, q, k, v, bias, mask, **kw)
     out = dot_product_attention(q, k, v, bias, mask, dropout_rng=rng, fp8=fp8, **kw)
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
