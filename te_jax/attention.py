@@ -334,9 +334,10 @@ def _softmax(logits: jax.Array, mask: jax.Array | None, scale: float) -> jax.Arr
 def _unfused(q, k, v, bias, mask, dropout_rng, cfg: _Config):
   """BSHD q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, T, H, Dv)."""
   b, t, h, d = q.shape
+  s, dv = k.shape[1], v.shape[-1]  # explicit sizes, not -1: a reshape cannot infer a dim of an empty array
   hk, g = cfg.kv_heads, cfg.heads // cfg.kv_heads
   qg = q.reshape(b, t, hk, g, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32).reshape(b, h, t, -1)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32).reshape(b, h, t, s)
   scale = cfg.scale
   if cfg.bias_type != "no_bias":
     extra = _alibi_bias(cfg) if cfg.bias_type == "alibi" else bias.astype(jnp.float32)
@@ -345,9 +346,9 @@ def _unfused(q, k, v, bias, mask, dropout_rng, cfg: _Config):
   if cfg.dropout_rate > 0:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - cfg.dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / jnp.float32(1.0 - cfg.dropout_rate), 0.0)
-  probs = probs.astype(v.dtype).reshape(b, hk, g, t, -1)
+  probs = probs.astype(v.dtype).reshape(b, hk, g, t, s)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-  return out.reshape(b, t, h, -1).astype(q.dtype)
+  return out.reshape(b, t, h, dv).astype(q.dtype)
 
 
 # ---- fused (cuDNN) backend -----------------------------------------------------------------------------------------

@@ -271,6 +271,17 @@ def test_fully_masked_rows_give_zero_and_finite_grads():
   assert np.any(out[0, 1] != 0)
 
 
+@pytest.mark.parametrize("b, t, s", [(0, 6, 6), (2, 0, 6), (2, 6, 0)], ids=["no-batch", "no-queries", "no-keys"])
+def test_empty_inputs(b, t, s):
+  """Empty batch, queries or keys: outputs of the right (empty or zero) shape and gradients, not a reshape error."""
+  q, k, v = jnp.ones((b, t, 4, 8)), jnp.ones((b, s, 2, 8)), jnp.ones((b, s, 2, 8))
+  mask_type = "causal_bottom_right" if s >= t else "no_mask"
+  out = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type))(q, k, v)
+  assert out.shape == (b, t, 4, 8) and not np.any(np.asarray(out))  # no keys: every row is fully masked, so 0
+  grads = jax.grad(lambda q, k, v: te_jax.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 def dropout_out(rng, rate, q=None, s=256):
   q = jnp.zeros((1, 64, 2, 8)) if q is None else q
   v = jnp.ones((1, s, 2, 8))
