@@ -173,6 +173,10 @@ def test_kv_cache_decoding_matches_the_full_forward(kw):
     outs.append(y)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
   assert int(cache["self_attention"]["cache_index"]) == 9
+  # The cache is full: a further step cannot be stored, and says so.
+  y, _ = layer.apply({"params": v["params"], "cache": cache}, x[:, :1], deterministic=True, decode=True,
+                     mutable=["cache"])
+  assert np.all(np.isnan(y))
 
 
 def test_relative_position_biases_buckets():

@@ -315,7 +315,8 @@ class MultiHeadAttention(nn.Module):
       bias: a post-scale bias, broadcastable to (B, H, T, S).
       segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding.
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
-      decode: use and update the KV cache (self attention only).
+      decode: use and update the KV cache (self attention only), which holds as many positions as the input it was
+        initialized with; steps past its end give NaN outputs.
       deterministic: no dropout.
       residual: added to the output (``inputs_q``' shape and layout), in the output projection's GEMM epilogue;
         when it is ``inputs_q`` itself and the input is normalized here (a pre-LN block), its gradient is added inside
@@ -379,6 +380,8 @@ class MultiHeadAttention(nn.Module):
               scale_factor=self.scale_factor, dropout_rate=rate, window_size=window, backend=self.backend)
     fp8 = resolve_fp8(self.fp8_attention, q, k, v, bias, mask, **kw)
     out = dot_product_attention(q, k, v, bias, mask, dropout_rng=rng, fp8=fp8, **kw)
+    if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
+      out = jnp.where(offset + q.shape[1] <= k.shape[1], out, jnp.asarray(jnp.nan, out.dtype))
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
@@ -536,7 +539,8 @@ class TransformerLayer(nn.Module):
       segment_ids: packed-sequence ids for self attention.
       positions: RoPE positions.
       deterministic: no dropout.
-      decode: use and update the self-attention KV cache.
+      decode: use and update the self-attention KV cache (as long as the input it was initialized with; steps past
+        its end give NaN outputs).
     """
     self._check()
     if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
