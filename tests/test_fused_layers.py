@@ -157,6 +157,26 @@ def test_module_argument_errors(make, match):
     make().init(jax.random.key(0), jnp.ones((4, 64), jnp.float32))
 
 
+def test_layernorm_mlp_intermediate_dropout():
+  """With intermediate dropout the module runs as its parts: the dropout sees act(fc1(norm(x))) and keeps each value
+  (scaled by 1 / (1 - rate)) or zeroes it, fc2 sees exactly the dropout's output; deterministic=True drops nothing."""
+  rate = 0.5
+  model = te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout_rate=rate, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(0), (8, 32))
+  v = model.init(jax.random.key(1), x)
+  y, state = model.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)}, capture_intermediates=True)
+  p = v["params"]
+  a = jax.nn.gelu(te_jax.layernorm(x, p["scale"], p["ln_bias"]) @ p["wi_kernel"][:, 0] + p["wi_bias"][0],
+                  approximate=True)
+  dropped = state["intermediates"]["Dropout_0"]["__call__"][0]
+  kept = np.asarray(dropped != 0)
+  assert 0.3 < kept.mean() < 0.7
+  np.testing.assert_allclose(np.where(kept, dropped, 0), np.where(kept, a / (1 - rate), 0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y, dropped @ p["wo_kernel"] + p["wo_bias"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(model.apply(v, x, deterministic=True),
+                                model.clone(intermediate_dropout_rate=0.0).apply(v, x))
+
+
 @pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
 def test_layernorm_mlp_module_trains_and_keeps_fp8_state(act):
   model = te_flax.LayerNormMLP(intermediate_dim=128, activations=act, dtype=jnp.bfloat16)
