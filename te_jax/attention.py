@@ -155,12 +155,16 @@ def _check_window(window_size, mask_type: str) -> tuple[int, int] | None:
   return left, right
 
 
-def _check_broadcastable(name: str, shape, full: tuple[int, int, int, int]):
-  """``shape`` must be 4-D with each of B and H either full or 1, and T, S full."""
+def _check_broadcastable(name: str, shape, full: tuple[int, int, int, int], query_broadcast: bool = False):
+  """``shape`` must be 4-D with each of B and H either full or 1, S full, and T full (or 1 with
+  ``query_broadcast``: a mask over the keys only, such as a padding mask (B, 1, 1, S))."""
   b, h, t, s = full
-  if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or tuple(shape[2:]) != (t, s):
-    raise ValueError(f"{name} must have shape (B or 1, H or 1, T, S) = ({b} or 1, {h} or 1, {t}, {s}), got "
-                     f"{tuple(shape)}")
+  t_ok = shape[2] in ((1, t) if query_broadcast else (t,)) if len(shape) == 4 else False
+  if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or not t_ok or shape[3] != s:
+    t_name = "T or 1" if query_broadcast else "T"
+    t_value = f"{t} or 1" if query_broadcast else f"{t}"
+    raise ValueError(f"{name} must have shape (B or 1, H or 1, {t_name}, S) = ({b} or 1, {h} or 1, {t_value}, {s}), "
+                     f"got {tuple(shape)}")
 
 
 def _segment_pair(segment_ids, batch: int, q_len: int, kv_len: int):
@@ -222,7 +226,7 @@ def _configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_ty
                        "or a padding type")
     if mask.dtype != jnp.bool_:
       raise TypeError(f"mask must be boolean (True = masked out), got {mask.dtype}")
-    _check_broadcastable("mask", mask.shape, (b, h, t, s))
+    _check_broadcastable("mask", mask.shape, (b, h, t, s), query_broadcast=True)
   if segment_ids is not None:
     if attn_mask_type not in _PADDING_TYPES + ("arbitrary",):
       raise ValueError(f"segment_ids were given with attn_mask_type={attn_mask_type!r}: use a padding type "
@@ -452,6 +456,7 @@ def _fused(q, k, v, bias, dense_mask, cfg: _Config):
     negative = fa.get_large_negative_number(q.dtype)
     mask_bias = jnp.where(dense_mask, negative, jnp.zeros((), q.dtype))
     total = mask_bias if total is None else total + mask_bias
+    total = jnp.broadcast_to(total, (*total.shape[:2], t, s))  # a key-padding mask (…, 1, S) covers every query
   unused = jnp.zeros(0, q.dtype)
   layout = fa.AttentionLayout.BTNH
   fa.check_layout(q, k, v, total, None, None, None, None, None, None, layout)
@@ -672,8 +677,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
       "SBHD_SB2HD" (then value is None).
     value: (B, S, Hk, Dv).
     bias: the "post_scale_bias", broadcastable to (B, H, T, S) (each of B and H full or 1); float.
-    mask: boolean, **True = masked out**, broadcastable to (B, H, T, S): the padding of a padding mask type, or the
-      mask of "arbitrary".
+    mask: boolean, **True = masked out**, broadcastable to (B, H, T, S) (each of B, H and T full or 1; (B, 1, 1, S)
+      masks padded keys for every query): the padding of a padding mask type, or the mask of "arbitrary".
     segment_ids: int, (B, S) for self-attention or a pair ``(q_ids (B, T), kv_ids (B, S))``: tokens attend only
       within their segment; id 0 is padding. An alternative to ``mask`` for the padding mask types (packed sequences),
       or combined with "arbitrary"'s mask.

@@ -636,6 +636,27 @@ def test_fused_glue_left_padding_with_emulated_cudnn(emulated_cudnn):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["unfused", "fused"])
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
+def test_key_padding_mask_broadcasts_over_queries(emulated_cudnn, backend, mask_type):
+  """A (B, 1, 1, S) mask of padded keys is the (B, 1, T, S) mask with that row for every query, on both backends
+  (the fused one through the emulated cuDNN call): the same outputs and gradients."""
+  q, k, v = qkv(16, 24, dtype=jnp.bfloat16, d=64)
+  pad = np.arange(24)[None, :] >= np.asarray([20, 24])[:, None]  # example 0: its last 4 keys are padding
+  keys_only = jnp.asarray(pad[:, None, None, :])
+  full = jnp.broadcast_to(keys_only, (B, 1, 16, 24))
+  mask_type = mask_type + ("_bottom_right" if mask_type == "padding_causal" else "")
+
+  def run(mask):
+    f = lambda q, k, v: te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type=mask_type,  # noqa: E731
+                                                     backend=backend)
+    out, vjp = jax.vjp(f, q, k, v)
+    return [np.asarray(a, np.float32) for a in (out, *vjp(jnp.ones_like(out)))]
+
+  for a, b in zip(run(keys_only), run(full)):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
 def test_fp8_glue_with_emulated_cudnn(emulated_cudnn, mask_type):
   """With the FP8 call emulated exactly (dequantized inputs, E4M3 output), the error is that of quantizing q, k, v

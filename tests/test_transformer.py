@@ -179,6 +179,24 @@ def test_kv_cache_decoding_matches_the_full_forward(kw):
   assert np.all(np.isnan(y))
 
 
+def test_encoder_decoder_layer_decodes_like_the_full_forward():
+  """A decoder layer with cross attention over an encoder output whose padding is a keys-only (B, 1, 1, S) mask."""
+  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+                                   enable_relative_embedding=True, dtype=jnp.float32, backend="unfused")
+  x, encoded = _x((2, 9, 32), 20), _x((2, 7, 32), 21)
+  enc_mask = jnp.zeros((2, 1, 1, 7), bool).at[1, :, :, 5:].set(True)  # example 1: 2 padded encoder positions
+  v = layer.init(jax.random.key(22), x, encoded, None, enc_mask, deterministic=True)
+  full = layer.apply(v, x, encoded, None, enc_mask, deterministic=True)
+  cache = layer.init(jax.random.key(22), x, encoded, None, enc_mask, deterministic=True, decode=True)["cache"]
+  outs, i = [], 0
+  for steps in (3, 1, 2, 1, 1, 1):
+    y, mut = layer.apply({**v, "cache": cache}, x[:, i:i + steps], encoded, None, enc_mask, deterministic=True,
+                         decode=True, mutable=["cache"])
+    cache, i = mut["cache"], i + steps
+    outs.append(y)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+
+
 def test_relative_position_biases_buckets():
   """T5's bucketing, checked against a direct per-pair evaluation of its definition."""
   rpb = te_flax.RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=2)
