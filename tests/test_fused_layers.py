@@ -157,6 +157,25 @@ def test_module_argument_errors(make, match):
     make().init(jax.random.key(0), jnp.ones((4, 64), jnp.float32))
 
 
+@pytest.mark.parametrize("rec", [None, "current"], ids=["hp", "fp8-current"])
+def test_layernorm_mlp_returns_the_norm_output(rec):
+  """return_layernorm_output: the same MLP output, and the normalized input with its gradient path."""
+  model = te_flax.LayerNormMLP(intermediate_dim=64, activations=("silu", "linear"), dtype=jnp.bfloat16)
+  both = model.clone(return_layernorm_output=True)
+  x = jax.random.normal(jax.random.key(0), (16, 32), jnp.float32).astype(jnp.bfloat16)
+  with te_jax.autocast(enabled=rec is not None, recipe=RECIPES.get(rec)):
+    v = model.init(jax.random.key(1), x)
+    y = model.apply(v, x)
+    y2, z = both.apply(v, x)
+    p = v["params"]
+    np.testing.assert_allclose(np.asarray(y2, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(np.asarray(z, np.float32), np.asarray(
+        te_jax.layernorm(x, p["scale"], p["ln_bias"]), np.float32))
+    g = jax.grad(lambda x: jnp.sum(both.apply(v, x)[1].astype(jnp.float32) ** 2))(x)
+    g_ref = jax.grad(lambda x: jnp.sum(te_jax.layernorm(x, p["scale"], p["ln_bias"]).astype(jnp.float32) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_layernorm_mlp_intermediate_dropout():
   """With intermediate dropout the module runs as its parts: the dropout sees act(fc1(norm(x))) and keeps each value
   (scaled by 1 / (1 - rate)) or zeroes it, fc2 sees exactly the dropout's output; deterministic=True drops nothing."""

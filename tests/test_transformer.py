@@ -3,6 +3,7 @@ parameters (float32: tight; FP8: within quantization), the KV cache against the 
 state, argument errors, and on the GPU the fused path (cuDNN attention, FP8 GEMMs, fused norms) against the CPU."""
 
 import doctest
+import functools
 import re
 
 import flax.linen as nn
@@ -112,6 +113,58 @@ def test_layer_matches_reference_float32(kv_heads, rope):
   assert _rel(ours, ref) < 1e-5
   g = jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2))(v)["params"]
   g_ref = jax.grad(lambda p: jnp.sum(_layer_ref(p, x, 4, kv_heads, rope=rope) ** 2))(v["params"])
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    assert _rel(a, b) < 1e-4
+
+
+def _norm_ref(x, prm, rms: bool, zero_centered: bool, eps=1e-6):
+  scale = prm["scale"] + 1.0 if zero_centered else prm["scale"]
+  if rms:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+  return _ln(x, scale, prm["ln_bias"], eps)
+
+
+def _options_layer_ref(p, x, *, post_residual, use_bias, gated, rms, zero_centered):
+  """Pre-LN decoder layer (causal, 4 heads, fused QKV) with the options of test_layer_options_match_reference."""
+  norm = functools.partial(_norm_ref, rms=rms, zero_centered=zero_centered)
+  a, m = p["self_attention"], p["mlp"]
+  z = norm(x, a["qkv"])
+  qkv = jnp.einsum("bsh,hncd->bsncd", z, a["qkv"]["kernel"]) + (a["qkv"]["bias"] if use_bias else 0.0)
+  o = _attention_ref(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], causal=True)
+  y = jnp.einsum("bsnd,ndh->bsh", o, a["out"]["kernel"]) + (a["out"]["bias"] if use_bias else 0.0)
+  x = y + (z if post_residual else x)
+  z = norm(x, m)
+  h = jnp.einsum("bsh,hnf->bsnf", z, m["wi_kernel"]) + (m["wi_bias"] if use_bias else 0.0)
+  act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if gated else jax.nn.gelu(h[..., 0, :], approximate=True)
+  y = act @ m["wo_kernel"] + (m["wo_bias"] if use_bias else 0.0)
+  return y + (z if post_residual else x)
+
+
+@pytest.mark.parametrize("options", [
+    dict(post_residual=True, use_bias=False, gated=False, rms=False, zero_centered=False),
+    dict(post_residual=False, use_bias=True, gated=True, rms=False, zero_centered=False),
+    dict(post_residual=False, use_bias=False, gated=False, rms=True, zero_centered=True),
+    dict(post_residual=True, use_bias=True, gated=True, rms=True, zero_centered=True),
+], ids=["post-residual", "bias-swiglu", "rmsnorm-zero-centered", "all"])
+def test_layer_options_match_reference(options):
+  """Residuals after the norm (both blocks, as Megatron and Transformer Engine define it), biases, SwiGLU, RMSNorm
+  and zero-centered gamma against the jnp reference, values and gradients."""
+  layer = te_flax.TransformerLayer(
+      hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+      apply_residual_connection_post_layernorm=options["post_residual"], use_bias=options["use_bias"],
+      mlp_activations=("silu", "linear") if options["gated"] else ("gelu",),
+      layernorm_type="rmsnorm" if options["rms"] else "layernorm", zero_centered_gamma=options["zero_centered"],
+      dtype=jnp.float32, backend="unfused")
+  x = _x((2, 7, 32), 30)
+  v = layer.init(jax.random.key(31), x, deterministic=True)
+  # Random biases and norm parameters (their initializers give zeros and ones), so that each one counts.
+  leaves, tree = jax.tree.flatten(v["params"])
+  keys = jax.random.split(jax.random.key(32), len(leaves))
+  v = {"params": jax.tree.unflatten(tree, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)])}
+  ref = functools.partial(_options_layer_ref, **options)
+  assert _rel(layer.apply(v, x, deterministic=True), ref(v["params"], x)) < 1e-5
+  g = jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2))(v)["params"]
+  g_ref = jax.grad(lambda p: jnp.sum(ref(p, x) ** 2))(v["params"])
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
     assert _rel(a, b) < 1e-4
 

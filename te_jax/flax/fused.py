@@ -119,6 +119,8 @@ class LayerNormMLP(nn.Module):
       "linear")`` (GeGLU), ``("relu", "linear")`` (ReGLU).
     intermediate_dropout_rate: dropout on the activation output (needs the "dropout" rng unless deterministic);
       when it is active the layer runs as its parts (norm, dense, activation, dropout, dense), each still FP8.
+    return_layernorm_output: also return the normalized input (for a residual taken after the norm); the layer then
+      runs as its parts too.
     use_bias: biases on fc1 and fc2.
     layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes: the norm's, as in LayerNorm.
     kernel_init, bias_init: initializers; kernel_axes_1 / kernel_axes_2 / bias_axes_1 / bias_axes_2: logical names
@@ -130,6 +132,7 @@ class LayerNormMLP(nn.Module):
   activations: Sequence[str] = ("gelu",)
   intermediate_dropout_rate: float = 0.0
   use_bias: bool = True
+  return_layernorm_output: bool = False
   layernorm_type: str = "layernorm"
   epsilon: float = 1e-6
   zero_centered_gamma: bool = False
@@ -146,8 +149,9 @@ class LayerNormMLP(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, deterministic: bool = True, residual: jax.Array | None = None) -> jax.Array:
-    """The MLP of ``inputs``, plus ``residual`` (``inputs``' shape) when given: added in fc2's epilogue."""
+  def __call__(self, inputs: jax.Array, deterministic: bool = True, residual: jax.Array | None = None):
+    """The MLP of ``inputs``, plus ``residual`` (``inputs``' shape) when given: added in fc2's epilogue. With
+    ``return_layernorm_output``, the pair (that, the normalized input)."""
     name, gated = parse_activation_type(tuple(self.activations))
     if not (_is_int(self.intermediate_dim) and self.intermediate_dim > 0):
       raise ValueError(f"intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
@@ -173,12 +177,17 @@ class LayerNormMLP(nn.Module):
     meta_1 = dense_fp8_meta(self, recipe, prefix="wi_")
     meta_2 = dense_fp8_meta(self, recipe, prefix="wo_")
     norm_args = dict(norm_type=self.layernorm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
-    if self.intermediate_dropout_rate == 0.0 or deterministic:
+    dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
+    if not dropout and not self.return_layernorm_output:
       return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
                            fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args)
-    # Dropout sits between the activation and fc2: run the parts, each dense still in FP8.
+    # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
     h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
-                        fp8_meta=meta_1, recipe=recipe, **norm_args)
+                        return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
+                        **norm_args)
+    h, z = h if self.return_layernorm_output else (h, None)
     a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
-    a = nn.Dropout(rate=self.intermediate_dropout_rate)(a, deterministic=False)
-    return dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
+    if dropout:
+      a = nn.Dropout(rate=self.intermediate_dropout_rate)(a, deterministic=False)
+    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
+    return (y, z) if self.return_layernorm_output else y

@@ -420,7 +420,8 @@ class TransformerLayer(nn.Module):
       add), on the attention probabilities, and on the MLP's activation output.
     mlp_activations: e.g. ("gelu",), ("silu", "linear") for SwiGLU.
     use_bias: biases on every projection.
-    apply_residual_connection_post_layernorm: the residual is the normalized input (Megatron's option), pre-LN only.
+    apply_residual_connection_post_layernorm: each block's residual is its normalized input instead of its input
+      (Megatron's option, attention and MLP both), pre-LN only.
     output_layernorm: post-LN.
     enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
     window_size: sliding window of self attention.
@@ -594,12 +595,17 @@ class TransformerLayer(nn.Module):
     else:
       mlp = LayerNormMLP(intermediate_dim=self.mlp_hidden_size, activations=tuple(self.mlp_activations),
                          intermediate_dropout_rate=self.intermediate_dropout, use_bias=self.use_bias,
+                         return_layernorm_output=post_residual,
                          layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
                          zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
                          kernel_axes_1=self._axes(EMBED, ACT, MLP), kernel_axes_2=self._axes(MLP, EMBED),
                          bias_axes_1=self._axes(ACT, MLP), bias_axes_2=self._axes(EMBED),
                          scale_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
-      x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
+      if post_residual:  # the residual is the MLP's normalized input
+        y, residual = mlp(x, deterministic=deterministic)
+        x = self._dropout_add(y, residual, deterministic)
+      else:
+        x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("mlp_layernorm", x)
     return x
