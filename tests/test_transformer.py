@@ -169,6 +169,25 @@ def test_layer_options_match_reference(options):
     assert _rel(a, b) < 1e-4
 
 
+def test_post_norm_residuals_with_cross_attention_match_reference():
+  """apply_residual_connection_post_layernorm in a decoder layer: self attention, cross attention and MLP each add
+  their own normalized input."""
+  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+                                   apply_residual_connection_post_layernorm=True, dtype=jnp.float32,
+                                   backend="unfused")
+  x, encoded = _x((2, 6, 32), 33), _x((2, 5, 32), 34)
+  v = layer.init(jax.random.key(35), x, encoded, deterministic=True)
+
+  def ref(p, x):
+    sa, ca, m = p["self_attention"], p["encoder_decoder_attention"], p["mlp"]
+    x = _mha_ref(sa, x, 4, 4) + _ln(x, sa["qkv"]["scale"], sa["qkv"]["ln_bias"])
+    x = _mha_ref(ca, x, 4, 4, causal=False, kv=encoded) + _ln(x, ca["query"]["scale"], ca["query"]["ln_bias"])
+    z = _ln(x, m["scale"], m["ln_bias"])
+    return jax.nn.gelu(z @ m["wi_kernel"][:, 0, :], approximate=True) @ m["wo_kernel"] + z
+
+  assert _rel(layer.apply(v, x, encoded, deterministic=True), ref(v["params"], x)) < 1e-5
+
+
 def test_cross_attention_and_padding_mask_match_reference():
   mha = te_flax.MultiHeadAttention(head_dim=8, num_attention_heads=4, num_gqa_groups=2, attn_mask_type="padding",
                                    dtype=jnp.float32, backend="unfused")

@@ -421,7 +421,7 @@ class TransformerLayer(nn.Module):
     mlp_activations: e.g. ("gelu",), ("silu", "linear") for SwiGLU.
     use_bias: biases on every projection.
     apply_residual_connection_post_layernorm: each block's residual is its normalized input instead of its input
-      (Megatron's option, attention and MLP both), pre-LN only.
+      (Megatron's option; self attention, cross attention and MLP alike), pre-LN only.
     output_layernorm: post-LN.
     enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
     window_size: sliding window of self attention.
@@ -583,10 +583,15 @@ class TransformerLayer(nn.Module):
 
     if encoded is not None:
       cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
-      cross = self._mha("encoder_decoder_attention", cross_type, None, False,
+      cross = self._mha("encoder_decoder_attention", cross_type, None, False, return_layernorm_output=post_residual,
                         transpose_batch_sequence=self.transpose_batch_sequence)
-      x = self._residual_block(
-          lambda r: cross(x, encoded, encoder_decoder_mask, deterministic=deterministic, residual=r), x, deterministic)
+      if post_residual:  # the residual is the cross attention's normalized input
+        y, residual = cross(x, encoded, encoder_decoder_mask, deterministic=deterministic)
+        x = self._dropout_add(y, residual, deterministic)
+      else:
+        x = self._residual_block(
+            lambda r: cross(x, encoded, encoder_decoder_mask, deterministic=deterministic, residual=r), x,
+            deterministic)
       if self.output_layernorm:
         x = self._post_ln("encoder_decoder_attention_layernorm", x)
 
