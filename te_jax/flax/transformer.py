@@ -496,7 +496,12 @@ class TransformerLayer(nn.Module):
 
   def _residual_block(self, block, residual, deterministic: bool):
     """``residual + dropout(block(None))``; with no dropout to apply and the residual stream in the compute dtype,
-    ``block(residual)`` instead: the block adds it in its last GEMM's epilogue (no pass of its own)."""
+    ``block(residual)`` instead: the block adds it in its last GEMM's epilogue (no pass of its own). With
+    ``apply_residual_connection_post_layernorm``, ``block(None)`` returns its normalized input too, which is the
+    residual then."""
+    if self.apply_residual_connection_post_layernorm:
+      y, normalized = block(None)
+      return self._dropout_add(y, normalized, deterministic)
     compute_dtype = jnp.dtype(self.dtype or jnp.result_type(residual.dtype, self.param_dtype))
     if (self.hidden_dropout == 0.0 or deterministic) and jnp.dtype(residual.dtype) == compute_dtype:
       return self._residual_stream(block(residual))
@@ -572,12 +577,7 @@ class TransformerLayer(nn.Module):
                      return_layernorm_output=post_residual, window_size=self.window_size,
                      transpose_batch_sequence=self.transpose_batch_sequence)
     attn_args = dict(segment_ids=segment_ids, positions=positions, decode=decode, deterministic=deterministic)
-    if post_residual:  # the residual is the attention's normalized input
-      y, residual = attn(x, None, attention_mask, bias, **attn_args)
-      x = self._dropout_add(y, residual, deterministic)
-    else:
-      x = self._residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **attn_args), x,
-                               deterministic)
+    x = self._residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **attn_args), x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("self_attention_layernorm", x)
 
@@ -585,13 +585,8 @@ class TransformerLayer(nn.Module):
       cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
       cross = self._mha("encoder_decoder_attention", cross_type, None, False, return_layernorm_output=post_residual,
                         transpose_batch_sequence=self.transpose_batch_sequence)
-      if post_residual:  # the residual is the cross attention's normalized input
-        y, residual = cross(x, encoded, encoder_decoder_mask, deterministic=deterministic)
-        x = self._dropout_add(y, residual, deterministic)
-      else:
-        x = self._residual_block(
-            lambda r: cross(x, encoded, encoder_decoder_mask, deterministic=deterministic, residual=r), x,
-            deterministic)
+      x = self._residual_block(
+          lambda r: cross(x, encoded, encoder_decoder_mask, deterministic=deterministic, residual=r), x, deterministic)
       if self.output_layernorm:
         x = self._post_ln("encoder_decoder_attention_layernorm", x)
 
@@ -606,11 +601,7 @@ class TransformerLayer(nn.Module):
                          kernel_axes_1=self._axes(EMBED, ACT, MLP), kernel_axes_2=self._axes(MLP, EMBED),
                          bias_axes_1=self._axes(ACT, MLP), bias_axes_2=self._axes(EMBED),
                          scale_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
-      if post_residual:  # the residual is the MLP's normalized input
-        y, residual = mlp(x, deterministic=deterministic)
-        x = self._dropout_add(y, residual, deterministic)
-      else:
-        x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
+      x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("mlp_layernorm", x)
     return x
