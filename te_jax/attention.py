@@ -456,7 +456,7 @@ def _fused(q, k, v, bias, dense_mask, cfg: _Config):
     negative = fa.get_large_negative_number(q.dtype)
     mask_bias = jnp.where(dense_mask, negative, jnp.zeros((), q.dtype))
     total = mask_bias if total is None else total + mask_bias
-    total = jnp.broadcast_to(total, (*total.shape[:2], t, s))  # a key-padding mask (…, 1, S) covers every query
+    total = jnp.broadcast_to(total, (*total.shape[:2], t, s))  # a key-padding mask (.., 1, S) covers every query
   unused = jnp.zeros(0, q.dtype)
   layout = fa.AttentionLayout.BTNH
   fa.check_layout(q, k, v, total, None, None, None, None, None, None, layout)
