@@ -159,10 +159,9 @@ def _check_broadcastable(name: str, shape, full: tuple[int, int, int, int], quer
   """``shape`` must be 4-D with each of B and H either full or 1, S full, and T full (or 1 with
   ``query_broadcast``: a mask over the keys only, such as a padding mask (B, 1, 1, S))."""
   b, h, t, s = full
-  t_ok = shape[2] in ((1, t) if query_broadcast else (t,)) if len(shape) == 4 else False
-  if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or not t_ok or shape[3] != s:
-    t_name = "T or 1" if query_broadcast else "T"
-    t_value = f"{t} or 1" if query_broadcast else f"{t}"
+  queries = (t, 1) if query_broadcast else (t,)
+  if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or shape[2] not in queries or shape[3] != s:
+    t_name, t_value = ("T or 1", f"{t} or 1") if query_broadcast else ("T", f"{t}")
     raise ValueError(f"{name} must have shape (B or 1, H or 1, {t_name}, S) = ({b} or 1, {h} or 1, {t_value}, {s}), "
                      f"got {tuple(shape)}")
 
