@@ -150,8 +150,8 @@ def test_argument_errors():
     (lambda: te_flax.LayerNormDenseGeneral(features="64"), "features"),
     (lambda: te_flax.LayerNormDenseGeneral(features=(4, 0)), "features"),
     (lambda: te_flax.DenseGeneral(features=()), "features"),
-    (lambda: te_flax.DenseGeneral(features=8, axis=2), "axis"),
-    (lambda: te_flax.DenseGeneral(features=8, axis=(-1, 1)), "axis"),
+    (lambda: te_flax.DenseGeneral(features=8, axis=2), "axis 2 is out of range"),
+    (lambda: te_flax.DenseGeneral(features=8, axis=(-1, 1)), "axes repeat"),
 ], ids=["mlp-dim-0", "mlp-dim-float", "mlp-dropout", "features-str", "features-0", "features-empty", "axis-range",
         "axis-twice"])
 def test_module_argument_errors(make, match):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.dense import dense
+from te_jax.dense import _normalize_axes, dense
 from te_jax.flax._fp8_state import dense_fp8_meta, resolve_recipe
 from te_jax.recipe import Recipe
 
@@ -31,14 +31,6 @@ def _features(features) -> tuple[int, ...]:
   if not out or not all(_is_int(f) and f > 0 for f in out):
     raise ValueError(f"features must be a positive int or a non-empty sequence of them, got {features!r}")
   return tuple(int(f) for f in out)
-
-
-def _input_axes(axis, ndim: int) -> tuple[int, ...]:
-  """The contracted input axes, each in [-ndim, ndim) and none twice, as sorted non-negative ints (Flax's order)."""
-  axes = _tuple(axis)
-  if not axes or not all(_is_int(a) and -ndim <= a < ndim for a in axes) or len({a % ndim for a in axes}) < len(axes):
-    raise ValueError(f"axis must be distinct axes of the {ndim}-D inputs, got {axis!r}")
-  return tuple(sorted(int(a) % ndim for a in axes))
 
 
 def _logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
@@ -91,7 +83,7 @@ class DenseGeneral(nn.Module):
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
     features = _features(self.features)
-    axis = _input_axes(self.axis, inputs.ndim)  # sorted, as Flax does: same kernel shapes
+    axis = tuple(sorted(_normalize_axes(self.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
     n_in = len(axis)
 
