@@ -56,6 +56,7 @@ __all__ = [
     "ATTN_MASK_TYPES",
     "AttentionBackend",
     "QKV_LAYOUTS",
+    "alibi_bias_at",
     "alibi_slopes",
     "attention_backend",
     "backend_report",
@@ -273,10 +274,16 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   return np.asarray(slopes, np.float32)
 
 
+def alibi_bias_at(num_heads: int, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+  """``-slope_h * |key_position - query_position|``, float32, shape (1, H, T, S), for the queries' and keys' positions
+  (1-D, integer; the queries' may be traced, as when decoding from a KV cache)."""
+  dist = jnp.abs(key_positions[None, :] - query_positions[:, None]).astype(jnp.float32)
+  return -jnp.asarray(alibi_slopes(num_heads))[None, :, None, None] * dist[None, None]
+
+
 def _alibi_bias(cfg: _Config) -> jax.Array:
   """``-slope_h * |j - i - a|``, float32, shape (1, H, T, S)."""
-  dist = jnp.abs(jnp.arange(cfg.kv_len)[None, :] - jnp.arange(cfg.q_len)[:, None] - cfg.align).astype(jnp.float32)
-  return -jnp.asarray(alibi_slopes(cfg.heads))[None, :, None, None] * dist[None, None]
+  return alibi_bias_at(cfg.heads, jnp.arange(cfg.q_len) + cfg.align, jnp.arange(cfg.kv_len))
 
 
 def _band_mask(cfg: _Config) -> jax.Array | None:

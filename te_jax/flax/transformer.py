@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax.activation import activation
-from te_jax.attention import ATTN_MASK_TYPES, alibi_slopes, dot_product_attention
+from te_jax.attention import ATTN_MASK_TYPES, alibi_bias_at, dot_product_attention
 from te_jax.flax.attention import resolve_fp8
 from te_jax.flax.dense import DenseGeneral, _is_int, _logical
 from te_jax.flax.fused import LayerNormDenseGeneral, LayerNormMLP
@@ -296,8 +296,7 @@ class MultiHeadAttention(nn.Module):
       masked = masked | (key_pos < query_pos - self.window_size[0])
     mask = masked[None, None] if mask is None else jnp.logical_or(mask, masked[None, None])
     if bias_type == "alibi":
-      distance = jnp.abs(key_pos - query_pos).astype(jnp.float32)
-      bias = -jnp.asarray(alibi_slopes(self.num_attention_heads))[None, :, None, None] * distance[None, None]
+      bias = alibi_bias_at(self.num_attention_heads, query_pos[:, 0], key_pos[0])
       bias_type = "post_scale_bias"
     return mask, bias, bias_type
 
