@@ -1,7 +1,7 @@
 // What norm_fwd.cu (te_norm_fwd) and norm_bwd.cu (te_norm_bwd), the CUDA handlers of LayerNorm/RMSNorm over the last
-// dim, both use: the block-size constants, the float32 parameter load, the stores of 8 float32 results as float32,
-// bfloat16 or float16 (Out; norm_fwd.cu adds the FP8 outputs), the row sum in a fixed order, and the launch policy
-// (threads per row and chunks per thread, the dynamic shared-memory limit).
+// dim, both use: the block-size constants, the stores of 8 float32 results as float32, bfloat16 or float16 (Out;
+// norm_fwd.cu adds the FP8 outputs), the row sum in a fixed order, and the launch policy (threads per row and chunks
+// per thread, the dynamic shared-memory limit).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,13 +30,6 @@ constexpr int kMaxWarps = kMaxBlock / 32;
 constexpr int kGenericThreads = 256;           // the one-row-per-block kernels
 
 // ---- element types: ToFloat and Chunk (vec_load.cuh) --------------------------------------------------------------
-
-// 8 float32 parameters (gamma or beta), from L1: every row reads the same ones.
-__device__ __forceinline__ void LoadParams(const float* p, float (&v)[kVec]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 
 // How 8 float32 results are stored: rounded to the output type, 16-byte stores. Store returns the FP8 bytes for the
 // transposed copy: zero here, the bytes for norm_fwd.cu's Out<Fp8<kFmt>>.

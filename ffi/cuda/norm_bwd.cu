@@ -21,6 +21,13 @@ constexpr int64_t kBwdPartialElems = 1 << 20;
 constexpr int kColSumCols = 32;                // column-sum kernel: columns per block
 constexpr int kColSumSlices = 8;               // ... and partial-row slices summed in parallel, then in order
 
+// 8 float32 parameters (gamma), from L1: every row reads the same ones.
+__device__ __forceinline__ void LoadParams(const float* p, float (&v)[kVec]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 // ---- backward -----------------------------------------------------------------------------------------------------
 
 struct BwdArgs {
