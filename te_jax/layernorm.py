@@ -24,6 +24,7 @@ _OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.fl
 @dataclasses.dataclass(frozen=True)
 class _Config:
   norm: NormConfig  # its out_dtype is the output dtype
+  zero_centered_gamma: bool
   beta_dtype: jnp.dtype | None  # dbeta's dtype; None: RMSNorm, no beta
 
 
@@ -34,7 +35,7 @@ def _layernorm(cfg: _Config, x, gamma, beta):
 
 def _layernorm_fwd(cfg: _Config, x, gamma, beta):
   n = cfg.norm
-  out = norm_fwd(x, gamma, beta, norm_type=n.norm_type, epsilon=n.epsilon, zero_centered_gamma=n.zero_centered_gamma,
+  out = norm_fwd(x, gamma, beta, norm_type=n.norm_type, epsilon=n.epsilon, zero_centered_gamma=cfg.zero_centered_gamma,
                  out_dtype=n.out_dtype)
   return out.out, (x, gamma, out.mean, out.rsigma)
 
@@ -44,7 +45,7 @@ def _layernorm_bwd(cfg: _Config, residuals, dz):
   # The kernels take dz in x's dtype or float32: a gradient of any other dtype goes in as float32, exactly.
   dz = dz if dz.dtype in (x.dtype, jnp.float32) else dz.astype(jnp.float32)
   dx, dgamma, dbeta = norm_bwd(dz, x, mean, rsigma, gamma, norm_type=cfg.norm.norm_type,
-                               zero_centered_gamma=cfg.norm.zero_centered_gamma)
+                               zero_centered_gamma=cfg.zero_centered_gamma)
   return dx, dgamma.astype(gamma.dtype), None if cfg.beta_dtype is None else dbeta.astype(cfg.beta_dtype)
 
 
@@ -91,6 +92,6 @@ def layernorm(
   if out_dtype not in _OUT_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
   check_norm_args(layernorm_type, epsilon)
-  norm = NormConfig(layernorm_type, float(epsilon), bool(zero_centered_gamma), out_dtype)
+  norm = NormConfig(layernorm_type, float(epsilon), out_dtype)
   beta_dtype = None if beta is None else jnp.dtype(jnp.asarray(beta).dtype)
-  return _layernorm(_Config(norm, beta_dtype), x, gamma, beta)  # norm_fwd checks the arrays while tracing
+  return _layernorm(_Config(norm, bool(zero_centered_gamma), beta_dtype), x, gamma, beta)  # norm_fwd checks the arrays while tracing

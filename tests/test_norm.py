@@ -158,8 +158,13 @@ def native_fwd_many(cases, *, device=CPU) -> list[te_jax.NormOutput]:
 
 
 def config_of(kw) -> NormConfig:
-  return NormConfig(kw["norm_type"], kw["epsilon"], kw.get("zero_centered_gamma", False), jnp.dtype(kw["out_dtype"]),
-                    kw.get("transpose", False))
+  return NormConfig(kw["norm_type"], kw["epsilon"], jnp.dtype(kw["out_dtype"]), kw.get("transpose", False))
+
+
+def factor_of(gamma, kw):
+  """The float32 factor the references take: gamma + 1 under zero_centered_gamma."""
+  g = jnp.asarray(gamma, jnp.float32)
+  return g + 1.0 if kw.get("zero_centered_gamma") else g
 
 
 def reference_stats_many(cases):
@@ -174,7 +179,7 @@ def expected_outputs_many(cases, outs):
 
   def one(x, g, b, mean, rsigma, kw):
     config = config_of(kw)
-    y = norm_apply_ref(x, mean, rsigma, g, b, config=config)
+    y = norm_apply_ref(x, mean, rsigma, factor_of(g, kw), b, config=config)
     if not config.fp8:
       return y.astype(config.out_dtype), None, None
     q = quantize_ref(y, jnp.float32(kw["scale"]), config=QuantizeConfig(config.out_dtype, transpose=config.transpose))
@@ -269,9 +274,9 @@ def native_bwd_many(cases, *, device=CPU):
 
 def reference_bwd_many(cases):
   def one(dz, x, mean, rsigma, gamma, kw):
-    config = NormConfig(kw["norm_type"], zero_centered_gamma=kw["zero_centered_gamma"], dres="dres" in kw)
+    config = NormConfig(kw["norm_type"], dres="dres" in kw)
     rest = ([] if mean is None else [mean]) + ([kw["dres"]] if "dres" in kw else [])
-    return norm_bwd_ref(dz, x, rsigma, gamma, *rest, config=config)
+    return norm_bwd_ref(dz, x, rsigma, factor_of(gamma, kw), *rest, config=config)
 
   args = [tuple(None if a is None else jax.device_put(a, CPU) for a in c[:5]) for c in cases]
   return jax.jit(lambda args: [one(*a, c[5]) for a, c in zip(args, cases)])(args)

@@ -101,7 +101,7 @@ struct FwdRows {
   int64_t rows, cols;
   bool rmsnorm;
   float epsilon;
-  const float* g;  // gamma, + 1 under zero_centered_gamma
+  const float* g;  // gamma
   const float* beta;
   float* mean;     // LayerNorm only
   float* rsigma;
@@ -135,13 +135,11 @@ uint32_t NormFwdLoop(const FwdRows& a, Load load, Store store) {
 ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma, ffi::BufferR0<ffi::F32> scale,
                       ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_t,
                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> mean,
-                      ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm, float epsilon, bool zero_centered_gamma) {
+                      ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm, float epsilon) {
   auto shape = CheckNormFwd(x, Count(gamma), Count(beta), *out, *out_t, *amax, *mean, *rsigma, rmsnorm);
   if (shape.has_error()) return shape.error();
   const auto [rows, cols, fp8, want_t] = *shape;
-  std::vector<float> g(cols);
-  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
-  const FwdRows a{rows, cols, rmsnorm, epsilon, g.data(), beta.typed_data(),
+  const FwdRows a{rows, cols, rmsnorm, epsilon, gamma.typed_data(), beta.typed_data(),
                   static_cast<float*>(mean->untyped_data()), static_cast<float*>(rsigma->untyped_data()),
                   want_t ? static_cast<uint8_t*>(out_t->untyped_data()) : nullptr};
   uint32_t amax_bits = 0;
@@ -158,7 +156,7 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::BufferR1<ffi::F32> gamma, ffi::Buff
 struct BwdRows {
   int64_t rows, cols;
   bool rmsnorm;
-  const float* g;  // gamma, + 1 under zero_centered_gamma
+  const float* g;  // gamma
   const float* mean;
   const float* rsigma;
   float* dgamma;
@@ -200,14 +198,12 @@ void NormBwdLoop(const BwdRows& a, LoadX load_x, LoadDz load_dz, LoadRes load_re
 ffi::Error NormBwdCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma, ffi::BufferR1<ffi::F32> gamma,
                       ffi::AnyBuffer mean, ffi::AnyBuffer dres, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::BufferR1<ffi::F32>> dgamma, ffi::Result<ffi::BufferR1<ffi::F32>> dbeta,
-                      bool rmsnorm, bool zero_centered_gamma) {
+                      bool rmsnorm) {
   auto shape =
       CheckNormBwd(dz, x, rsigma, Count(gamma), mean, dres, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
   if (shape.has_error()) return shape.error();
   const int64_t rows = shape->rows, cols = shape->cols;
-  std::vector<float> g(cols);
-  for (int64_t c = 0; c < cols; ++c) g[c] = zero_centered_gamma ? gamma.typed_data()[c] + 1.0f : gamma.typed_data()[c];
-  const BwdRows a{rows, cols, rmsnorm, g.data(), static_cast<const float*>(mean.untyped_data()),
+  const BwdRows a{rows, cols, rmsnorm, gamma.typed_data(), static_cast<const float*>(mean.untyped_data()),
                   static_cast<const float*>(rsigma.untyped_data()), dgamma->typed_data(), dbeta->typed_data()};
   bool ok = WithReader(x, [&](auto load_x) {
     WithReader(dz, [&](auto load_dz) {

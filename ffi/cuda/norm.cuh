@@ -31,8 +31,8 @@ constexpr int kGenericThreads = 256;           // the one-row-per-block kernels
 
 // ---- element types: ToFloat and Chunk (vec_load.cuh) --------------------------------------------------------------
 
-// How 8 float32 results are stored: rounded to the output type, 16-byte stores. Store returns the FP8 bytes for the
-// transposed copy: zero here, the bytes for norm_fwd.cu's Out<Fp8<kFmt>>.
+// How 8 float32 results are stored: rounded to the output type, 16-byte stores (Store4: 4 of them, one store). Store
+// returns the FP8 bytes for the transposed copy: zero here, the bytes for norm_fwd.cu's Out<Fp8<kFmt>>.
 template <typename Tout>
 struct Out;
 
@@ -44,6 +44,9 @@ struct Out<float> {
     p[0] = make_float4(y[0], y[1], y[2], y[3]);
     p[1] = make_float4(y[4], y[5], y[6], y[7]);
     return make_uint2(0, 0);
+  }
+  __device__ __forceinline__ static void Store4(void* out, int64_t i, const float* y, float) {
+    *reinterpret_cast<float4*>(static_cast<float*>(out) + i) = make_float4(y[0], y[1], y[2], y[3]);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     static_cast<float*>(out)[i] = y;
@@ -69,6 +72,11 @@ struct Out16 {
     *reinterpret_cast<uint4*>(static_cast<H*>(out) + i) = *reinterpret_cast<const uint4*>(h);
     return make_uint2(0, 0);
   }
+  // 4 results (y[0 .. 3]) in one 8-byte store.
+  __device__ __forceinline__ static void Store4(void* out, int64_t i, const float* y, float) {
+    const H2 h[2] = {Pack(y[0], y[1]), Pack(y[2], y[3])};
+    *reinterpret_cast<uint2*>(static_cast<H*>(out) + i) = *reinterpret_cast<const uint2*>(h);
+  }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float) {
     if constexpr (std::is_same_v<H, __nv_bfloat16>) {
       static_cast<H*>(out)[i] = __float2bfloat16_rn(y);
@@ -87,24 +95,37 @@ struct Out<__half> : Out16<__half, __half2> {};
 // ---- reductions ---------------------------------------------------------------------------------------------------
 
 // Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: the loop unrolls).
+// For kWarps a multiple of 4 (first then is one too), the partial sums are read 4 at a time.
 template <int kWarps, int kValues>
 __device__ __forceinline__ void SumWarps(float (&v)[kValues], const float (*buf)[kMaxWarps], int first) {
 #pragma unroll
   for (int k = 0; k < kValues; ++k) {
-    float s = buf[k][first];
+    float p[kWarps];
+    if constexpr (kWarps % 4 == 0) {
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) s += buf[k][first + w];
+      for (int w = 0; w < kWarps; w += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(&buf[k][first + w]);
+        p[w] = q.x, p[w + 1] = q.y, p[w + 2] = q.z, p[w + 3] = q.w;
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) p[w] = buf[k][first + w];
+    }
+    float s = p[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) s += p[w];
     v[k] = s;
   }
 }
 
 // Sums v over the T threads of this thread's row (T a power of two <= 32, or a multiple of 32; the rows of a block
-// are consecutive groups of T threads): a butterfly within the warp, then the row's warps in order. Every thread of
+// are consecutive groups of T threads, this thread's the group-th): a butterfly within the warp, then the row's warps
+// in order. Every thread of
 // the row gets the same bits (the butterfly's two partners add the same two values). buf: kMaxWarps floats per
 // value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers). The common
 // T >= 32 and 2, 4, 8 or 16 warps per row take unrolled paths; the order of the additions is the same on every path.
 template <int kValues>
-__device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[kMaxWarps]) {
+__device__ __forceinline__ void RowSum(float (&v)[kValues], int T, int group, float (*buf)[kMaxWarps]) {
   if (T >= 32) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) {
@@ -125,7 +146,7 @@ __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, float (*buf)[
   }
   __syncthreads();
   const int warps = T / 32;
-  const int first = (threadIdx.x / T) * warps;
+  const int first = group * warps;
   switch (warps) {
     case 2: SumWarps<2>(v, buf, first); break;
     case 4: SumWarps<4>(v, buf, first); break;

@@ -41,7 +41,6 @@ struct BwdArgs {
   float* partial;     // [partial_rows][cols] dgamma partials, then (LayerNorm) as many dbeta partials
   int64_t rows;
   int cols;
-  bool zero_centered;
   int threads_per_row;  // T
   int workers_per_block;
   int workers;
@@ -91,10 +90,11 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
   constexpr int kWdz = Smem::kWdz;
   constexpr int kWr = Smem::kWr;
   extern __shared__ uint4 ring[];  // [stage][slot][thread], then the dbeta accumulators [k][thread]
-  __shared__ float red[2][2][kMaxWarps];
+  __shared__ __align__(16) float red[2][2][kMaxWarps];
   const int Tn = a.threads_per_row;
   const int t = threadIdx.x % Tn;
-  const int worker = blockIdx.x * a.workers_per_block + threadIdx.x / Tn;
+  const int group = threadIdx.x / Tn;  // this thread's worker in the block
+  const int worker = blockIdx.x * a.workers_per_block + group;
   const int64_t first = worker * a.row_block;
   const int64_t end = min(first + a.row_block, a.rows);  // first >= rows for idle workers: no rows
   const int chunks = a.cols / kVec;
@@ -168,10 +168,9 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
       LoadParams(a.gamma + c * kVec, g);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float gi = a.zero_centered ? g[e] + 1.0f : g[e];
         const float xhat = kRms ? xc.Get(e) * rs : (xc.Get(e) - m) * rs;
         const float d = dzc.Get(e);
-        const float dy = d * gi;
+        const float dy = d * g[e];
         s[0] += dy;
         s[1] = fmaf(dy, xhat, s[1]);
         dg[j][e] = fmaf(d, xhat, dg[j][e]);
@@ -185,7 +184,7 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
         }
       }
     }
-    RowSum(s, Tn, red[red_slot++ & 1]);
+    RowSum(s, Tn, group, red[red_slot++ & 1]);
     const float c1 = kRms ? 0.0f : s[0] / n;
     const float c2 = s[1] / n;
 #pragma unroll
@@ -199,9 +198,8 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
       LoadParams(a.gamma + c * kVec, g);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float gi = a.zero_centered ? g[e] + 1.0f : g[e];
         const float xhat = kRms ? xc.Get(e) * rs : (xc.Get(e) - m) * rs;
-        const float dy = dzc.Get(e) * gi;
+        const float dy = dzc.Get(e) * g[e];
         dx[e] = ((dy - c1) - xhat * c2) * rs;
       }
       if constexpr (kRes) {
@@ -239,7 +237,7 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
 // workspace rows (read-modify-write by the one thread that owns each column).
 template <typename T, typename Tdz, bool kRms>
 __global__ void __launch_bounds__(kGenericThreads) NormBwdGenericKernel(BwdArgs a) {
-  __shared__ float red[2][2][kMaxWarps];
+  __shared__ __align__(16) float red[2][2][kMaxWarps];
   const int worker = blockIdx.x;
   const int64_t first = worker * a.row_block;
   const int64_t end = min(first + a.row_block, a.rows);
@@ -258,22 +256,20 @@ __global__ void __launch_bounds__(kGenericThreads) NormBwdGenericKernel(BwdArgs 
     const float m = kRms ? 0.0f : a.mean[row];
     float s[2] = {0.0f, 0.0f};
     for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
-      const float gi = a.zero_centered ? a.gamma[c] + 1.0f : a.gamma[c];
       const float xhat = (ToFloat(xs[row * a.cols + c]) - m) * rs;
       const float d = ToFloat(dzs[row * a.cols + c]);
-      const float dy = d * gi;
+      const float dy = d * a.gamma[c];
       s[0] += dy;
       s[1] = fmaf(dy, xhat, s[1]);
       pg[c] = fmaf(d, xhat, pg[c]);
       if constexpr (!kRms) pb[c] += d;
     }
-    RowSum(s, blockDim.x, red[slot++ & 1]);
+    RowSum(s, blockDim.x, 0, red[slot++ & 1]);
     const float c1 = kRms ? 0.0f : s[0] / n;
     const float c2 = s[1] / n;
     for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
-      const float gi = a.zero_centered ? a.gamma[c] + 1.0f : a.gamma[c];
       const float xhat = (ToFloat(xs[row * a.cols + c]) - m) * rs;
-      const float dy = ToFloat(dzs[row * a.cols + c]) * gi;
+      const float dy = ToFloat(dzs[row * a.cols + c]) * a.gamma[c];
       float dx = ((dy - c1) - xhat * c2) * rs;
       if (a.dres != nullptr) dx += ToFloat(static_cast<const T*>(a.dres)[row * a.cols + c]);
       Out<T>::StoreOne(a.dx, row * a.cols + c, dx, 1.0f);
@@ -370,7 +366,7 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
                        ffi::BufferR1<ffi::F32> gamma, ffi::AnyBuffer mean, ffi::AnyBuffer dres,
                        ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::BufferR1<ffi::F32>> dgamma, ffi::Result<ffi::BufferR1<ffi::F32>> dbeta,
-                       ffi::Result<ffi::AnyBuffer> workspace, bool rmsnorm, bool zero_centered_gamma) {
+                       ffi::Result<ffi::AnyBuffer> workspace, bool rmsnorm) {
   auto shape =
       CheckNormBwd(dz, x, rsigma, Count(gamma), mean, dres, *dx, Count(*dgamma), Count(*dbeta), rmsnorm);
   if (shape.has_error()) return shape.error();
@@ -400,7 +396,6 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
   a.partial = static_cast<float*>(workspace->untyped_data());
   a.rows = rows;
   a.cols = static_cast<int>(cols);
-  a.zero_centered = zero_centered_gamma;
   a.partial_rows = partial_rows;
   float* dg = dgamma->typed_data();
   float* db = rmsnorm ? nullptr : dbeta->typed_data();

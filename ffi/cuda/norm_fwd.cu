@@ -15,6 +15,8 @@
 // FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
 // the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
 // thread writes the R bytes of one column of out_t with one store.
+#include <cuda_pipeline.h>
+
 #include "norm.cuh"
 
 #include "te_jax/fp8_tile.cuh"
@@ -32,7 +34,8 @@ constexpr int kTileThreads = 256;              // ... per block of this many thr
 template <__nv_fp8_interpretation_t kFmt>
 struct Fp8 {};
 
-// FP8 outputs: times scale, saturating, 8-byte stores. Store returns the FP8 bytes for the transposed copy.
+// FP8 outputs: times scale, saturating, 8-byte stores (Store4: 4-byte). Store returns the FP8 bytes for the
+// transposed copy.
 template <__nv_fp8_interpretation_t kFmt>
 struct Out<Fp8<kFmt>> {
   static constexpr bool kFp8 = true;
@@ -42,6 +45,10 @@ struct Out<Fp8<kFmt>> {
     q.y = Cvt4<kFmt>(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
     return q;
+  }
+  __device__ __forceinline__ static void Store4(void* out, int64_t i, const float* y, float s) {
+    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(out) + i) =
+        Cvt4<kFmt>(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float s) {
     const uint8_t q = __nv_cvt_float_to_fp8(__fmul_rn(y, s), __NV_SATFINITE, kFmt);
@@ -91,7 +98,6 @@ struct FwdArgs {
   int cols;
   float epsilon;
   float inv_n;            // 1 / cols where cols is a power of two (exact), else 0: divide
-  bool zero_centered;
   int threads_per_row;    // T
   int rows_per_pass;      // P
   int passes;             // L: the transposed copy stages R = P * L rows per block
@@ -152,10 +158,126 @@ __device__ __forceinline__ bool OnePassVarianceHolds(float mean, float var) {
   return 64.0f * __fmul_rn(mean, mean) <= var;
 }
 
+// This thread's part of a row of T threads, kN chunks of 8 elements. Contiguous chunks (kSplit false): chunk j is
+// elements (t + j * T) * 8 .. + 7, there where j * T < valid (all kN in whole rows). Split chunks (kSplit true, whole
+// rows only): chunk j is the two quads 2j and 2j + 1 of this thread, quad q being elements (t + q * T) * 4 .. + 3, so
+// that each 16-byte load of 4 float32 parameters by a warp reads 512 contiguous bytes (with contiguous chunks the
+// warp's 32 loads are 32 bytes apart: each 32-byte sector is read twice, half of it each time).
+struct RowPart {
+  int T;
+  int t;
+  int group;              // the row's index in the block (threadIdx.x / T)
+  int valid;              // chunks - t
+  int stride;             // T * 8: elements from one of this thread's chunks to the next
+  int half;               // elements from a chunk's first 4 to its last 4: 4, or T * 4 (split)
+  const float* gamma_t;   // gamma + this thread's first element
+  const float* beta_t;    // beta + this thread's first element (LayerNorm)
+  float scale;            // of the FP8 cast
+};
+
+template <typename Tout, bool kRms, bool kSplit>
+__device__ __forceinline__ RowPart MakeRowPart(const FwdArgs& a, int T, int t, int group) {
+  const int first = t * (kSplit ? 4 : kVec);
+  return RowPart{T,     t,         group, a.cols / kVec - t, T * kVec, kSplit ? T * 4 : 4, a.gamma + first,
+                 kRms ? nullptr : a.beta + first, Out<Tout>::kFp8 ? *a.scale : 1.0f};
+}
+
+// One row from this thread's chunks chunk(j) (a Chunk<Tin>, asked for again in each pass over the row; chunks past
+// the row read as zeros): the statistics (LayerNorm: the sum and the sum of squares in one row reduction, then the
+// deviations where the one-pass variance does not hold; RMSNorm: the sum of squares), mean and rsigma (thread 0 of
+// the row), the output chunks from out + first, amax folded into amax_bits; on_store(j, q) gets chunk j's FP8
+// bytes. Every thread of the block calls it as often as the others (the row sums have barriers); a row past the
+// last (row_ok false) stores nothing.
+template <typename Tin, typename Tout, bool kRms, int kN, bool kWhole, bool kSplit, typename ChunkAt, typename OnStore>
+__device__ __forceinline__ void NormRow(const FwdArgs& a, const RowPart& p, ChunkAt chunk, int64_t row, bool row_ok,
+                                        int64_t first, float (*red)[2][kMaxWarps], int& slot, uint32_t& amax_bits,
+                                        OnStore on_store) {
+  using O = Out<Tout>;
+  auto has = [&](int j) { return kWhole || j * p.T < p.valid; };
+  const int T = p.T;
+  float mean = 0.0f, var = 0.0f;
+  bool two_pass = true;  // RMSNorm's one pass is its sum of squares
+  if constexpr (!kRms) {
+    float s[2] = {0.0f, 0.0f};  // sum, sum of squares
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const Chunk<Tin> v = chunk(j);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float x = v.Get(i);
+        s[0] += x;
+        s[1] = fmaf(x, x, s[1]);
+      }
+    }
+    RowSum(s, T, p.group, red[slot++ & 1]);
+    mean = DivN(s[0], a);
+    var = fmaf(-mean, mean, DivN(s[1], a));
+    two_pass = !OnePassVarianceHolds(mean, var);
+  }
+  // Every thread of a row has the same statistics' bits, so a row decides as one; rows that share a warp (T < 32)
+  // or a block with barriers in its row sums (T > 32, P > 1) take the second pass together, each keeping its own
+  // one-pass variance where that holds.
+  bool any_two_pass = two_pass;
+  if constexpr (!kRms) {
+    if (T < 32) {
+      any_two_pass = __any_sync(0xffffffffu, two_pass);
+    } else if (T > 32 && a.rows_per_pass > 1) {
+      any_two_pass = __syncthreads_or(two_pass);
+    }
+  }
+  if (any_two_pass) {
+    float s2[1] = {0.0f};
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      if (has(j)) {
+        const Chunk<Tin> v = chunk(j);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float d = v.Get(i) - mean;
+          s2[0] = fmaf(d, d, s2[0]);
+        }
+      }
+    }
+    RowSum(s2, T, p.group, red[slot++ & 1]);
+    if (two_pass) var = DivN(s2[0], a);
+  }
+  const float rsigma = __frsqrt_rn(var + a.epsilon);
+  if (p.t == 0 && row_ok) {
+    if constexpr (!kRms) a.mean[row] = mean;
+    a.rsigma[row] = rsigma;
+  }
+  if (!row_ok) return;  // past the last row: nothing to store, nothing for amax
+  void* dst = static_cast<uint8_t*>(a.out) + first * kOutBytes<Tout>;  // this thread's first output
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    if (!has(j)) continue;
+    const Chunk<Tin> v = chunk(j);
+    float y[kVec];
+#pragma unroll
+    for (int h = 0; h < kVec; h += 4) {  // parameters 4 at a time: 8 fewer live registers than all 8
+      const int off = j * p.stride + (h / 4) * p.half;
+      const float4 g4 = __ldg(reinterpret_cast<const float4*>(p.gamma_t + off));
+      const float4 b4 = kRms ? float4{} : __ldg(reinterpret_cast<const float4*>(p.beta_t + off));
+      const float g[4] = {g4.x, g4.y, g4.z, g4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[h + i] = Normalize<kRms>(v.Get(h + i), mean, rsigma, g[i], b[i]);
+    }
+    if constexpr (O::kFp8) amax_bits = FoldAbsMax8(amax_bits, y);
+    if constexpr (kSplit) {
+      O::Store4(dst, j * p.stride, y, p.scale);
+      O::Store4(dst, j * p.stride + p.half, y + 4, p.scale);
+    } else {
+      on_store(j, O::Store(dst, j * p.stride, y, p.scale));
+    }
+  }
+}
+
+// Any 16-bit or float32 row of whole chunks, with or without the staged transposed copy: each thread holds its
+// chunks in registers (a 16-bit row of a block that loops is loaded one pass ahead).
 template <typename Tin, typename Tout, bool kRms, int kN>
 __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKernel(FwdArgs a) {
   extern __shared__ __align__(16) uint8_t staged[];  // transposed copy: R rows x pitch FP8 bytes
-  __shared__ float red[2][2][kMaxWarps];
+  __shared__ __align__(16) float red[2][2][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
   using O = Out<Tout>;
   const int T = a.threads_per_row;
@@ -163,16 +285,10 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   const bool pow2_t = (T & (T - 1)) == 0;
   const int t = pow2_t ? threadIdx.x & (T - 1) : threadIdx.x % T;
   const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
-  const int chunks = a.cols / kVec;
-  const int stride = T * kVec;  // elements from one of this thread's chunks to the next
-  // Chunk j of this thread is valid if j * T < valid (32-bit compares; the row's pointers below are set once).
-  const int valid = chunks - t;
-  const float* gamma_t = a.gamma + t * kVec;
-  const float* beta_t = kRms ? nullptr : a.beta + t * kVec;
+  const RowPart p = MakeRowPart<Tout, kRms, false>(a, T, t, rr);
   const int pitch = kN * T * kVec;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.rows_per_pass * (a.strided ? 1 : a.passes);
   const int64_t step = static_cast<int64_t>(a.rows_per_pass) * (a.strided ? gridDim.x : 1);
-  const float scale = O::kFp8 ? *a.scale : 1.0f;
   const bool stage = O::kFp8 && a.out_t != nullptr;
   uint32_t amax_bits = 0;
   int slot = 0;
@@ -183,12 +299,12 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
     return (row < a.rows ? row : 0) * a.cols + t * kVec;
   };
   // Chunks past the row (or of a row past the last) read as zeros: they add nothing to the sums and are excluded from
-  // the deviations below.
+  // the deviations.
   auto load = [&](Chunk<Tin> (&v)[kN], int l) {
     const Tin* x_t = static_cast<const Tin*>(a.x) + first_of(l);
     const bool row_ok = row_of(l) < a.rows;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) v[j].LoadIf(row_ok && j * T < valid, x_t + j * stride);
+    for (int j = 0; j < kN; ++j) v[j].LoadIf(row_ok && j * T < p.valid, x_t + j * p.stride);
   };
   // 16-bit inputs of blocks that loop over several passes load the next pass's row while this one is reduced and
   // normalized (16 more registers of data at kN = 4, within the 64 of 4 resident blocks of 256 threads).
@@ -199,8 +315,6 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   for (int l = 0; l < a.passes; ++l) {
     const int local = l * a.rows_per_pass + rr;
     const int64_t row = row_of(l);
-    const bool row_ok = row < a.rows;
-    const int64_t first = first_of(l);
     Chunk<Tin> v[kN];
     if constexpr (kPrefetch) {
 #pragma unroll
@@ -209,76 +323,11 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
     } else {
       load(v, l);
     }
-    float mean = 0.0f, var = 0.0f;
-    bool two_pass = true;  // RMSNorm's one pass is its sum of squares
-    if constexpr (!kRms) {
-      float s[2] = {0.0f, 0.0f};  // sum, sum of squares
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float x = v[j].Get(i);
-          s[0] += x;
-          s[1] = fmaf(x, x, s[1]);
-        }
-      }
-      RowSum(s, T, red[slot++ & 1]);
-      mean = DivN(s[0], a);
-      var = fmaf(-mean, mean, DivN(s[1], a));
-      two_pass = !OnePassVarianceHolds(mean, var);
-    }
-    // Every thread of a row has the same statistics' bits, so a row decides as one; rows that share a warp (T < 32)
-    // or a block with barriers in its row sums (T > 32, P > 1) take the second pass together, each keeping its own
-    // one-pass variance where that holds.
-    bool any_two_pass = two_pass;
-    if constexpr (!kRms) {
-      if (T < 32) {
-        any_two_pass = __any_sync(0xffffffffu, two_pass);
-      } else if (T > 32 && a.rows_per_pass > 1) {
-        any_two_pass = __syncthreads_or(two_pass);
-      }
-    }
-    if (any_two_pass) {
-      float s2[1] = {0.0f};
-#pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        if (j * T < valid) {
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float d = v[j].Get(i) - mean;
-            s2[0] = fmaf(d, d, s2[0]);
-          }
-        }
-      }
-      RowSum(s2, T, red[slot++ & 1]);
-      if (two_pass) var = DivN(s2[0], a);
-    }
-    const float rsigma = __frsqrt_rn(var + a.epsilon);
-    if (t == 0 && row_ok) {
-      if constexpr (!kRms) a.mean[row] = mean;
-      a.rsigma[row] = rsigma;
-    }
-    if (!row_ok) continue;  // past the last row: nothing to store, nothing for amax
-    void* dst = static_cast<uint8_t*>(a.out) + first * kOutBytes<Tout>;  // this thread's first output
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      if (j * T >= valid) continue;
-      float y[kVec];
-#pragma unroll
-      for (int h = 0; h < kVec; h += 4) {  // parameters 4 at a time: 8 fewer live registers than all 8
-        const float4 g4 = __ldg(reinterpret_cast<const float4*>(gamma_t + j * stride + h));
-        const float4 b4 = kRms ? float4{} : __ldg(reinterpret_cast<const float4*>(beta_t + j * stride + h));
-        const float g[4] = {g4.x, g4.y, g4.z, g4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float gi = a.zero_centered ? __fadd_rn(g[i], 1.0f) : g[i];
-          y[h + i] = Normalize<kRms>(v[j].Get(h + i), mean, rsigma, gi, b[i]);
-        }
-      }
-      if constexpr (O::kFp8) amax_bits = FoldAbsMax8(amax_bits, y);
-      const uint2 q = O::Store(dst, j * stride, y, scale);
-      if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + (t + j * T) * kVec) = q;
-    }
+    NormRow<Tin, Tout, kRms, kN, false, false>(
+        a, p, [&](int j) { return v[j]; }, row, row < a.rows, first_of(l), red, slot, amax_bits,
+        [&](int j, uint2 q) {
+          if (O::kFp8 && stage) *reinterpret_cast<uint2*>(staged + local * pitch + (t + j * T) * kVec) = q;
+        });
   }
   if constexpr (O::kFp8) {
     if (stage) {
@@ -289,10 +338,63 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
   }
 }
 
+// Whole 16-bit rows (cols = kN * T * 8) without the staged transposed copy, the common hidden sizes, in split
+// chunks (RowPart): the resident blocks loop over the groups of P rows (groups blockIdx.x, + gridDim.x, ..), and each
+// thread copies its quads of its row of the next group into its own 8-byte slots of a two-stage shared-memory ring
+// (cp.async: no barrier, and no registers held for the row in flight), reading them back in each pass over the row.
+// Against NormFwdKernel: no bounds tests, no moves of a prefetched row, and parameter loads that read whole sectors.
+template <typename Tin, typename Tout, bool kRms, int kN>
+__global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
+  static_assert(sizeof(Tin) == 2, "one 8-byte slot per quad");
+  constexpr int kQuads = 2 * kN;
+  extern __shared__ uint2 ring[];  // [stage][quad][thread]
+  __shared__ __align__(16) float red[2][2][kMaxWarps];
+  __shared__ uint32_t amax_scratch[kMaxWarps];
+  const int T = a.threads_per_row;
+  const bool pow2_t = (T & (T - 1)) == 0;
+  const int t = pow2_t ? threadIdx.x & (T - 1) : threadIdx.x % T;
+  const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
+  const RowPart p = MakeRowPart<Tout, kRms, true>(a, T, t, rr);
+  const int rows = static_cast<int>(a.rows);  // < 2^31 (the handler checks)
+  const int groups = (rows + a.rows_per_pass - 1) / a.rows_per_pass;
+  uint2* const mine = ring + threadIdx.x;
+  auto at = [&](int stage, int q) { return mine + (stage * kQuads + q) * blockDim.x; };
+  // Group g's row of this thread into `stage`, as one commit group (empty past the last row).
+  auto fetch = [&](int g, int stage) {
+    const int row = g * a.rows_per_pass + rr;
+    if (g < groups && row < rows) {
+      const Tin* src = static_cast<const Tin*>(a.x) + static_cast<int64_t>(row) * a.cols + t * 4;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) __pipeline_memcpy_async(at(stage, q), src + q * p.half, sizeof(uint2));
+    }
+    __pipeline_commit();
+  };
+  uint32_t amax_bits = 0;
+  int slot = 0, stage = 0;
+  fetch(blockIdx.x, 0);
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    fetch(g + gridDim.x, stage ^ 1);  // into the stage this thread read in the previous iteration
+    __pipeline_wait_prior(1);          // this group's row has landed
+    const int row = g * a.rows_per_pass + rr;
+    auto chunk = [&](int j) {
+      const uint2 lo = *at(stage, 2 * j), hi = *at(stage, 2 * j + 1);
+      Chunk<Tin> c;
+      c.raw[0] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      return c;
+    };
+    NormRow<Tin, Tout, kRms, kN, true, true>(a, p, chunk, row, row < rows,
+                                             static_cast<int64_t>(row) * a.cols + t * 4, red, slot, amax_bits,
+                                             [](int, uint2) {});
+    stage ^= 1;
+  }
+  __pipeline_wait_prior(0);  // nothing in flight at exit (the last group is empty)
+  if constexpr (Out<Tout>::kFp8) BlockAmax(amax_bits, a.amax, amax_scratch);
+}
+
 // Any shape: one row per block, each pass re-reading the row (from L1/L2), scalar accesses.
 template <typename Tin, typename Tout, bool kRms>
 __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs a) {
-  __shared__ float red[2][1][kMaxWarps];
+  __shared__ __align__(16) float red[2][1][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
   using O = Out<Tout>;
   const int64_t row = blockIdx.x;
@@ -303,7 +405,7 @@ __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs 
   if constexpr (!kRms) {
     float s[1] = {0.0f};
     for (int c = threadIdx.x; c < a.cols; c += blockDim.x) s[0] += ToFloat(xr[c]);
-    RowSum(s, blockDim.x, red[0]);
+    RowSum(s, blockDim.x, 0, red[0]);
     mean = s[0] / n;
   }
   float s2[1] = {0.0f};
@@ -311,7 +413,7 @@ __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs 
     const float d = ToFloat(xr[c]) - mean;
     s2[0] = fmaf(d, d, s2[0]);
   }
-  RowSum(s2, blockDim.x, red[1]);
+  RowSum(s2, blockDim.x, 0, red[1]);
   const float rsigma = __frsqrt_rn(s2[0] / n + a.epsilon);
   if (threadIdx.x == 0) {
     if constexpr (!kRms) a.mean[row] = mean;
@@ -319,8 +421,7 @@ __global__ void __launch_bounds__(kGenericThreads) NormFwdGenericKernel(FwdArgs 
   }
   uint32_t amax_bits = 0;
   for (int c = threadIdx.x; c < a.cols; c += blockDim.x) {
-    const float g = a.zero_centered ? __fadd_rn(a.gamma[c], 1.0f) : a.gamma[c];
-    const float y = Normalize<kRms>(ToFloat(xr[c]), mean, rsigma, g, kRms ? 0.0f : a.beta[c]);
+    const float y = Normalize<kRms>(ToFloat(xr[c]), mean, rsigma, a.gamma[c], kRms ? 0.0f : a.beta[c]);
     const uint8_t q = O::StoreOne(a.out, row * a.cols + c, y, scale);
     if constexpr (O::kFp8) {
       amax_bits = max(amax_bits, __float_as_uint(y) & 0x7FFFFFFFu);
@@ -387,6 +488,30 @@ ffi::Error LaunchFp8Transpose(cudaStream_t stream, const void* in, uint8_t* out_
   return LastCudaError("norm_fwd transpose launch");
 }
 
+// NormFwdRingKernel: as many blocks as the device holds at once (at most one per group of rows), each with its
+// two-stage ring of 2 * kN 8-byte slots per thread.
+template <typename Tin, typename Tout>
+ffi::Error LaunchRing(cudaStream_t stream, const FwdArgs& a, bool rms, int n) {
+  const int threads = a.rows_per_pass * a.threads_per_row;
+  const int64_t groups = (a.rows + a.rows_per_pass - 1) / a.rows_per_pass;
+  ffi::Error err = ffi::Error::Success();
+  DispatchBool(rms, [&](auto kRms) {
+    DispatchN<2, 4>(n, [&](auto kN) {
+      auto kernel = NormFwdRingKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
+      const size_t smem = static_cast<size_t>(2 * 2 * decltype(kN)::value) * sizeof(uint2) * threads;
+      cudaError_t status =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (status == cudaSuccess) {
+        const int resident = ResidentBlocks(kernel, threads, smem);
+        const int64_t blocks = resident > 0 ? std::min<int64_t>(groups, resident) : groups;
+        status = LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a);
+      }
+      err = CudaError(status, "norm_fwd ring kernel launch");
+    });
+  });
+  return err;
+}
+
 template <typename Tin, typename Tout>
 ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   if (SeparateTranspose(a)) {
@@ -413,6 +538,9 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   a.threads_per_row = shape.threads;
   a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kFwdBlock / shape.threads));
   a.passes = 1;
+  if constexpr (sizeof(Tin) == 2) {
+    if (a.out_t == nullptr && chunks == shape.n * shape.threads) return LaunchRing<Tin, Tout>(stream, a, rms, shape.n);
+  }
   size_t smem = 0;
   if (a.out_t != nullptr) {
     const int pitch = shape.n * shape.threads * kVec;
@@ -450,7 +578,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi:
                        ffi::BufferR0<ffi::F32> scale, ffi::BufferR1<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> out_t, ffi::Result<ffi::AnyBuffer> amax,
                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rsigma, bool rmsnorm,
-                       float epsilon, bool zero_centered_gamma) {
+                       float epsilon) {
   auto shape = CheckNormFwd(x, Count(gamma), Count(beta), *out, *out_t, *amax, *mean, *rsigma, rmsnorm);
   if (shape.has_error()) return shape.error();
   const int64_t rows = shape->rows, cols = shape->cols;
@@ -473,7 +601,6 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR1<ffi:
   a.cols = static_cast<int>(cols);
   a.epsilon = epsilon;
   a.inv_n = (cols & (cols - 1)) == 0 ? 1.0f / static_cast<float>(cols) : 0.0f;
-  a.zero_centered = zero_centered_gamma;
   if (want_t && !Aligned(a.out_t, 16)) return ffi::Error::InvalidArgument("norm_fwd: out_t must be 16-byte aligned");
 
   auto with_input = [&](auto in) -> ffi::Error {

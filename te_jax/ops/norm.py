@@ -4,8 +4,9 @@ Forward, per row of ``x`` (every dim but the last is a row dim), in float32:
 
 - statistics: LayerNorm ``mean = sum(x) / n``, ``var = sum((x - mean)^2) / n``; RMSNorm ``var = sum(x^2) / n``;
   ``rsigma = rsqrt(var + epsilon)``;
-- the normalized row: ``g = gamma + 1`` under ``zero_centered_gamma`` (gamma stored as gamma - 1), else ``gamma``;
-  LayerNorm ``y = fma((x - mean) * rsigma, g, beta)``, RMSNorm ``y = (x * rsigma) * g``;
+- the normalized row: ``g = gamma + 1`` under ``zero_centered_gamma`` (gamma stored as gamma - 1; ``norm_fwd`` and
+  ``norm_bwd`` add the 1 in float32, and the primitives and references take ``g``), else ``gamma``; LayerNorm
+  ``y = fma((x - mean) * rsigma, g, beta)``, RMSNorm ``y = (x * rsigma) * g``;
 - the output: ``y`` rounded to bfloat16/float16/float32, or FP8 exactly as ``te_jax.quantize`` casts ``y``:
   ``y * scale`` cast saturating, ``amax = max|y|`` of the float32 ``y`` (not of a rounded copy), and optionally the
   transposed FP8 copy ``(hidden, *rows)`` that the weight-gradient GEMM of a following dense layer reads;
@@ -60,7 +61,6 @@ class NormConfig:
   Attributes:
     norm_type: "layernorm" or "rmsnorm".
     epsilon: added to the variance before the reciprocal square root (forward only).
-    zero_centered_gamma: gamma is stored as gamma - 1; the op multiplies by gamma + 1.
     out_dtype: the forward output dtype: float32, bfloat16, float16, float8_e4m3fn or float8_e5m2.
     transpose: the forward also returns the transposed FP8 copy, shape ``(hidden, *rows)`` (FP8 outputs only).
     dres: the backward takes a gradient to add to dx (backward only).
@@ -68,7 +68,6 @@ class NormConfig:
 
   norm_type: str = "layernorm"
   epsilon: float = 1e-6
-  zero_centered_gamma: bool = False
   out_dtype: np.dtype = _F32
   transpose: bool = False
   dres: bool = False
@@ -103,11 +102,6 @@ class NormOutput(NamedTuple):
 # ---- reference ---------------------------------------------------------------------------------------------------
 
 
-def _effective_gamma(gamma: jax.Array, config: NormConfig) -> jax.Array:
-  g = gamma.astype(jnp.float32)
-  return g + 1.0 if config.zero_centered_gamma else g
-
-
 def norm_stats_ref(x: jax.Array, *, config: NormConfig) -> tuple[jax.Array | None, jax.Array]:
   """``(mean, rsigma)`` of each row in float32; mean is None for RMSNorm."""
   xf = x.astype(jnp.float32)
@@ -119,13 +113,14 @@ def norm_stats_ref(x: jax.Array, *, config: NormConfig) -> tuple[jax.Array | Non
 
 
 def norm_apply_ref(x, mean, rsigma, gamma, beta, *, config: NormConfig) -> jax.Array:
-  """The float32 normalized tensor ``y`` from given statistics: the elementwise part, bitwise what the kernels do.
+  """The float32 normalized tensor ``y`` from given statistics and the factor ``gamma`` (``g`` above): the
+  elementwise part, bitwise what the kernels do.
 
   LayerNorm's ``t * g + beta`` compiles to one fused multiply-add on XLA's CPU and GPU backends (they contract it),
   and the kernels compute exactly that, ``fma(t, g, beta)``; tests check the contraction against an exact one.
   """
   xf = x.astype(jnp.float32)
-  g = _effective_gamma(gamma, config)
+  g = gamma.astype(jnp.float32)
   if config.rms:
     return (xf * rsigma[..., None]) * g
   return ((xf - mean[..., None]) * rsigma[..., None]) * g + beta.astype(jnp.float32)
@@ -155,7 +150,7 @@ def norm_bwd_ref(dz, x, rsigma, gamma, *rest, config: NormConfig) -> list[jax.Ar
   xf, dzf = x.astype(jnp.float32), dz.astype(jnp.float32)
   r = rsigma[..., None]
   xhat = xf * r if config.rms else (xf - mean[..., None]) * r
-  dy = dzf * _effective_gamma(gamma, config)
+  dy = dzf * gamma.astype(jnp.float32)
   c2 = jnp.mean(dy * xhat, axis=-1, keepdims=True)
   if config.rms:
     dx = (dy - xhat * c2) * r
@@ -179,15 +174,18 @@ def _bwd_rest(rest, config: NormConfig):
 
 
 def _attributes(config: NormConfig) -> dict:
-  return {
-      "rmsnorm": np.bool_(config.rms),
-      "epsilon": np.float32(config.epsilon),
-      "zero_centered_gamma": np.bool_(config.zero_centered_gamma),
-  }
+  return {"rmsnorm": np.bool_(config.rms), "epsilon": np.float32(config.epsilon)}
 
 
 def _bwd_attributes(config: NormConfig) -> dict:
-  return {"rmsnorm": np.bool_(config.rms), "zero_centered_gamma": np.bool_(config.zero_centered_gamma)}
+  return {"rmsnorm": np.bool_(config.rms)}
+
+
+def _scale_of(gamma: jax.Array, hidden: int, zero_centered_gamma: bool) -> jax.Array:
+  """The float32 factor the ops multiply by: ``gamma + 1`` under ``zero_centered_gamma`` (one float32 add, the same
+  bits wherever it runs), else ``gamma``."""
+  g = _check_param(gamma, "gamma", hidden).astype(jnp.float32)
+  return g + jnp.float32(1.0) if zero_centered_gamma else g
 
 
 def _empty(dtype) -> jax.core.ShapedArray:
@@ -464,7 +462,7 @@ def norm_fwd(
   x = _check_x(x, "x")
   hidden = x.shape[-1]
   check_norm_args(norm_type, epsilon)
-  gamma = _check_param(gamma, "gamma", hidden).astype(jnp.float32)
+  gamma = _scale_of(gamma, hidden, bool(zero_centered_gamma))
   beta = _check_beta(beta, norm_type, hidden)
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   fp8 = out_dtype in FP8_DTYPES
@@ -481,7 +479,7 @@ def norm_fwd(
     raise ValueError(f"scale applies to FP8 outputs only; out_dtype is {out_dtype.name}")
   if transpose and (not fp8 or x.ndim < 2):
     raise ValueError(f"transpose=True needs an FP8 out_dtype and x of rank >= 2, got {out_dtype.name}, {x.shape}")
-  config = NormConfig(norm_type, float(epsilon), bool(zero_centered_gamma), out_dtype, bool(transpose))
+  config = NormConfig(norm_type, float(epsilon), out_dtype, bool(transpose))
   scale = scale if fp8 else jnp.float32(1.0)  # the handlers take a scale operand; only FP8 casts read it
   outs = list(_NORM_FWD.bind(x, gamma, scale, *beta, config=config))
   out = outs.pop(0)
@@ -534,10 +532,10 @@ def norm_bwd(
   if dres is not None and (not hasattr(dres, "dtype") or dres.shape != x.shape or dres.dtype != x.dtype):
     raise TypeError(f"dres must have x's shape {x.shape} and dtype {x.dtype}, got "
                     f"{getattr(dres, 'shape', type(dres).__name__)} {getattr(dres, 'dtype', '')}")
-  config = NormConfig(norm_type, zero_centered_gamma=bool(zero_centered_gamma), dres=dres is not None)
+  config = NormConfig(norm_type, dres=dres is not None)
   rows = tuple(x.shape[:-1])
   rsigma = _check_stats(rsigma, "rsigma", rows)
-  gamma = _check_param(gamma, "gamma", x.shape[-1]).astype(jnp.float32)
+  gamma = _scale_of(gamma, x.shape[-1], bool(zero_centered_gamma))
   if config.rms:
     if mean is not None:
       raise ValueError("mean must be None for norm_type='rmsnorm'")

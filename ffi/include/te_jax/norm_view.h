@@ -68,7 +68,7 @@ inline xla::ffi::ErrorOr<NormShape> CheckNormBwd(const xla::ffi::AnyBuffer& dz, 
 template <typename B>
 auto NormFwdSignature(B b) {
   return std::move(b).template Arg<xla::ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
-      .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // gamma: (cols,)
+      .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // gamma: (cols,), the factor (gamma + 1 if zero-centered)
       .template Arg<xla::ffi::BufferR0<xla::ffi::F32>>()   // scale: multiplies y before an FP8 cast
       .template Arg<xla::ffi::BufferR1<xla::ffi::F32>>()   // beta: (cols,), empty for RMSNorm
       .template Ret<xla::ffi::AnyBuffer>()                 // out: x's shape, f32/bf16/f16 or FP8
@@ -77,8 +77,7 @@ auto NormFwdSignature(B b) {
       .template Ret<xla::ffi::AnyBuffer>()                 // mean: f32 per row, empty for RMSNorm
       .template Ret<xla::ffi::AnyBuffer>()                 // rsigma: f32 per row
       .template Attr<bool>("rmsnorm")                      // RMSNorm instead of LayerNorm
-      .template Attr<float>("epsilon")                     // added to the variance
-      .template Attr<bool>("zero_centered_gamma");         // multiply by gamma + 1
+      .template Attr<float>("epsilon");                    // added to the variance
 }
 
 template <typename B>
@@ -96,8 +95,7 @@ auto NormBwdOperands(B b) {
 
 template <typename B>
 auto NormBwdAttrs(B b) {
-  return std::move(b).template Attr<bool>("rmsnorm")  // RMSNorm instead of LayerNorm
-      .template Attr<bool>("zero_centered_gamma");    // the forward multiplied by gamma + 1
+  return std::move(b).template Attr<bool>("rmsnorm");  // RMSNorm instead of LayerNorm
 }
 
 }  // namespace te_jax
