@@ -1,16 +1,18 @@
 // CUDA handler for te_norm_fwd: LayerNorm/RMSNorm over the last dim (te_jax/ops/norm.py defines the math; this file
 // computes exactly its elementwise part, and its sums in a fixed order). What it shares with norm_bwd.cu: norm.cuh.
 //
-// Forward, fast path (cols % 8 == 0, 16-byte aligned rows): a row is held in registers by T threads (a power of two
-// up to 32, or a multiple of 32), each with n chunks of 8 elements loaded with 16-byte accesses, chunk t + j * T of
-// the row for thread t (consecutive threads read consecutive 16 bytes). The statistics are float32 sums over those
-// registers, each reduced by a warp butterfly and then the row's warps in order, so every thread of the row gets the
-// same bits: LayerNorm's sum and sum of squares in one pass and one reduction, with the two-pass variance (the sum of
-// squared deviations) for rows where the one-pass form could lose accuracy (OnePassVarianceHolds); RMSNorm's sum of
-// squares. P rows share a block; when there are more such groups than blocks fit on the device at once, the resident
-// blocks loop over them, loading a 16-bit row one pass ahead. amax is reduced on the bit patterns of |y| and folded
-// into the result with one atomicMax per block. Anything else goes through a one-row-per-block kernel that re-reads
-// the row from global memory (L1/L2) for each pass.
+// Forward, fast paths (cols % 8 == 0, 16-byte aligned rows): a row is taken by T threads (a power of two up to 32,
+// or a multiple of 32), each with n chunks of 8 elements (RowPart), and NormRow computes it: float32 sums, each
+// reduced by a warp butterfly and then the row's warps in order, so every thread of the row gets the same bits:
+// LayerNorm's sum and sum of squares in one pass and one reduction, with the two-pass variance (the sum of squared
+// deviations) for rows where the one-pass form could lose accuracy (OnePassVarianceHolds); RMSNorm's sum of squares.
+// P rows share a block. Whole 16-bit rows without a staged transposed copy go through NormFwdRingKernel: resident
+// blocks loop over the row groups, the next row copied into shared memory ahead (cp.async). Other rows go through
+// NormFwdKernel, which holds a row in registers, chunk t + j * T of the row for thread t (consecutive threads read
+// consecutive 16 bytes), its blocks looping the same way where there are more groups than resident blocks, a 16-bit
+// row loaded one pass ahead. amax is reduced on the bit patterns of |y| and folded into the result with one
+// atomicMax per block. Anything else goes through a one-row-per-block kernel that re-reads the row from global
+// memory (L1/L2) for each pass.
 // The transposed FP8 copy: when rows and cols are multiples of 16 (FP8 GEMM operands), a second kernel transposes the
 // FP8 result in 128 x 128-byte tiles through shared memory (full-line loads and stores). Otherwise it is staged in
 // the normalizing kernel: a block runs L passes of P rows (R = P * L rows, up to 64 KiB of FP8 bytes), then each
