@@ -15,8 +15,10 @@
 // order by the last block of each column of tiles.
 //
 // Template parameters are the activation, gated, forward/backward, the input dtype and FP8-or-not: 120 kernels.
-// The FP8 format, the high-precision output dtype, the transposed copy and dbias are uniform run-time branches,
-// which cost a few instructions per 8 elements and keep the build small.
+// The high-precision output dtype, the transposed copy and dbias are uniform run-time branches, which cost a few
+// instructions per 8 elements and keep the build small; the FP8 format is one too at ragged tile edges, and a
+// template constant of the whole-tile loop (two copies of it). The grid is (column tiles, row tiles, batch), so that
+// a block finds its tile without a division.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +26,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -69,6 +72,7 @@ struct Params {
   unsigned* dbias_done; // (tiles_n): the tiles of each column of tiles whose partials are written, zeroed per call
   float* dbias;         // (halves_out * cols): the column sums of the partials
   int64_t batch, rows, cols, tiles_m, tiles_n;
+  int64_t b0, tm0;      // the first batch element and row of tiles of this launch (grid: tn, tm - tm0, b - b0)
   bool vec;             // cols % 8 == 0 and 16-byte aligned bases: vector accesses for whole chunks
   bool rows_vec;        // rows % 8 == 0 and an 8-byte aligned out_t: 8-byte stores of the transposed copy
   bool e5m2;            // FP8 format
@@ -141,10 +145,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
   __shared__ float col_sums[kBwd ? kWarps : 1][kBwd ? kOutHalves * kTile : 1];
   __shared__ uint32_t amax_scratch[kWarps];
 
-  const int64_t t = blockIdx.x;
-  const int64_t b = t / (p.tiles_m * p.tiles_n);
-  const int64_t tm = (t / p.tiles_n) % p.tiles_m;
-  const int64_t tn = t % p.tiles_n;
+  const int64_t b = p.b0 + blockIdx.z;
+  const int64_t tm = p.tm0 + blockIdx.y;
+  const int64_t tn = blockIdx.x;
   const int64_t row0 = tm * kTile;
   const int64_t col0 = tn * kTile;
   const int chunk = threadIdx.x % kChunksPerRow;
@@ -167,9 +170,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
   }
 
   // The rows of the tile, 8 per thread: kWhole for a tile inside the array with vector access allowed (every tile
-  // but the ragged edges of an aligned array), which needs no bounds checks.
-  auto tile_rows = [&](auto whole_tag) {
+  // but the ragged edges of an aligned array), which needs no bounds checks; the FP8 format kFmt a template
+  // constant there (1: E4M3, 2: E5M2), a run-time one at the edges (0).
+  auto tile_rows = [&](auto whole_tag, auto fmt_tag) {
     constexpr bool kWhole = decltype(whole_tag)::value;
+    constexpr int kFmt = decltype(fmt_tag)::value;
+    const bool e5m2 = kFmt == 0 ? p.e5m2 : kFmt == 2;
     constexpr int kRowsInFlight = RowsInFlight<T, 1 + kGated + kBwd>();
 #pragma unroll 1
     for (int i0 = 0; i0 < kRowsPerThread; i0 += kRowsInFlight) {
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
           }
           if constexpr (kFp8) {
             amax_bits = FoldAbsMax8(amax_bits, y[h]);
-            const uint2 packed = PackFp8(y[h], scale, p.e5m2);
+            const uint2 packed = PackFp8(y[h], scale, e5m2);
             if (kWhole || r < rows) StoreFp8<kWhole>(static_cast<uint8_t*>(p.out) + offset, col, cols, p.vec, packed);
             if (want_t) tile[h][lr][chunk ^ ((lr / 8) % kChunksPerRow)] = packed;
           } else {
@@ -234,10 +240,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) Act
       }
     }
   };
+  using RuntimeFmt = std::integral_constant<int, 0>;
   if (p.vec && row0 + kTile <= rows && col0 + kTile <= cols) {
-    tile_rows(std::true_type{});
+    if constexpr (kFp8) {
+      if (p.e5m2) {
+        tile_rows(std::true_type{}, std::integral_constant<int, 2>{});
+      } else {
+        tile_rows(std::true_type{}, std::integral_constant<int, 1>{});
+      }
+    } else {
+      tile_rows(std::true_type{}, RuntimeFmt{});
+    }
   } else {
-    tile_rows(std::false_type{});
+    tile_rows(std::false_type{}, RuntimeFmt{});
   }
 
   if constexpr (kFp8) {
@@ -357,7 +372,6 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
   p.hp = out_type == ffi::DataType::F32 ? HpType::kF32 : out_type == ffi::DataType::BF16 ? HpType::kBf16 : HpType::kF16;
   p.vec = v.cols % kVec == 0 && Aligned(p.x, 16) && (!kBwd || Aligned(p.g, 16)) && Aligned(p.out, 16);
   p.rows_vec = v.rows % 8 == 0 && (p.out_t == nullptr || Aligned(p.out_t, 8));
-  const int64_t blocks = v.batch * p.tiles_m * p.tiles_n;
   const bool fp8 = IsFp8(out_type);
   auto launch = [&](auto dtype_tag) -> ffi::Error {
     using T = decltype(dtype_tag);
@@ -365,8 +379,20 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
       constexpr Act kAct = decltype(a)::value;
       constexpr bool kGated = decltype(gt)::value;
       auto kernel = fp8 ? ActivationKernel<kAct, kGated, kBwd, T, true> : ActivationKernel<kAct, kGated, kBwd, T, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(p);
-      return CudaError(cudaGetLastError(), "activation kernel launch");
+      // Grid (tn, tm, b): no index division in the kernel. Past the grid's y and z limits (65535), more launches.
+      constexpr int64_t kMaxYZ = 65535;
+      for (int64_t b0 = 0; b0 < v.batch; b0 += kMaxYZ) {
+        for (int64_t tm0 = 0; tm0 < p.tiles_m; tm0 += kMaxYZ) {
+          Params q = p;
+          q.b0 = b0;
+          q.tm0 = tm0;
+          const dim3 grid(static_cast<unsigned>(p.tiles_n), static_cast<unsigned>(std::min(kMaxYZ, p.tiles_m - tm0)),
+                          static_cast<unsigned>(std::min(kMaxYZ, v.batch - b0)));
+          kernel<<<grid, kThreads, 0, stream>>>(q);
+          if (auto err = CudaError(cudaGetLastError(), "activation kernel launch"); err.failure()) return err;
+        }
+      }
+      return ffi::Error::Success();
     });
   };
   if (p.dbias_partial != nullptr) {
