@@ -257,7 +257,7 @@ __device__ __forceinline__ void NormRow(const FwdArgs& a, const RowPart& p, Chun
     float y[kVec];
 #pragma unroll
     for (int h = 0; h < kVec; h += 4) {  // parameters 4 at a time: 8 fewer live registers than all 8
-      const int off = j * p.stride + (h / 4) * p.half;
+      const int off = j * p.stride + (h / 4) * (kSplit ? p.half : 4);
       const float4 g4 = __ldg(reinterpret_cast<const float4*>(p.gamma_t + off));
       const float4 b4 = kRms ? float4{} : __ldg(reinterpret_cast<const float4*>(p.beta_t + off));
       const float g[4] = {g4.x, g4.y, g4.z, g4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
