@@ -452,6 +452,31 @@ def test_gpu_other_dtypes_and_large(act, dtype, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=lambda a: "-".join(a))
+def test_gpu_other_fp8_format(act, gpu):
+  """The formats _gpu_check leaves out, each its own copy of the whole-tile loop: the forward to E5M2 and the
+  backward to E4M3 (with the transposed copy, amax and dbias), on whole tiles, a ragged edge and a batch dim."""
+  shapes = [(256, 384), (200, 264), (3, 128, 256)]
+  xs = [random_input(input_shape(s, act), ml_dtypes.bfloat16, seed=sum(s) + 7) for s in shapes]
+  gs = [random_input(s, ml_dtypes.bfloat16, seed=sum(s) + 8, spread=2.0) for s in shapes]
+  args = list(zip(gs, xs))
+  outs = run_many(lambda g, x: (te_jax.activation_fwd(x, act, dtype=E5M2, scale=0.5, transpose=True),
+                                te_jax.activation_bwd(g, x, act, dtype=E4M3, scale=4.0, transpose=True, dbias=True)),
+                  args, gpu)
+  refs = run_many(lambda g, x: (reference_fwd(x, act, dtype=E5M2, scale=0.5, transpose=True),
+                                reference_bwd(g, x, act, dtype=E4M3, scale=4.0, transpose=True),
+                                reference_bwd(g, x, act, dtype=jnp.float32)),
+                  args, gpu)
+  for (_, x), (yq, dq), (ryq, rdq, rdh) in zip(args, outs, refs, strict=True):
+    what = f"{act} shape {x.shape}"
+    for name, got, want in (("y", yq, ryq), ("dx", dq, rdq)):
+      assert_fp8_equal(got.data, want.data, what=f"{name}, {what}")
+      assert_fp8_equal(got.data_t, want.data_t, what=f"{name}_t, {what}")
+      assert_f32_equal(got.amax, want.amax, what=f"{name} amax, {what}")
+    assert_column_sums_close(dq.dbias.reshape(-1), np.asarray(rdh.data).reshape(-1, dq.dbias.size))
+
+
+@pytest.mark.gpu
 def test_gpu_dbias_is_deterministic(gpu):
   x = jax.device_put(random_input((4096, 2, 1024), np.float32, seed=12), gpu)
   g = jax.device_put(random_input((4096, 1024), np.float32, seed=13), gpu)
