@@ -94,8 +94,8 @@ struct Out<__half> : Out16<__half, __half2> {};
 
 // ---- reductions ---------------------------------------------------------------------------------------------------
 
-// Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: the loop unrolls).
-// For kWarps a multiple of 4 (first then is one too), the partial sums are read 4 at a time.
+// Adds the kWarps partial sums buf[k][first ..] in order (a compile-time count: the loop unrolls), read 4 at a time
+// where kWarps is a multiple of 4 (first then is one too, and buf is 16-byte aligned).
 template <int kWarps, int kValues>
 __device__ __forceinline__ void SumWarps(float (&v)[kValues], const float (*buf)[kMaxWarps], int first) {
 #pragma unroll
@@ -120,10 +120,10 @@ __device__ __forceinline__ void SumWarps(float (&v)[kValues], const float (*buf)
 
 // Sums v over the T threads of this thread's row (T a power of two <= 32, or a multiple of 32; the rows of a block
 // are consecutive groups of T threads, this thread's the group-th): a butterfly within the warp, then the row's warps
-// in order. Every thread of
-// the row gets the same bits (the butterfly's two partners add the same two values). buf: kMaxWarps floats per
-// value, not reused until another RowSum's __syncthreads has passed (callers alternate two buffers). The common
-// T >= 32 and 2, 4, 8 or 16 warps per row take unrolled paths; the order of the additions is the same on every path.
+// in order. Every thread of the row gets the same bits (the butterfly's two partners add the same two values). buf:
+// kMaxWarps floats per value (16-byte aligned), not reused until another RowSum's __syncthreads has passed (callers
+// alternate two buffers). The common T >= 32 and 2, 4, 8 or 16 warps per row take unrolled paths; the order of the
+// additions is the same on every path.
 template <int kValues>
 __device__ __forceinline__ void RowSum(float (&v)[kValues], int T, int group, float (*buf)[kMaxWarps]) {
   if (T >= 32) {
