@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
   const int t = pow2_t ? threadIdx.x & (T - 1) : threadIdx.x % T;
   const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
   const RowPart p = MakeRowPart<Tout, kRms, true>(a, T, t, rr);
-  const int rows = static_cast<int>(a.rows);  // < 2^31 (the handler checks)
+  const int rows = static_cast<int>(a.rows);  // <= 2^30 (LaunchFwd)
   const int groups = (rows + a.rows_per_pass - 1) / a.rows_per_pass;
   uint2* const mine = ring + threadIdx.x;
   auto at = [&](int stage, int q) { return mine + (stage * kQuads + q) * blockDim.x; };
@@ -541,7 +541,11 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
   a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kFwdBlock / shape.threads));
   a.passes = 1;
   if constexpr (sizeof(Tin) == 2) {
-    if (a.out_t == nullptr && chunks == shape.n * shape.threads) return LaunchRing<Tin, Tout>(stream, a, rms, shape.n);
+    // The ring kernel's row and group indices are 32-bit: at most 2^30 rows keep g * P + rr and g + gridDim.x in
+    // range.
+    if (a.out_t == nullptr && chunks == shape.n * shape.threads && a.rows <= (int64_t{1} << 30)) {
+      return LaunchRing<Tin, Tout>(stream, a, rms, shape.n);
+    }
   }
   size_t smem = 0;
   if (a.out_t != nullptr) {
