@@ -170,8 +170,7 @@ struct RowPart {
   int t;
   int group;              // the row's index in the block (threadIdx.x / T)
   int valid;              // chunks - t
-  int stride;             // T * 8: elements from one of this thread's chunks to the next
-  int half;               // elements from a chunk's first 4 to its last 4: 4, or T * 4 (split)
+  int stride;             // T * 8: elements from one of this thread's chunks to the next (split: 2 quads)
   const float* gamma_t;   // gamma + this thread's first element
   const float* beta_t;    // beta + this thread's first element (LayerNorm)
   float scale;            // of the FP8 cast
@@ -180,8 +179,8 @@ struct RowPart {
 template <typename Tout, bool kRms, bool kSplit>
 __device__ __forceinline__ RowPart MakeRowPart(const FwdArgs& a, int T, int t, int group) {
   const int first = t * (kSplit ? 4 : kVec);
-  return RowPart{T,     t,         group, a.cols / kVec - t, T * kVec, kSplit ? T * 4 : 4, a.gamma + first,
-                 kRms ? nullptr : a.beta + first, Out<Tout>::kFp8 ? *a.scale : 1.0f};
+  return RowPart{T, t, group, a.cols / kVec - t, T * kVec, a.gamma + first, kRms ? nullptr : a.beta + first,
+                 Out<Tout>::kFp8 ? *a.scale : 1.0f};
 }
 
 // One row from this thread's chunks chunk(j) (a Chunk<Tin>, asked for again in each pass over the row; chunks past
@@ -197,6 +196,7 @@ __device__ __forceinline__ void NormRow(const FwdArgs& a, const RowPart& p, Chun
   using O = Out<Tout>;
   auto has = [&](int j) { return kWhole || j * p.T < p.valid; };
   const int T = p.T;
+  const int half = kSplit ? p.stride / 2 : 4;  // elements from a chunk's first 4 to its last 4
   float mean = 0.0f, var = 0.0f;
   bool two_pass = true;  // RMSNorm's one pass is its sum of squares
   if constexpr (!kRms) {
@@ -257,7 +257,7 @@ __device__ __forceinline__ void NormRow(const FwdArgs& a, const RowPart& p, Chun
     float y[kVec];
 #pragma unroll
     for (int h = 0; h < kVec; h += 4) {  // parameters 4 at a time: 8 fewer live registers than all 8
-      const int off = j * p.stride + (h / 4) * (kSplit ? p.half : 4);
+      const int off = j * p.stride + (h / 4) * half;
       const float4 g4 = __ldg(reinterpret_cast<const float4*>(p.gamma_t + off));
       const float4 b4 = kRms ? float4{} : __ldg(reinterpret_cast<const float4*>(p.beta_t + off));
       const float g[4] = {g4.x, g4.y, g4.z, g4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
@@ -267,7 +267,7 @@ __device__ __forceinline__ void NormRow(const FwdArgs& a, const RowPart& p, Chun
     if constexpr (O::kFp8) amax_bits = FoldAbsMax8(amax_bits, y);
     if constexpr (kSplit) {
       O::Store4(dst, j * p.stride, y, p.scale);
-      O::Store4(dst, j * p.stride + p.half, y + 4, p.scale);
+      O::Store4(dst, j * p.stride + half, y + 4, p.scale);
     } else {
       on_store(j, O::Store(dst, j * p.stride, y, p.scale));
     }
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
     if (g < groups && row < rows) {
       const Tin* src = static_cast<const Tin*>(a.x) + static_cast<int64_t>(row) * a.cols + t * 4;
 #pragma unroll
-      for (int q = 0; q < kQuads; ++q) __pipeline_memcpy_async(at(stage, q), src + q * p.half, sizeof(uint2));
+      for (int q = 0; q < kQuads; ++q) __pipeline_memcpy_async(at(stage, q), src + q * (T * 4), sizeof(uint2));
     }
     __pipeline_commit();
   };
