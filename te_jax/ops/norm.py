@@ -181,7 +181,7 @@ def _bwd_attributes(config: NormConfig) -> dict:
   return {"rmsnorm": np.bool_(config.rms)}
 
 
-def _scale_of(gamma: jax.Array, hidden: int, zero_centered_gamma: bool) -> jax.Array:
+def _gamma_factor(gamma: jax.Array, hidden: int, zero_centered_gamma: bool) -> jax.Array:
   """The float32 factor the ops multiply by: ``gamma + 1`` under ``zero_centered_gamma`` (one float32 add, the same
   bits wherever it runs), else ``gamma``."""
   g = _check_param(gamma, "gamma", hidden).astype(jnp.float32)
@@ -462,7 +462,7 @@ def norm_fwd(
   x = _check_x(x, "x")
   hidden = x.shape[-1]
   check_norm_args(norm_type, epsilon)
-  gamma = _scale_of(gamma, hidden, bool(zero_centered_gamma))
+  gamma = _gamma_factor(gamma, hidden, bool(zero_centered_gamma))
   beta = _check_beta(beta, norm_type, hidden)
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   fp8 = out_dtype in FP8_DTYPES
@@ -535,7 +535,7 @@ def norm_bwd(
   config = NormConfig(norm_type, dres=dres is not None)
   rows = tuple(x.shape[:-1])
   rsigma = _check_stats(rsigma, "rsigma", rows)
-  gamma = _scale_of(gamma, x.shape[-1], bool(zero_centered_gamma))
+  gamma = _gamma_factor(gamma, x.shape[-1], bool(zero_centered_gamma))
   if config.rms:
     if mean is not None:
       raise ValueError("mean must be None for norm_type='rmsnorm'")
