@@ -402,7 +402,9 @@ GPU_SHAPES = [(1, 1), (5, 7), (33, 130), (2, 3, 9), (200, 264), (1001, 1024), (4
 GPU_LARGE = [(4096, 4096), (2, 2048, 3072)]
 
 
-def _gpu_check(act, dtype, shapes, gpu):
+def _gpu_check(act, dtype, shapes, gpu, fwd_fp8=E4M3, bwd_fp8=E5M2):
+  """Forward to fwd_fp8 and to dtype, backward to bwd_fp8 (with the transposed copy and dbias) and to float32, each
+  against the reference on the GPU, bit for bit (dbias: within any summation order's bound)."""
   assert _native.has_target("cuda", "te_act_fwd_cuda") and _native.has_target("cuda", "te_act_bwd_cuda"), \
       _native.load_errors
   gated = len(act) == 2
@@ -412,14 +414,14 @@ def _gpu_check(act, dtype, shapes, gpu):
   args = list(zip(gs, xs))
 
   def ours(g, x):
-    return (te_jax.activation_fwd(x, act, dtype=E4M3, scale=0.75, transpose=True),
+    return (te_jax.activation_fwd(x, act, dtype=fwd_fp8, scale=0.75, transpose=True),
             te_jax.activation_fwd(x, act, dtype=dtype),
-            te_jax.activation_bwd(g, x, act, dtype=E5M2, scale=2.0, transpose=True, dbias=True),
+            te_jax.activation_bwd(g, x, act, dtype=bwd_fp8, scale=2.0, transpose=True, dbias=True),
             te_jax.activation_bwd(g, x, act, dtype=jnp.float32))
 
   def ref(g, x):
-    return (reference_fwd(x, act, dtype=E4M3, scale=0.75, transpose=True), reference_fwd(x, act, dtype=dtype),
-            reference_bwd(g, x, act, dtype=E5M2, scale=2.0, transpose=True, dbias=True),
+    return (reference_fwd(x, act, dtype=fwd_fp8, scale=0.75, transpose=True), reference_fwd(x, act, dtype=dtype),
+            reference_bwd(g, x, act, dtype=bwd_fp8, scale=2.0, transpose=True, dbias=True),
             reference_bwd(g, x, act, dtype=jnp.float32))
 
   outs = run_many(ours, args, gpu)
@@ -454,26 +456,9 @@ def test_gpu_other_dtypes_and_large(act, dtype, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=lambda a: "-".join(a))
 def test_gpu_other_fp8_format(act, gpu):
-  """The formats _gpu_check leaves out, each its own copy of the whole-tile loop: the forward to E5M2 and the
-  backward to E4M3 (with the transposed copy, amax and dbias), on whole tiles, a ragged edge and a batch dim."""
-  shapes = [(256, 384), (200, 264), (3, 128, 256)]
-  xs = [random_input(input_shape(s, act), ml_dtypes.bfloat16, seed=sum(s) + 7) for s in shapes]
-  gs = [random_input(s, ml_dtypes.bfloat16, seed=sum(s) + 8, spread=2.0) for s in shapes]
-  args = list(zip(gs, xs))
-  outs = run_many(lambda g, x: (te_jax.activation_fwd(x, act, dtype=E5M2, scale=0.5, transpose=True),
-                                te_jax.activation_bwd(g, x, act, dtype=E4M3, scale=4.0, transpose=True, dbias=True)),
-                  args, gpu)
-  refs = run_many(lambda g, x: (reference_fwd(x, act, dtype=E5M2, scale=0.5, transpose=True),
-                                reference_bwd(g, x, act, dtype=E4M3, scale=4.0, transpose=True),
-                                reference_bwd(g, x, act, dtype=jnp.float32)),
-                  args, gpu)
-  for (_, x), (yq, dq), (ryq, rdq, rdh) in zip(args, outs, refs, strict=True):
-    what = f"{act} shape {x.shape}"
-    for name, got, want in (("y", yq, ryq), ("dx", dq, rdq)):
-      assert_fp8_equal(got.data, want.data, what=f"{name}, {what}")
-      assert_fp8_equal(got.data_t, want.data_t, what=f"{name}_t, {what}")
-      assert_f32_equal(got.amax, want.amax, what=f"{name} amax, {what}")
-    assert_column_sums_close(dq.dbias.reshape(-1), np.asarray(rdh.data).reshape(-1, dq.dbias.size))
+  """The formats test_gpu_matches_reference leaves out, each its own copy of the whole-tile loop: the forward to E5M2
+  and the backward to E4M3, on whole tiles, a ragged edge and a batch dim."""
+  _gpu_check(act, ml_dtypes.bfloat16, [(256, 384), (200, 264), (3, 128, 256)], gpu, fwd_fp8=E5M2, bwd_fp8=E4M3)
 
 
 @pytest.mark.gpu
