@@ -50,13 +50,17 @@ constexpr int kVec = 8;                                 // columns per thread
 constexpr int kChunksPerRow = kTile / kVec;             // 16
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 16
 constexpr int kRowsPerThread = kTile / kRowsPerPass;    // 8
-// Resident blocks per SM: 4 (32 warps, at most 64 registers per thread) for the FP8 forward of 16-bit inputs, whose
-// loaded data is 4 registers per row and which is bound by instruction issue, where more warps help; 3 (24 warps, at
-// most 80 registers) otherwise, where the gradient, float32 inputs or 16-bit outputs keep more values live (at 64
-// registers those spill). 24 warps with their rows of loads in flight each cover the memory latency.
-template <typename T, bool kBwd, bool kFp8>
+// Resident blocks per SM: 4 (32 warps, at most 64 registers per thread) for the FP8 forward of 16-bit inputs and the
+// FP8 backward of a non-gated activation of bfloat16 inputs, which are bound by instruction issue, where more warps
+// help (the gelu backward at (16384, 16384): 0.485 -> 0.455 ms from 3 to 4 blocks, at 12 more instructions per 16
+// elements); 3 (24 warps, at most 80 registers) otherwise, where the gated gradient, float32 inputs or 16-bit outputs
+// keep more values live (at 64 registers those spill; so does the float16 backward, whose conversions take more
+// registers than bfloat16's). 24 warps with their rows of loads in flight each cover the memory latency.
+template <typename T, bool kGated, bool kBwd, bool kFp8>
 constexpr int MinBlocksPerSm() {
-  return !kBwd && kFp8 && sizeof(T) == 2 ? 4 : 3;
+  if constexpr (!kFp8) return 3;
+  if constexpr (kBwd) return !kGated && std::is_same_v<T, __nv_bfloat16> ? 4 : 3;
+  return sizeof(T) == 2 ? 4 : 3;
 }
 
 enum class HpType : int { kF32, kBf16, kF16 };
@@ -137,7 +141,7 @@ __device__ __forceinline__ void StoreHp(const Params& p, int64_t offset, int64_t
 }
 
 template <Act A, bool kGated, bool kBwd, typename T, bool kFp8>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kBwd, kFp8>()) ActivationKernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kGated, kBwd, kFp8>()) ActivationKernel(const Params p) {
   // Halves of the output: a gated gradient has two (dx_a, dx_b); everything else one.
   constexpr int kOutHalves = kGated && kBwd ? 2 : 1;
   constexpr int kInHalves = kGated ? 2 : 1;

@@ -345,25 +345,32 @@ __global__ void __launch_bounds__(kMaxBlock, FwdMinBlocks<Tin, kN>()) NormFwdKer
 // thread copies its quads of its row of the next group into its own 8-byte slots of a two-stage shared-memory ring
 // (cp.async: no barrier, and no registers held for the row in flight), reading them back in each pass over the row.
 // Against NormFwdKernel: no bounds tests, no moves of a prefetched row, and parameter loads that read whole sectors.
-template <typename Tin, typename Tout, bool kRms, int kN>
+// kT: T as a compile-time constant (0: T = a.threads_per_row), for the hidden sizes FP8 layers use most (LaunchRing):
+// every offset within the row (parameters, ring slots, stores) is then an immediate of the instruction instead of an
+// address computed per quad, as hidden-size-tuned norm kernels do.
+template <typename Tin, typename Tout, bool kRms, int kN, int kT>
 __global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
   static_assert(sizeof(Tin) == 2, "one 8-byte slot per quad");
   constexpr int kQuads = 2 * kN;
   extern __shared__ uint2 ring[];  // [stage][quad][thread]
   __shared__ __align__(16) float red[2][2][kMaxWarps];
   __shared__ uint32_t amax_scratch[kMaxWarps];
-  const int T = a.threads_per_row;
+  const int T = kT > 0 ? kT : a.threads_per_row;
   const bool pow2_t = (T & (T - 1)) == 0;
   const int t = pow2_t ? threadIdx.x & (T - 1) : threadIdx.x % T;
   const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
   const RowPart p = MakeRowPart<Tout, kRms, true>(a, T, t, rr);
   const int rows = static_cast<int>(a.rows);  // <= 2^30 (LaunchFwd)
-  const int groups = (rows + a.rows_per_pass - 1) / a.rows_per_pass;
+  // P (rows per block) and the block size follow from a power-of-two kT as LaunchFwd picks them.
+  constexpr int kP = kT > 0 ? (kT < kFwdBlock ? kFwdBlock / kT : 1) : 0;
+  const int P = kT > 0 ? kP : a.rows_per_pass;
+  const int threads = kT > 0 ? kT * kP : blockDim.x;
+  const int groups = (rows + P - 1) / P;
   uint2* const mine = ring + threadIdx.x;
-  auto at = [&](int stage, int q) { return mine + (stage * kQuads + q) * blockDim.x; };
+  auto at = [&](int stage, int q) { return mine + (stage * kQuads + q) * threads; };
   // Group g's row of this thread into `stage`, as one commit group (empty past the last row).
   auto fetch = [&](int g, int stage) {
-    const int row = g * a.rows_per_pass + rr;
+    const int row = g * P + rr;
     if (g < groups && row < rows) {
       const Tin* src = static_cast<const Tin*>(a.x) + static_cast<int64_t>(row) * a.cols + t * 4;
 #pragma unroll
@@ -377,7 +384,7 @@ __global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     fetch(g + gridDim.x, stage ^ 1);  // into the stage this thread read in the previous iteration
     __pipeline_wait_prior(1);          // this group's row has landed
-    const int row = g * a.rows_per_pass + rr;
+    const int row = g * P + rr;
     auto chunk = [&](int j) {
       const uint2 lo = *at(stage, 2 * j), hi = *at(stage, 2 * j + 1);
       Chunk<Tin> c;
@@ -491,24 +498,38 @@ ffi::Error LaunchFp8Transpose(cudaStream_t stream, const void* in, uint8_t* out_
 }
 
 // NormFwdRingKernel: as many blocks as the device holds at once (at most one per group of rows), each with its
-// two-stage ring of 2 * kN 8-byte slots per thread.
+// two-stage ring of 2 * kN 8-byte slots per thread. FP8 outputs of hidden 4096 and 8192 (kN = 4, T = 128 or 256) take
+// the kernel compiled for their T: measured at (32768, 8192) bf16 -> E4M3, see benchmarks/NOTES.md.
 template <typename Tin, typename Tout>
 ffi::Error LaunchRing(cudaStream_t stream, const FwdArgs& a, bool rms, int n) {
   const int threads = a.rows_per_pass * a.threads_per_row;
   const int64_t groups = (a.rows + a.rows_per_pass - 1) / a.rows_per_pass;
   ffi::Error err = ffi::Error::Success();
+  auto launch = [&](auto kernel, int chunks) {
+    const size_t smem = static_cast<size_t>(2 * 2 * chunks) * sizeof(uint2) * threads;
+    cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (status == cudaSuccess) {
+      const int resident = ResidentBlocks(kernel, threads, smem);
+      const int64_t blocks = resident > 0 ? std::min<int64_t>(groups, resident) : groups;
+      status = LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a);
+    }
+    err = CudaError(status, "norm_fwd ring kernel launch");
+  };
   DispatchBool(rms, [&](auto kRms) {
-    DispatchN<2, 4>(n, [&](auto kN) {
-      auto kernel = NormFwdRingKernel<Tin, Tout, decltype(kRms)::value, decltype(kN)::value>;
-      const size_t smem = static_cast<size_t>(2 * 2 * decltype(kN)::value) * sizeof(uint2) * threads;
-      cudaError_t status =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      if (status == cudaSuccess) {
-        const int resident = ResidentBlocks(kernel, threads, smem);
-        const int64_t blocks = resident > 0 ? std::min<int64_t>(groups, resident) : groups;
-        status = LaunchWithSharedMemory(kernel, blocks, threads, smem, stream, a);
+    constexpr bool kR = decltype(kRms)::value;
+    if constexpr (Out<Tout>::kFp8) {
+      // (the kernel derives P from kT as LaunchFwd does: 2 rows of 128 threads or 1 of 256 per block)
+      if (n == 4 && a.threads_per_row == 128 && a.rows_per_pass == 2) {
+        return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 128>, 4);
       }
-      err = CudaError(status, "norm_fwd ring kernel launch");
+      if (n == 4 && a.threads_per_row == 256 && a.rows_per_pass == 1) {
+        return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 256>, 4);
+      }
+    }
+    DispatchN<2, 4>(n, [&](auto kN) {
+      constexpr int kChunks = decltype(kN)::value;
+      launch(NormFwdRingKernel<Tin, Tout, kR, kChunks, 0>, kChunks);
     });
   });
   return err;
