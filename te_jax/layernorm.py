@@ -94,4 +94,5 @@ def layernorm(
   check_norm_args(layernorm_type, epsilon)
   norm = NormConfig(layernorm_type, float(epsilon), out_dtype)
   beta_dtype = None if beta is None else jnp.dtype(jnp.asarray(beta).dtype)
-  return _layernorm(_Config(norm, bool(zero_centered_gamma), beta_dtype), x, gamma, beta)  # norm_fwd checks the arrays while tracing
+  # norm_fwd checks the arrays while tracing
+  return _layernorm(_Config(norm, bool(zero_centered_gamma), beta_dtype), x, gamma, beta)

@@ -194,7 +194,7 @@ Shape PickShape(int chunks, const int* ns, int count, int max_threads, bool pref
   return best;
 }
 
-int PowerOfTwoAtMost(int v) {
+__host__ __device__ constexpr int PowerOfTwoAtMost(int v) {
   int p = 1;
   while (p * 2 <= v) p *= 2;
   return p;

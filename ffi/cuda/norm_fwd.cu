@@ -139,6 +139,9 @@ __device__ __forceinline__ void WriteTransposed(const uint8_t* staged, int pitch
 template <typename Tout>
 constexpr int64_t kOutBytes = Out<Tout>::kFp8 ? 1 : sizeof(Tout);
 
+// Rows of T threads per block of the fast forward kernels (P): as many as fill kFwdBlock threads, a power of two.
+__host__ __device__ constexpr int FwdRowsPerBlock(int T) { return PowerOfTwoAtMost(kFwdBlock / T); }
+
 // Resident blocks per SM the forward kernel is compiled for: 2 (at most 64 registers per thread, so 1024 threads per
 // SM) where that does not spill; a float32 input with 4 chunks per thread (32 registers of data) keeps 1.
 template <typename Tin, int kN>
@@ -361,8 +364,7 @@ __global__ void __launch_bounds__(kMaxBlock, 2) NormFwdRingKernel(FwdArgs a) {
   const int rr = pow2_t ? threadIdx.x >> (__ffs(T) - 1) : threadIdx.x / T;
   const RowPart p = MakeRowPart<Tout, kRms, true>(a, T, t, rr);
   const int rows = static_cast<int>(a.rows);  // <= 2^30 (LaunchFwd)
-  // P (rows per block) and the block size follow from a power-of-two kT as LaunchFwd picks them.
-  constexpr int kP = kT > 0 ? (kT < kFwdBlock ? kFwdBlock / kT : 1) : 0;
+  constexpr int kP = kT > 0 ? FwdRowsPerBlock(kT) : 0;
   const int P = kT > 0 ? kP : a.rows_per_pass;
   const int threads = kT > 0 ? kT * kP : blockDim.x;
   const int groups = (rows + P - 1) / P;
@@ -519,13 +521,8 @@ ffi::Error LaunchRing(cudaStream_t stream, const FwdArgs& a, bool rms, int n) {
   DispatchBool(rms, [&](auto kRms) {
     constexpr bool kR = decltype(kRms)::value;
     if constexpr (Out<Tout>::kFp8) {
-      // (the kernel derives P from kT as LaunchFwd does: 2 rows of 128 threads or 1 of 256 per block)
-      if (n == 4 && a.threads_per_row == 128 && a.rows_per_pass == 2) {
-        return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 128>, 4);
-      }
-      if (n == 4 && a.threads_per_row == 256 && a.rows_per_pass == 1) {
-        return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 256>, 4);
-      }
+      if (n == 4 && a.threads_per_row == 128) return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 128>, 4);
+      if (n == 4 && a.threads_per_row == 256) return launch(NormFwdRingKernel<Tin, Tout, kR, 4, 256>, 4);
     }
     DispatchN<2, 4>(n, [&](auto kN) {
       constexpr int kChunks = decltype(kN)::value;
@@ -559,7 +556,7 @@ ffi::Error LaunchFwd(cudaStream_t stream, FwdArgs a, bool rms) {
     return LastCudaError("norm_fwd generic kernel launch");
   }
   a.threads_per_row = shape.threads;
-  a.rows_per_pass = std::max(1, PowerOfTwoAtMost(kFwdBlock / shape.threads));
+  a.rows_per_pass = FwdRowsPerBlock(shape.threads);
   a.passes = 1;
   if constexpr (sizeof(Tin) == 2) {
     // The ring kernel's row and group indices are 32-bit: at most 2^30 rows keep g * P + rr and g + gridDim.x in
