@@ -120,8 +120,24 @@ def host_times(fn, args, runs: int = 20, batch: int = HOST_BATCH) -> tuple[float
   return statistics.median(per_call) * 1e3, statistics.median(dispatch) * 1e3
 
 
-def report(name: str, profiled, steps: int, top: int, host: tuple[float, float]) -> None:
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*?) (custom-call|fusion|[a-z-]+)\((.*?)\)(?:,|$)")
+_LAYOUT = re.compile(r"\{[^{}]*\}")
+
+
+def op_shapes(fn, args) -> dict[str, str]:
+  """{HLO op name: "result <- operands" types} of the compiled program, for the kernel table (kernels that XLA runs
+  outside a command buffer name their op; run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see every op)."""
+  lines = [m for m in map(_HLO_LINE.match, fn.lower(*args).compile().as_text().splitlines()) if m]
+  types = {m.group(1): _LAYOUT.sub("", m.group(2)) for m in lines}
+  return {m.group(1): types[m.group(1)] + " <- " + ", ".join(types.get(o, "?") for o in
+                                                             re.findall(r"%([\w.-]+)", m.group(4)))
+          for m in lines}
+
+
+def report(name: str, profiled, steps: int, top: int, host: tuple[float, float],
+           shapes: dict[str, str] | None = None) -> None:
   totals, gaps, span = profiled
+  shapes = shapes or {}
   total = sum(t for t, _ in totals.values()) / steps / 1e6
   idle = sum(t for t, _ in gaps.values()) / steps / 1e6
   by_kind = collections.defaultdict(float)
@@ -137,7 +153,8 @@ def report(name: str, profiled, steps: int, top: int, host: tuple[float, float])
   print("\n| kernel | hlo op | kind | ms | launches |\n|---|---|---|---|---|")
   for (kernel, op), (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
     short = kernel if len(kernel) <= 90 else kernel[:87] + "..."
-    print(f"| `{short}` | {op} | {_kind(kernel)} | {t / steps / 1e6:.3f} | {n / steps:g} |")
+    where = f"{op} ({shapes[op][:120]})" if op in shapes else op
+    print(f"| `{short}` | {where} | {_kind(kernel)} | {t / steps / 1e6:.3f} | {n / steps:g} |")
   print("\n| idle before | ms | gaps |\n|---|---|---|")
   for op, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top // 2]:
     print(f"| {op[:90]} | {t / steps / 1e6:.3f} | {n / steps:g} |")
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{name}: {per_call:.3f} ms per call of {HOST_BATCH} dispatched back to back, {dispatch:.3f} ms to "
             f"dispatch one (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
       continue
-    report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
+    report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args), op_shapes(fn, args))
   return 0
 
 
