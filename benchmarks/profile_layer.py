@@ -3,16 +3,19 @@
 Profiles the GPT layer of ``bench_transformer`` (or the block of ``bench_layernorm_mlp``) for each implementation,
 sums the device time of every kernel over the traced steps, and prints per step: the total, a split by kind (GEMM,
 attention, te_jax kernels, XLA fusions, copies/transposes), the slowest kernels with the HLO op that launched them,
-and the device's idle time by the op that ended each gap (kernels that XLA ran inside a command buffer, a CUDA
-graph, are listed under that command buffer's op). It also times the untraced program as the benchmarks do (calls
-dispatched back to back) and the host's time to dispatch one call: a per-call time above the traced one means the
-device waited on something the trace does not show. ``--bench ops`` does the same for single te_jax ops at their
-acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a benchmark's per-call time holds besides
-the kernel.
+and the device's idle time by the op that ended each gap (kernels that XLA ran inside a command buffer, a CUDA graph,
+are listed under that command buffer's op; without command buffers each kernel names its HLO op and that op's shapes).
+A layer step draws the H200 to its power cap within ~100 ms of back-to-back calls (``clock_probe.py``), so the default
+5 steps show kernels at higher clocks than the timed benchmark; ``--steps 100`` is mostly at the cap. It also times
+the untraced program as the benchmarks do (calls dispatched back to back) and the host's time to dispatch one call: a
+per-call time above the traced one means the device waited on something the trace does not show. ``--bench ops`` does
+the same for single te_jax ops at their acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a
+benchmark's per-call time holds besides the kernel.
 
   python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
   python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
   python benchmarks/profile_layer.py --bench ops           # gelu fwd (with and without the transposed copy), ...
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/profile_layer.py --steps 60   # per-GEMM times
 """
 
 from __future__ import annotations
