@@ -21,11 +21,12 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 
 import bench_transformer
 import harness
+import profile_layer
 
+BATCH = harness.Context.batch  # calls dispatched back to back per measurement, as the benchmarks time them
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 # nvidia-smi's clock-event reason bits (nvidia-smi --help-query-gpu, "clocks_event_reasons").
 REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap", 0x8: "hw slowdown", 0x10: "sync boost",
@@ -71,41 +72,30 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   if shutil.which("nvidia-smi") is None:
     p.error("nvidia-smi is not on PATH: this probe is for a machine with an NVIDIA GPU")
-  c = dict(bench_transformer.LAYER)
-  kx, kd, ki = jax.random.split(jax.random.key(400), 3)
-  shape = (c["batch"], c["seq"], c["hidden"])
-  x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
-  impls = bench_transformer.impls(c)
-  names = a.impl or list(impls)
-  prepared = {}
-  for name in names:
-    model, rec = impls[name]
-    kw = {"deterministic": True} if name.startswith("te_jax") else {}
-    fn = harness.layer_fwd_bwd(model, rec, **kw)
-    variables, _ = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
-    prepared[name] = (fn, variables)
+  # Every step compiled and warmed up before the first is timed, so that compilation stays out of the samples.
+  names = a.impl or list(bench_transformer.impls(bench_transformer.LAYER))
+  prepared = list(profile_layer.layer_steps("transformer", names))
   sampler = Sampler()
   print("| impl | first batch ms | last 10 batches ms | median SM MHz | median W | max C | clock-event reasons "
         "(samples) |")
   print("|---|---|---|---|---|---|---|")
-  for name, (fn, variables) in prepared.items():
+  for name, fn, args in prepared:
     time.sleep(a.pause)
     per_batch = []
     t_start = time.perf_counter()
     for _ in range(a.batches):
       t = time.perf_counter()
-      for _ in range(10):
-        out = fn(variables, x, dy)
+      for _ in range(BATCH):
+        out = fn(*args)
       jax.block_until_ready(out)
-      per_batch.append((time.perf_counter() - t) / 10 * 1e3)
+      per_batch.append((time.perf_counter() - t) / BATCH * 1e3)
     t_end = time.perf_counter()
     s = sampler.between(t_start, t_end)
     reasons = collections.Counter(r for *_, r in s)
     print(f"| {name} | {per_batch[0]:.3f} | {statistics.median(per_batch[-10:]):.3f} | "
-          f"{statistics.median(x[1] for x in s) if s else float('nan'):.0f} | "
-          f"{statistics.median(x[2] for x in s) if s else float('nan'):.0f} | "
-          f"{max((x[3] for x in s), default=float('nan')):.0f} | "
+          f"{statistics.median(v[1] for v in s) if s else float('nan'):.0f} | "
+          f"{statistics.median(v[2] for v in s) if s else float('nan'):.0f} | "
+          f"{max((v[3] for v in s), default=float('nan')):.0f} | "
           f"{', '.join(f'{reason_names(r)}: {n}' for r, n in reasons.most_common())} |", flush=True)
   sampler.stop()
   return 0

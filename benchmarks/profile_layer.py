@@ -163,9 +163,10 @@ def report(name: str, profiled, steps: int, top: int, host: tuple[float, float],
     print(f"| {op[:90]} | {t / steps / 1e6:.3f} | {n / steps:g} |")
 
 
-def _cases(bench: str, shrink: int):
-  """(impls {name: (model, recipe)}, x, dy, apply kwargs of te_jax impls) of the benchmark's acceptance shape, every
-  dimension but the batch divided by ``shrink``."""
+def layer_steps(bench: str, names: list[str] | None = None, shrink: int = 1):
+  """(name, jitted fwd+bwd step, its args) of each implementation ``names`` of the benchmark's layer (default: the
+  FP8 ones without FP8 attention) at its acceptance shape, every dimension but the batch divided by ``shrink``;
+  each step compiled and warmed up (``harness.warm_layer``) before it is yielded."""
   kx, kd = jax.random.split(jax.random.key(7))
   if bench == "transformer":
     c = {k: v if k == "batch" else max(1, v // shrink) for k, v in bench_transformer.LAYER.items()}
@@ -179,7 +180,12 @@ def _cases(bench: str, shrink: int):
     te_kw = {}
   x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
-  return impls, x, dy, te_kw
+  for name in names or [n for n in impls if n.endswith("fp8") and "attention" not in n]:
+    model, rec = impls[name]
+    kw = te_kw if name.startswith("te_jax") else {}
+    fn = harness.layer_fwd_bwd(model, rec, **kw)
+    variables, _ = harness.warm_layer(model, rec, fn, jax.random.key(8), x, dy, **kw)
+    yield name, fn, (variables, x, dy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,14 +209,7 @@ def main(argv: list[str] | None = None) -> int:
       fn, args = ops[name]
       report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
     return 0
-  impls, x, dy, te_kw = _cases(a.bench, a.shrink)
-  wanted = a.impl or [n for n in impls if n.endswith("fp8") and "attention" not in n]
-  for name in wanted:
-    model, rec = impls[name]
-    kw = te_kw if name.startswith("te_jax") else {}
-    fn = harness.layer_fwd_bwd(model, rec, **kw)
-    variables, _ = harness.warm_layer(model, rec, fn, jax.random.key(8), x, dy, **kw)
-    args = (variables, x, dy)
+  for name, fn, args in layer_steps(a.bench, a.impl, a.shrink):
     if a.untraced:
       per_call, dispatch = host_times(fn, args)
       print(f"{name}: {per_call:.3f} ms per call of {HOST_BATCH} dispatched back to back, {dispatch:.3f} ms to "
