@@ -6,11 +6,17 @@ FP8 operands are quantized once, outside the timed function: this measures the G
 accumulation: the same ceiling reached by another caller, timed the same way (10 back-to-back calls, then a sync), in
 a child process.
 
+The QKV case times the forward GEMM of a fused (H, 3, D) projection handed out as q, k and v: one GEMM of N = 3HD
+whose output would still have to be split, three GEMMs of N = HD against each part's (pre-sliced) weight rows, and
+``rhs_parts`` (one batched cuBLASLt launch writing the three arrays) on the weight's rows grouped by part, both
+pre-grouped and grouped in the timed function (as the layer does, from the (H, 3, D)-ordered transposed FP8 kernel).
+
   python benchmarks/bench_gemm.py
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -26,6 +32,7 @@ import te_jax
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 4096, 16384))  # (M, N, K)
+QKV = (8192, 32, 128, 4096)  # tokens (batch 4 x sequence 2048), heads, head dim, hidden: the GPT layer's
 COLUMNS = (
     ("case", "case"),
     ("impl", "impl"),
@@ -148,6 +155,49 @@ def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
   return rows
 
 
+def bench_qkv(ctx: harness.Context, key) -> list[dict]:
+  """The QKV projection's forward GEMM (FP8, fast accumulation, bf16 out) four ways; see the module docstring."""
+  m, h, d, k = QKV[0] // ctx.shrink, QKV[1], QKV[2], QKV[3] // ctx.shrink
+  x, w_t = _operands(key, m, 3 * h * d, k)  # w_t: (H * 3 * D, K), rows head-major as the (hidden, H, 3, D) kernel's
+  one = jnp.float32(1.0)
+  qx, qw = te_jax.quantize(x, one).data, te_jax.quantize(w_t, one).data
+  group = lambda w: jnp.swapaxes(w.reshape(h, 3, d, k), 0, 1).reshape(3, h * d, k)
+  grouped = group(qw)  # (3, H * D, K): each part's rows together
+  per_part = tuple(grouped)
+  gemm = functools.partial(te_jax.gemm, lhs_scale_inv=one, rhs_scale_inv=one, fast_accum=True)
+  impls = {
+      "one GEMM, N = 3HD (output not split)": (jax.jit(lambda a, b: gemm(a, b)), (qx, qw)),
+      "3 GEMMs, N = HD (weight rows pre-sliced)": (jax.jit(lambda a, ws: tuple(gemm(a, w) for w in ws)),
+                                                   (qx, per_part)),
+      "rhs_parts: one batched GEMM (weight pre-grouped)": (jax.jit(lambda a, b: gemm(a, b, rhs_parts=True)),
+                                                           (qx, grouped)),
+      "rhs_parts, grouping the weight's rows too": (jax.jit(lambda a, b: gemm(a, group(b), rhs_parts=True)),
+                                                    (qx, qw)),
+  }
+  want = impls["3 GEMMs, N = HD (weight rows pre-sliced)"][0](qx, per_part)
+  flops = 2.0 * m * 3 * h * d * k
+  case = f"QKV {m}x(3x{h}x{d})x{k} fp8 fast acc -> bf16"
+  rows = []
+  for name, (fn, args) in impls.items():
+    t = harness.time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
+    targets = harness.custom_call_targets(fn, *args)
+    out = fn(*args)
+    problems = [] if f"te_gemm_{ctx.platform}" in targets or not ctx.gpu else ["NOT NATIVE"]
+    if name.startswith("rhs_parts"):  # the same products as the per-part GEMMs, maybe summed in another order
+      rel = max(float(jnp.linalg.norm((o - w).astype(jnp.float32)) / jnp.linalg.norm(w.astype(jnp.float32)))
+                for o, w in zip(out, want))
+      problems += [] if rel <= 1e-2 else [f"rel diff vs 3 GEMMs {rel:.3g} > 1e-2"]
+    rows.append({"bench": "gemm", "case": case, "impl": name, "ms": t.ms, "timing": t.as_dict(),
+                 "tflops": flops / (t.ms * 1e-3) / 1e12,
+                 "handler": ", ".join(sorted(x for x in targets if x.startswith("te_"))) or "xla",
+                 "ok": not problems, "note": "; ".join(problems)})
+  base = next(r for r in rows if r["impl"].startswith("3 GEMMs"))["ms"]
+  for r in rows:
+    r["speedup_vs_xla"] = float("nan")
+    r["note"] = "; ".join(filter(None, [f"{base / r['ms']:.3f}x the 3 GEMMs", r["note"]]))
+  return rows
+
+
 def run(ctx: harness.Context) -> list[dict]:
   rows = []
   for i, mnk in enumerate(SHAPES):
@@ -157,6 +207,10 @@ def run(ctx: harness.Context) -> list[dict]:
             f"{r['speedup_vs_xla']:.2f}x vs XLA bf16" + (f" [{r['note']}]" if not r["ok"] else ""),
             file=sys.stderr, flush=True)
     rows += shape_rows
+  for r in bench_qkv(ctx, jax.random.key(200)):
+    print(f"gemm {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s; {r['note']}", file=sys.stderr,
+          flush=True)
+    rows.append(r)
   return rows
 
 

@@ -109,18 +109,9 @@ class Unstack:
       raise ValueError(f"unstack_axis={axis} has size {features[i]}; at most {_MAX_PARTS} parts are supported")
     return cls(features[i], math.prod(features[i + 1:]), i)
 
-  def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
-    """(M, N) -> the parts, (M, N // parts) each."""
-    m, n = y.shape
-    y = y.reshape(m, n // (self.parts * self.group), self.parts, self.group)
-    return tuple(y[:, :, i, :].reshape(m, n // self.parts) for i in range(self.parts))
-
-  def split_rows(self, w_t: jax.Array) -> tuple[jax.Array, ...]:
-    """The (N, K) transposed kernel -> each part's rows, (N // parts, K): the GEMM against part i's rows writes
-    part i directly."""
-    n, k = w_t.shape
-    w_t = w_t.reshape(n // (self.parts * self.group), self.parts, self.group, k)
-    return tuple(w_t[:, i].reshape(n // self.parts, k) for i in range(self.parts))
+  def parts_first(self, bias: jax.Array) -> jax.Array:
+    """An (N,) bias in the output features' order -> (parts, N // parts): each part's entries, in order."""
+    return jnp.swapaxes(bias.reshape(-1, self.parts, self.group), 0, 1).reshape(self.parts, -1)
 
 
 def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple[int, ...], features: tuple[int, ...],
@@ -171,18 +162,19 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
                unstack: Unstack | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
   """``x @ kernel + bias (+ residual)`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its
   transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
-  ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, one GEMM per part, each against
-  that part's rows of the transposed kernel, returns the parts (no slicing of a stacked output afterwards)."""
+  ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each written
+  by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
-  qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
   sw_inv = 1.0 / sw
   fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype,
                                fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
-  if unstack is None:
+  if unstack is None or unstack.parts == 1:
+    qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
     out = fwd_gemm(qw.data_t, bias=bias, residual=residual)
-  else:
-    biases = (None,) * unstack.parts if bias is None else unstack.split(bias[None])
-    out = tuple(fwd_gemm(w, bias=None if b is None else b[0]) for w, b in zip(unstack.split_rows(qw.data_t), biases))
+    out = out if unstack is None else (out,)
+  else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
+    qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
+    out = fwd_gemm(qw.data_t, bias=None if bias is None else unstack.parts_first(bias), rhs_parts=True)
   return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
 
 

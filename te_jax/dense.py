@@ -27,6 +27,7 @@ from te_jax import scaling
 from te_jax._fp8_linear import (Fp8Config, Unstack, check_residual, layer_output, linear_bwd, linear_fwd,
                                 quantize_grad, residual_rows, state_as_float32, state_like)
 from te_jax.autocast import get_autocast_state
+from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
@@ -34,7 +35,6 @@ __all__ = ["DenseFp8Meta", "dense"]
 
 # cuBLASLt's FP8 GEMMs need every dim that is a leading dim of a stored operand to be a multiple of 16: K and N
 # in the forward GEMM, and M (the tokens) in the weight-gradient GEMM, which contracts over them.
-_FP8_ALIGN = 16
 
 
 class DenseFp8Meta(NamedTuple):
@@ -161,10 +161,10 @@ def dense(
     x = jnp.transpose(x, batch_axes + axes)
   batch_shape = tuple(x.shape[: len(batch_axes)])
   k, n, m = math.prod(kernel.shape[:n_contract]), math.prod(features), math.prod(batch_shape)
-  if k % _FP8_ALIGN or n % _FP8_ALIGN:
-    raise ValueError(f"FP8 dense needs input and output features to be multiples of {_FP8_ALIGN}, got {k} and {n}")
+  if k % FP8_ALIGN or n % FP8_ALIGN:
+    raise ValueError(f"FP8 dense needs input and output features to be multiples of {FP8_ALIGN}, got {k} and {n}")
   x2d = x.reshape(m, k)
-  pad = -m % _FP8_ALIGN
+  pad = -m % FP8_ALIGN
   if pad:  # zero rows leave amax, dbias and the weight gradient unchanged
     x2d = jnp.pad(x2d, ((0, pad), (0, 0)))
   b = None if bias is None else bias.reshape(n)

@@ -21,12 +21,12 @@ from te_jax.autocast import get_autocast_state
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm import layernorm
 from te_jax.ops.norm import check_norm_args, norm_bwd, norm_fwd
+from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["NormSpec", "layernorm_dense"]
 
-_FP8_ALIGN = 16  # cuBLASLt FP8: K, N and the tokens (the weight gradient's K) multiples of 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +130,14 @@ def resolve_fp8(recipe: Recipe | None, fp8_meta, what: str) -> Recipe | None:
 
 def check_fp8_dims(**dims: int) -> None:
   for name, d in dims.items():
-    if d % _FP8_ALIGN:
-      raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {_FP8_ALIGN}, got {d}")
+    if d % FP8_ALIGN:
+      raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FP8_ALIGN}, got {d}")
 
 
 def pad_rows(x2d: jax.Array) -> tuple[jax.Array, int]:
   """Zero rows up to a multiple of 16 (the weight-gradient GEMM contracts over rows); zero rows change no amax,
   bias gradient or weight gradient."""
-  pad = -x2d.shape[0] % _FP8_ALIGN
+  pad = -x2d.shape[0] % FP8_ALIGN
   return (jnp.pad(x2d, ((0, pad), (0, 0))) if pad else x2d), pad
 
 

@@ -6,6 +6,8 @@
   cast to the output dtype): an independent jnp einsum on CPU, ``gemm_ref`` jitted on the same GPU on a GPU. FP8
   operands are made by ``te_jax.quantize`` and their float64 values are the dequantized FP8 bytes, so the comparison
   measures the GEMM, not the quantization.
+- ``rhs_parts``: equal to one GEMM per part, on CPU bitwise and on a GPU (one cuBLASLt pointer-array batched GEMM)
+  within the same bounds as the single GEMM.
 - Argument checks, raised in Python with messages that name the problem.
 - Under ``jax.jit`` on 8 CPU devices: column- and row-parallel GEMMs hold exactly the collectives they need.
 - On a GPU (``@pytest.mark.gpu``): the cuBLASLt handler, including M not a multiple of 16 with FP8, 4096^3,
@@ -285,6 +287,41 @@ def test_jnp_baseline_matches_float64():
     np.testing.assert_array_equal(np.asarray(ours), a @ b.T)
 
 
+def parts_case(kind: str, n_parts: int, m=24, k=64, n=32, seed=60):
+  """lhs (m, K) and rhs (P, n, K) operands of ``kind`` (f32, bf16, fp8: E4M3 x E5M2), with each part's Operand."""
+  if kind == "fp8":
+    lhs, rhs = fp8_operand((m,), k, E4M3, seed=seed), fp8_operand((n_parts, n), k, E5M2, seed=seed + 1)
+  else:
+    dt = HP_DTYPES[kind]
+    lhs, rhs = hp_operand((m,), k, dt, False, seed), hp_operand((n_parts, n), k, dt, False, seed + 1)
+  parts = [Operand(rhs.array[i], rhs.logical64[i], rhs.scale_inv) for i in range(n_parts)]
+  return lhs, rhs, parts
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_parts_are_the_per_part_gemms(n_parts, kind, with_bias):
+  lhs, rhs, parts = parts_case(kind, n_parts)
+  bias = np.stack([random_bias(32, seed=62 + i) for i in range(n_parts)]) if with_bias else None
+  ours, _ = run_gemm(lhs, rhs, bias, jnp.bfloat16, rhs_parts=True)
+  assert isinstance(ours, tuple) and len(ours) == n_parts
+  for i, (got, part) in enumerate(zip(ours, parts)):
+    want, _ = run_gemm(lhs, part, None if bias is None else bias[i], jnp.bfloat16)
+    assert got.shape == (24, 32) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_parts_keep_lhs_and_rhs_rows():
+  lhs = hp_operand((2, 5), 32, np.float32, False, seed=63)
+  rhs = hp_operand((3, 4, 16), 32, np.float32, False, seed=64)  # 3 parts of (4, 16) rows
+  ours, _ = run_gemm(lhs, rhs, None, jnp.float32, rhs_parts=True)
+  for i, got in enumerate(ours):
+    want, _ = run_gemm(lhs, Operand(rhs.array[i], rhs.logical64[i]), None, jnp.float32)
+    assert got.shape == (2, 5, 4, 16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_eager_and_vmap():
   lhs = hp_operand((8,), 16, np.float32, False, seed=13)
   rhs = hp_operand((4,), 16, np.float32, False, seed=14)
@@ -346,6 +383,21 @@ ERROR_CASES = {
     "rank1-rhs": (lambda: te_jax.gemm(BF((16, 32)), BF((32,))), ValueError, r"rhs must have rank >= 2"),
     "int-operand": (lambda: te_jax.gemm(jnp.zeros((16, 32), jnp.int8), BF((16, 32))),
                     TypeError, r"lhs must be FP8 \(e4m3fn/e5m2\), bfloat16, float16 or float32, got int8"),
+    "parts-2d-rhs": (lambda: te_jax.gemm(BF((16, 32)), BF((48, 32)), rhs_parts=True),
+                     ValueError, r"rhs_parts needs rhs of shape \(P, \.\.\., K\) with 1 <= P <= 4, got \(48, 32\)"),
+    "parts-too-many": (lambda: te_jax.gemm(BF((16, 32)), BF((5, 16, 32)), rhs_parts=True),
+                       ValueError, r"1 <= P <= 4, got \(5, 16, 32\)"),
+    "parts-transposed": (lambda: te_jax.gemm(BF((16, 32)), BF((3, 32, 16)), rhs_parts=True, transpose_rhs=True),
+                         ValueError, r"rhs_parts needs an untransposed rhs"),
+    "parts-residual": (lambda: te_jax.gemm(BF((16, 32)), BF((3, 16, 32)), residual=BF((16, 16)), rhs_parts=True),
+                       ValueError, r"rhs_parts and residual exclude each other"),
+    "parts-bias-shape": (lambda: te_jax.gemm(BF((16, 32)), BF((3, 16, 32)), bias=jnp.zeros((48,)), rhs_parts=True),
+                         ValueError, r"with rhs_parts, bias must have shape \(3, 16\), got \(48,\)"),
+    "parts-fp8-n-not-16": (lambda: te_jax.gemm(_f8((16, 32)), _f8((3, 8, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+                                               rhs_parts=True),
+                           ValueError, r"multiples of 16, got K=32, N=8"),
+    "parts-k-mismatch": (lambda: te_jax.gemm(BF((16, 32)), BF((3, 16, 48)), rhs_parts=True),
+                         ValueError, r"contracting dims differ"),
 }
 
 
@@ -430,6 +482,48 @@ def test_sharded_gemm_adds_the_residual_once(case):
   k = 256
   bound = 2 * (k - 1) * F32_U / (1 - (k - 1) * F32_U) * abs_prod + 1000.0 * F32_U * 2
   assert np.all(np.abs(np.asarray(out) - exact) <= bound)
+
+
+# (lhs spec, rhs spec (P, N, K), collectives expected): each part's rows sharded (column parallel, as with the heads
+# of a QKV kernel sharded) need none; a sharded K ends in psums (one per part, which XLA may combine); a sharded
+# part dim is gathered.
+PARTS_SHARDING_CASES = {
+    "column-parallel": (P(), P(None, "x", None), {}),
+    "row-parallel": (P(None, "x"), P(None, None, "x"), None),
+    "parts-dim-sharded": (P(), P("x", None, None), {"all-gather": 1}),
+}
+
+
+@pytest.mark.parametrize("case", PARTS_SHARDING_CASES)
+def test_sharded_parts_gemm(case):
+  lhs_spec, rhs_spec, want = PARTS_SHARDING_CASES[case]
+  # 4 parts sharded over the 4-device axis of a 4 x 2 mesh; 3 parts on a mesh of 8 devices along "x" otherwise.
+  n_parts, mesh_shape = (4, (4, 2)) if case == "parts-dim-sharded" else (3, (8, 1))
+  mesh = Mesh(np.array(CPU_DEVICES).reshape(mesh_shape), ("x", "y"))
+  m, k, n = 64, 256, 128
+  lhs, rhs, parts = parts_case("fp8", n_parts, m, k, n, seed=65)
+  scales = {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
+
+  def f(a, b, s):
+    return te_jax.gemm(a, b, out_dtype=jnp.float32, rhs_parts=True, **s)
+
+  a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
+  b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
+  compiled = jax.jit(f).lower(a_s, b_s, scales).compile()
+  outs = compiled(a_s, b_s, scales)
+  found = collections.Counter(_COLLECTIVE.findall(compiled.as_text()))
+  if want is None:
+    assert set(found) == {"all-reduce"}, found
+  else:
+    assert found == collections.Counter(want), found
+  if case == "column-parallel":
+    assert all(o.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2) for o in outs)
+  gamma = (k - 1) * F32_U / (1 - (k - 1) * F32_U)  # a sharded K reorders the float32 sums: see test_sharded_gemm
+  for out, part in zip(outs, parts):
+    ref, _ = run_gemm(lhs, part, None, jnp.float32)  # unsharded, one device
+    _, abs_prod = exact64(lhs, part, None)
+    assert out.shape == (m, n)
+    assert np.all(np.abs(np.asarray(out).astype(np.float64) - np.asarray(ref)) <= 2 * gamma * abs_prod)
 
 
 # ---- GPU: the cuBLASLt handler -------------------------------------------------------------------------------------
@@ -538,6 +632,51 @@ def test_gpu_fp8_shapes(pair, fast_accum, mkn, gpu):
   check_gpu_fp8(pair, jnp.bfloat16, True, fast_accum, mkn, gpu)
 
 
+# (M, K, P, N): small, M not a multiple of 16, the GPT layer's QKV projection (M = batch 4 x sequence 2048, K = hidden
+# 4096, 3 parts of 32 heads x 128), 2 and 4 parts.
+GPU_PARTS_SHAPES = [(17, 64, 3, 32), (1000, 1024, 3, 512), (8192, 4096, 3, 4096), (40, 256, 2, 144), (64, 128, 4, 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "e4m3xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["", "fast"])
+@pytest.mark.parametrize("shape", GPU_PARTS_SHAPES, ids=str)
+def test_gpu_parts(kind, fast_accum, shape, gpu):
+  """One te_gemm_cuda call (one batched cuBLASLt GEMM) writes every part, each within the single GEMM's bound of the
+  exact result, and two calls give the same bits."""
+  m, k, n_parts, n = shape
+  if kind == "bf16":
+    lhs = hp_operand((m,), k, ml_dtypes.bfloat16, False, 68)
+    rhs = hp_operand((n_parts, n), k, ml_dtypes.bfloat16, False, 69)
+    accum_u = F32_U
+  else:
+    lhs, rhs = fp8_operand((m,), k, FP8_PAIRS[kind][0], seed=68), fp8_operand((n_parts, n), k, FP8_PAIRS[kind][1], 69)
+    accum_u = FP8_ACCUM_U
+  ours, hlo = run_gemm(lhs, rhs, None, jnp.bfloat16, device=gpu, fast_accum=fast_accum, rhs_parts=True)
+  assert_calls_cublas(hlo)
+  again, _ = run_gemm(lhs, rhs, None, jnp.bfloat16, device=gpu, fast_accum=fast_accum, rhs_parts=True)
+  rows = slice(None, None, 64) if m > 1000 else slice(None)  # the float64 GEMM on the host is the slow part
+  for i, (got, repeat) in enumerate(zip(ours, again)):
+    part = Operand(rhs.array[i], rhs.logical64[i], rhs.scale_inv)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(repeat).view(np.uint16))
+    assert_gemm_close(got, gpu_reference(lhs, part, None, jnp.bfloat16, gpu), lhs, part, None, accum_u=accum_u,
+                      rows=rows)
+
+
+@pytest.mark.gpu
+def test_gpu_parts_with_bias(gpu):
+  """With a bias, one GEMM per part (cuBLASLt's batched GEMM has no bias epilogue), each with its own bias."""
+  lhs, rhs = fp8_operand((40,), 128, E4M3, seed=71), fp8_operand((3, 64), 128, E4M3, seed=72)
+  bias = np.stack([random_bias(64, seed=73 + i) for i in range(3)])
+  ours, hlo = run_gemm(lhs, rhs, bias, jnp.bfloat16, device=gpu, rhs_parts=True)
+  assert hlo.count('custom_call_target="te_gemm_cuda"') == 3
+  for i, got in enumerate(ours):
+    part = Operand(rhs.array[i], rhs.logical64[i], rhs.scale_inv)
+    assert_gemm_close(got, gpu_reference(lhs, part, bias[i], jnp.bfloat16, gpu), lhs, part,
+                      bias64_of(bias[i], jnp.bfloat16), accum_u=FP8_ACCUM_U)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize("out", OUT_DTYPES)
@@ -595,10 +734,13 @@ a = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32)
 b = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
 def f(a, b):
   y = te_jax.gemm(jnp.sin(a), jnp.cos(b), out_dtype=jnp.float32)
+  p, q = te_jax.gemm(jnp.cos(a), jnp.sin(b).reshape(2, 192, 256), out_dtype=jnp.float32, rhs_parts=True)  # batched
+  y = y + jnp.concatenate([p, q], axis=1)
   return jnp.tanh(te_jax.gemm(y, jnp.cos(b).T * 0.01, out_dtype=jnp.float32) + 1.0)
 def ref(a, b):
   hi = jax.lax.Precision.HIGHEST
   y = jnp.dot(jnp.sin(a), jnp.cos(b).T, precision=hi)
+  y = y + jnp.dot(jnp.cos(a), jnp.sin(b).T, precision=hi)
   return jnp.tanh(jnp.dot(y, jnp.cos(b) * 0.01, precision=hi) + 1.0)
 jf = jax.jit(f)
 first, second = np.asarray(jf(a, b)), np.asarray(jf(a, b))
@@ -618,8 +760,8 @@ def test_gpu_gemm_in_command_buffers(gpu):
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  shapes = {(p["m"], p["n"], p["k"]): p for p in result["plans"]}
-  assert set(shapes) == {(512, 384, 256), (512, 256, 384)}, result["plans"]
+  shapes = {(p["m"], p["n"], p["k"], p["parts"]): p for p in result["plans"]}
+  assert set(shapes) == {(512, 384, 256, 1), (512, 192, 256, 2), (512, 256, 384, 1)}, result["plans"]
   for p in shapes.values():  # timed among several candidates (whether or not the first call was captured)
     assert p["candidates"] > 1 and 0 <= p["chosen"] < p["candidates"], result["plans"]
   assert result["max_err"] <= 1e-4, result

@@ -7,7 +7,9 @@
 - On a GPU (``@pytest.mark.gpu``): the CUDA handler against the reference run on the same GPU.
 """
 
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +166,63 @@ def test_cpu_transpose_modes(shape, batch_dims, dbias, dtype, fp8):
   out = assert_matches_reference(x, 0.75, fp8, transpose=True, transpose_batch_dims=batch_dims, dbias=dbias)
   b = len(shape) - 2 if batch_dims is None else batch_dims
   assert out.data_t.shape == shape[:b] + shape[-1:] + shape[b:-1]
+
+
+def grouped_transpose(data, parts: int, group: int) -> np.ndarray:
+  """numpy: the (rows, cols) data's transposed copy with its rows grouped by part, as ``transpose_parts`` asks."""
+  data_t = np.asarray(data).T
+  cols, rows = data_t.shape
+  chunks = data_t.reshape(cols // group, group, rows)
+  return np.stack([chunks[i::parts].reshape(cols // parts, rows) for i in range(parts)])
+
+
+def check_transpose_parts(x, fp8, parts: int, group: int, dbias: bool, device=CPU):
+  """The handler on ``device`` against the reference there and against numpy's grouping of its own data."""
+  out = native(x, 0.75, fp8, device=device, transpose=True, transpose_parts=(parts, group), dbias=dbias)
+  config = QuantizeConfig(out_dtype=jnp.dtype(fp8), transpose=True, dbias=dbias, t_parts=parts, t_group=group)
+  ref = jax.jit(lambda x, s: quantize_ref(x, s, config=config))(jax.device_put(x, device), np.float32(0.75))
+  rows, cols = x.shape
+  assert out.data_t.shape == (parts, cols // parts, rows)
+  assert_fp8_equal(out.data, ref[0], what="data")
+  assert_fp8_equal(out.data_t, grouped_transpose(out.data, parts, group), what="data_t vs grouping of data")
+  assert_fp8_equal(out.data_t, ref[1], what="data_t")
+  assert_f32_equal(out.amax, numpy_amax(x), what="amax")
+  if dbias:
+    assert_column_sums_close(out.dbias, x)
+
+
+# (x shape, (parts, group)): the 128-tile kernel (rows % 8, cols % 8, group % 8), ragged tiles, and groups that are
+# not multiples of 8 (the 32-tile kernel).
+TRANSPOSE_PARTS_CASES = [((64, 384), (3, 16)), ((136, 768), (3, 128)), ((24, 96), (2, 48)), ((33, 48), (2, 8)),
+                         ((17, 60), (3, 5)), ((8, 64), (4, 16))]
+
+
+@pytest.mark.parametrize("shape,parts", TRANSPOSE_PARTS_CASES, ids=str)
+@pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
+@pytest.mark.parametrize("dtype,fp8", [(ml_dtypes.bfloat16, E4M3), (np.float32, E5M2)], ids=["bf16-e4m3", "f32-e5m2"])
+def test_cpu_transpose_parts(shape, parts, dbias, dtype, fp8):
+  check_transpose_parts(random_input(shape, dtype, seed=9), fp8, *parts, dbias)
+
+
+# (cols shard, collectives): shards of 48 columns hold whole groups of 3 x 16 and stay sharded; shards of 48 columns
+# split groups of 3 x 32, so x's columns are gathered first.
+@pytest.mark.parametrize("parts,want", [((3, 16), {}), ((3, 32), {"all-gather": 1})], ids=["whole", "split"])
+def test_sharded_transpose_parts(parts, want):
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+  x = random_input((64, 384), np.float32, seed=10)
+  x_s = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x")))
+  f = jax.jit(lambda x: te_jax.quantize(x, np.float32(0.5), E4M3, transpose=True, transpose_parts=parts))
+  compiled = f.lower(x_s).compile()
+  out = compiled(x_s)
+  found = collections.Counter(re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(",
+                                         compiled.as_text()))
+  assert set(found) - {"all-reduce"} == set(want), found  # the amax is max-reduced either way
+  if not want:
+    assert out.data_t.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x", None)), 3), out.data_t.sharding
+  whole = native(x, 0.5, E4M3, transpose=True, transpose_parts=parts)
+  assert_fp8_equal(out.data_t, whole.data_t, what="sharded data_t")
+  assert_f32_equal(out.amax, whole.amax, what="sharded amax")
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.75, 2.0**-10, 3000.0])
@@ -395,8 +454,17 @@ def test_fields_not_asked_for_are_none():
     ((jnp.ones((2, 3, 4)), 1.0), {"transpose": True, "transpose_batch_dims": -1}, ValueError,
      "^transpose_batch_dims must be in"),
     ((jnp.ones((2, 3, 4)), 1.0), {"transpose_batch_dims": 0}, ValueError, "^transpose_batch_dims needs transpose"),
+    ((jnp.ones((4, 48)), 1.0), {"transpose_parts": (3, 16)}, ValueError, "^transpose_parts needs transpose=True"),
+    ((jnp.ones((2, 4, 48)), 1.0), {"transpose": True, "transpose_parts": (3, 16)}, ValueError,
+     r"^transpose_parts needs a 2-D x"),
+    ((jnp.ones((4, 48)), 1.0), {"transpose": True, "transpose_parts": 3}, TypeError,
+     r"^transpose_parts must be a \(parts, group\) tuple of ints"),
+    ((jnp.ones((4, 48)), 1.0), {"transpose": True, "transpose_parts": (5, 8)}, ValueError, r"2 to 4 parts"),
+    ((jnp.ones((4, 48)), 1.0), {"transpose": True, "transpose_parts": (3, 32)}, ValueError,
+     r"x's last dim \(48\) a multiple of parts \* group"),
 ], ids=["int-x", "f64-x", "rank0", "f64-scale", "int-scale", "scale-shape", "fnuz", "bf16-out", "t-rank1",
-        "batch-too-big", "batch-negative", "batch-without-t"])
+        "batch-too-big", "batch-negative", "batch-without-t", "parts-without-t", "parts-3d", "parts-not-pair",
+        "parts-five", "parts-not-dividing"])
 def test_bad_arguments_raise_before_xla(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     te_jax.quantize(*args, **kwargs)
@@ -506,6 +574,16 @@ def _large_input(shape, dtype) -> np.ndarray:
 def test_gpu_transpose_modes(shape, batch_dims, dbias, gpu):
   x = random_input(shape, ml_dtypes.bfloat16, seed=2)
   assert_cuda_handler(x, E4M3, gpu, transpose=True, transpose_batch_dims=batch_dims, dbias=dbias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,parts", TRANSPOSE_PARTS_CASES + [((4096, 12288), (3, 128))], ids=str)
+@pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
+@pytest.mark.parametrize("dtype,fp8", [(ml_dtypes.bfloat16, E4M3), (np.float32, E4M3), (np.float32, E5M2)],
+                         ids=["bf16-e4m3", "f32-e4m3", "f32-e5m2"])
+def test_gpu_transpose_parts(shape, parts, dbias, dtype, fp8, gpu):
+  assert _native.has_target("cuda", "te_quantize_cuda"), _native.load_errors
+  check_transpose_parts(random_input(shape, dtype, seed=11), fp8, *parts, dbias, device=gpu)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,8 @@ namespace te_jax {
 namespace {
 
 template <typename LoadFn>
-ffi::Error QuantizeLoop(LoadFn load, const QuantizeView& v, float scale, const Fp8Format& fmt, uint8_t* q,
-                        uint8_t* qt, float* amax_out, float* dbias) {
+ffi::Error QuantizeLoop(LoadFn load, const QuantizeView& v, const TransposedRows& t, float scale, const Fp8Format& fmt,
+                        uint8_t* q, uint8_t* qt, float* amax_out, float* dbias) {
   // 64x64 tiles keep the transposed copy's column-order writes within cache lines. Each column still sums its rows
   // in increasing order.
   constexpr int64_t kTile = 64;
@@ -35,7 +35,7 @@ ffi::Error QuantizeLoop(LoadFn load, const QuantizeView& v, float scale, const F
             amax_bits = std::max(amax_bits, FloatToBits(x) & 0x7FFFFFFFu);
             const uint8_t bits = FloatToFp8(x * scale, fmt);
             q[row + c] = bits;
-            if (qt != nullptr) qt[(b * v.cols + c) * v.rows + r] = bits;
+            if (qt != nullptr) qt[(b * v.cols + t.Row(c)) * v.rows + r] = bits;
             if (dbias != nullptr) dbias[c] += x;
           }
         }
@@ -48,9 +48,11 @@ ffi::Error QuantizeLoop(LoadFn load, const QuantizeView& v, float scale, const F
 
 ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
                        ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::BufferR0<ffi::F32>> amax,
-                       ffi::Result<ffi::AnyBuffer> dbias, int64_t batch_ndim) {
+                       ffi::Result<ffi::AnyBuffer> dbias, int64_t batch_ndim, int64_t t_parts, int64_t t_group) {
   auto view = MakeQuantizeView(x.dimensions(), batch_ndim);
   if (view.has_error()) return view.error();
+  auto trows = MakeTransposedRows(view->cols, t_parts, t_group);
+  if (trows.has_error()) return trows.error();
   const Fp8Format* fmt = nullptr;
   switch (q->element_type()) {
     case ffi::DataType::F8E4M3FN: fmt = &kE4M3; break;
@@ -73,17 +75,18 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Res
   switch (x.element_type()) {
     case ffi::DataType::F32: {
       const float* p = static_cast<const float*>(x.untyped_data());
-      return QuantizeLoop([p](int64_t i) { return p[i]; }, *view, s, *fmt, q_ptr, qt_ptr, amax_ptr, db_ptr);
+      return QuantizeLoop([p](int64_t i) { return p[i]; }, *view, *trows, s, *fmt, q_ptr, qt_ptr, amax_ptr,
+                          db_ptr);
     }
     case ffi::DataType::BF16: {
       const uint16_t* p = static_cast<const uint16_t*>(x.untyped_data());
-      return QuantizeLoop([p](int64_t i) { return Bf16ToFloat(p[i]); }, *view, s, *fmt, q_ptr, qt_ptr, amax_ptr,
-                          db_ptr);
+      return QuantizeLoop([p](int64_t i) { return Bf16ToFloat(p[i]); }, *view, *trows, s, *fmt, q_ptr, qt_ptr,
+                          amax_ptr, db_ptr);
     }
     case ffi::DataType::F16: {
       const uint16_t* p = static_cast<const uint16_t*>(x.untyped_data());
-      return QuantizeLoop([p](int64_t i) { return F16ToFloat(p[i]); }, *view, s, *fmt, q_ptr, qt_ptr, amax_ptr,
-                          db_ptr);
+      return QuantizeLoop([p](int64_t i) { return F16ToFloat(p[i]); }, *view, *trows, s, *fmt, q_ptr, qt_ptr,
+                          amax_ptr, db_ptr);
     }
     default:
       return ffi::Error::InvalidArgument("quantize: x must be float32, bfloat16 or float16");

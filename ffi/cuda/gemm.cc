@@ -10,14 +10,21 @@
 // + bias + residual, in float32, rounded once; C has the output's type and layout). Fast accumulation is a per-call
 // attribute: Transformer Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
 //
+// Parts: with P > 1 output buffers, rhs is (P, N, K) and out_p[M, N] = lhs . rhs[p]^T (the q, k and v projections
+// of attention, each written where attention reads it). That is one launch, a cuBLASLt pointer-array batched GEMM
+// (te_jax/gemm_batch.h): fewer tail waves than P GEMMs of N columns. cuBLASLt has no bias epilogue for it (its
+// heuristic answers NOT_SUPPORTED), and there is no residual.
+//
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
 // call of a problem also times the heuristic's candidates and keeps the fastest. Later calls only look their plan up.
-// The workspace is an extra result buffer, allocated by XLA. The handler is CUDA-graph compatible, so XLA can capture
+// The workspace is the first result buffer, allocated by XLA; the batched GEMM's pointer arrays follow cuBLASLt's
+// 32 MiB in it. The handler is CUDA-graph compatible, so XLA can capture
 // it into its command buffers with the kernels around it: the timing runs on a private stream, with private output
 // and workspace buffers, so it works the same whether or not XLA's stream is being captured.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -28,6 +35,7 @@
 
 #include "te_jax/buffer_checks.h"
 #include "te_jax/cuda_check.h"
+#include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,8 +53,11 @@ constexpr int kTimedRuns = 3;
 constexpr float kSecondRoundSlack = 1.10f;
 
 // 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
-// allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py).
+// allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py), plus the batched GEMM's
+// pointer arrays (3 x 8 bytes per batch, rounded up to 256).
 constexpr size_t kWorkspaceBytes = 32u << 20;
+
+size_t PointerArrayBytes(int batch) { return batch > 1 ? (3 * 8 * batch + 255) / 256 * 256 : 0; }
 
 ffi::Error CublasError(cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
@@ -70,8 +81,8 @@ ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
   }
 }
 
-using PlanKey =
-    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool, int>;
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool,
+                           int, int>;
 
 // Everything cuBLASLt needs for one problem, built once.
 struct Plan {
@@ -103,21 +114,30 @@ Cache& GetCache() {
 
 struct Problem {
   int device;
-  int64_t m, n, k;  // row-major out is (m, n)
+  int64_t m, n, k;  // row-major out is (m, n), or each of the parts' outputs is
   cudaDataType_t lhs_type, rhs_type, out_type;
   bool transpose_lhs, transpose_rhs, bias, fast_accum;
   bool fp8;
   int align_lhs, align_rhs, align_out;  // pointer alignments in bytes, up to 256: the heuristic must know them
   bool residual;
   int align_residual;
+  int parts;  // output buffers: 1, or the parts of a (parts, n, k) rhs
+
+  bool batched() const { return parts > 1; }
 };
 
-int Alignment(const void* p) {
-  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+// The largest power of two up to 256 dividing v: of an address, or of a byte offset added to every address.
+int Alignment(uintptr_t v) {
   int a = 256;
   while (a > 1 && v % a != 0) a /= 2;
   return a;
 }
+int Alignment(const void* p) { return Alignment(reinterpret_cast<uintptr_t>(p)); }
+
+// The output buffers of one call: one, or the parts of an unstacked output.
+struct Outs {
+  void* part[kMaxGemmParts] = {};
+};
 
 // Row-major out[m, n] = lhs . rhs^T is column-major out^T[n, m] = rhs . lhs^T, so cuBLAS's A is our rhs and its B
 // our lhs. Untransposed rhs (n, k) row-major is a column-major (k, n) matrix used transposed (TRANSA = T);
@@ -125,7 +145,7 @@ int Alignment(const void* p) {
 ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache) {
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
                     p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
-                    p.residual,  p.align_residual};
+                    p.residual,  p.align_residual, p.parts};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
 
@@ -154,12 +174,24 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
                                                                  &bias_type, sizeof(bias_type)),
                                   "BIAS_DATA_TYPE");
   }
-  // Column-major shapes (rows, cols, leading dim) of the stored matrices.
+  // Column-major shapes (rows, cols, leading dim) of the stored matrices (of each part's, batched).
   const int64_t a_rows = p.transpose_rhs ? p.n : p.k, a_cols = p.transpose_rhs ? p.k : p.n;
   const int64_t b_rows = p.transpose_lhs ? p.m : p.k, b_cols = p.transpose_lhs ? p.k : p.m;
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, p.rhs_type, a_rows, a_cols, a_rows), "layout A");
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, p.lhs_type, b_rows, b_cols, b_rows), "layout B");
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, p.out_type, p.n, p.m, p.n), "layout D");
+  if (p.batched()) {
+    const int32_t count = p.parts;
+    const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+    for (cublasLtMatrixLayout_t layout : {plan->a, plan->b, plan->d}) {
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+          "BATCH_COUNT");
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof(mode)),
+          "BATCH_MODE");
+    }
+  }
 
   cublasLtMatmulPreference_t pref;
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
@@ -180,6 +212,7 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   if (found == 0) {
     return ffi::Error::InvalidArgument("gemm: cuBLASLt has no algorithm for m=" + std::to_string(p.m) +
                                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
+                                       (p.batched() ? " in " + std::to_string(p.parts) + " parts" : std::string()) +
                                        " with these types/layout");
   }
   plan->offered = found;
@@ -213,7 +246,8 @@ class RelaxedCapture {
 // keeping its faster round. Candidates that fail to run are skipped; where the private stream or buffers cannot be
 // had, the heuristic's first choice stays. Returns the fastest one's index.
 template <typename Run>
-size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t out_bytes, Run&& run) {
+size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, size_t part_bytes, int parts,
+                        size_t workspace_bytes, Run&& run) {
   RelaxedCapture relaxed;
   cudaStream_t stream = nullptr;
   void* out = nullptr;
@@ -221,14 +255,16 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
   cudaEvent_t start = nullptr, stop = nullptr;
   std::vector<float> ms(candidates.size(), -1.0f);
   const bool ready = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-                     cudaMallocAsync(&out, out_bytes, stream) == cudaSuccess &&
-                     cudaMallocAsync(&workspace, kWorkspaceBytes, stream) == cudaSuccess &&
+                     cudaMallocAsync(&out, part_bytes * parts, stream) == cudaSuccess &&
+                     cudaMallocAsync(&workspace, workspace_bytes, stream) == cudaSuccess &&
                      cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
+  Outs outs;
+  for (int i = 0; ready && i < parts; ++i) outs.part[i] = static_cast<char*>(out) + i * part_bytes;
   if (ready) {
     auto time = [&](const cublasLtMatmulAlgo_t& algo) {
       cudaEventRecord(start, stream);
       bool ok = true;
-      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(algo, stream, out, workspace) == CUBLAS_STATUS_SUCCESS;
+      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(algo, stream, outs, workspace) == CUBLAS_STATUS_SUCCESS;
       cudaEventRecord(stop, stream);
       float t = -1.0f;
       if (!ok || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&t, start, stop) != cudaSuccess) {
@@ -236,7 +272,7 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
       }
       return t;
     };
-    for (int r = 0; r < kWarmupRuns; ++r) run(candidates[0], stream, out, workspace);
+    for (int r = 0; r < kWarmupRuns; ++r) run(candidates[0], stream, outs, workspace);
     float best = -1.0f;
     for (size_t i = 0; i < candidates.size(); ++i) {
       ms[i] = time(candidates[i]);
@@ -266,19 +302,39 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
 
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
                     ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
-                    ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Result<ffi::AnyBuffer> workspace, bool transpose_lhs, bool transpose_rhs, bool fast_accum) {
-  if (lhs.dimensions().size() != 2 || rhs.dimensions().size() != 2 || out->dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("gemm: lhs, rhs and out must be 2-D");
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets out_rets, bool transpose_lhs,
+                    bool transpose_rhs, bool fast_accum) {
+  const size_t parts = out_rets.size();
+  if (parts < 1 || parts > static_cast<size_t>(kMaxGemmParts)) {
+    return ffi::Error::InvalidArgument("gemm: 1 to " + std::to_string(kMaxGemmParts) + " outputs, got " +
+                                       std::to_string(parts));
+  }
+  std::vector<ffi::Result<ffi::AnyBuffer>> outs;
+  for (size_t i = 0; i < parts; ++i) {
+    auto out = out_rets.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return out.error();
+    outs.push_back(*out);
+  }
+  ffi::Result<ffi::AnyBuffer>& out = outs[0];
+  // rhs: (N, K) (or (K, N) transposed); with parts, (parts, N, K), untransposed.
+  const auto rdims = rhs.dimensions();
+  const size_t rhs_rank = parts > 1 ? 3 : 2;
+  if (lhs.dimensions().size() != 2 || rdims.size() != rhs_rank || (parts > 1 && (transpose_rhs || rdims[0] != parts))) {
+    return ffi::Error::InvalidArgument("gemm: lhs must be 2-D and rhs 2-D, or (parts, n, k) with parts outputs");
   }
   Problem p;
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetDevice(&p.device), "cudaGetDevice");
   p.m = transpose_lhs ? lhs.dimensions()[1] : lhs.dimensions()[0];
   p.k = transpose_lhs ? lhs.dimensions()[0] : lhs.dimensions()[1];
-  p.n = transpose_rhs ? rhs.dimensions()[1] : rhs.dimensions()[0];
-  const int64_t k_rhs = transpose_rhs ? rhs.dimensions()[0] : rhs.dimensions()[1];
-  if (k_rhs != p.k || out->dimensions()[0] != p.m || out->dimensions()[1] != p.n) {
-    return ffi::Error::InvalidArgument("gemm: operand shapes do not agree");
+  p.n = transpose_rhs ? rdims[1] : rdims[rhs_rank - 2];
+  p.parts = static_cast<int>(parts);
+  const int64_t k_rhs = transpose_rhs ? rdims[0] : rdims[rhs_rank - 1];
+  if (k_rhs != p.k) return ffi::Error::InvalidArgument("gemm: operand shapes do not agree");
+  for (const auto& o : outs) {
+    if (o->dimensions().size() != 2 || o->dimensions()[0] != p.m || o->dimensions()[1] != p.n ||
+        o->element_type() != out->element_type()) {
+      return ffi::Error::InvalidArgument("gemm: every output must be (m, n) of one dtype");
+    }
   }
   auto lhs_type = CudaType(lhs.element_type());
   auto rhs_type = CudaType(rhs.element_type());
@@ -297,25 +353,34 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   p.transpose_rhs = transpose_rhs;
   p.bias = bias.element_count() > 0;
   p.fast_accum = fast_accum;
+  // Batched, each part of rhs starts n * k elements after the one before: its alignment is also that step's.
+  const size_t rhs_step = p.n * p.k * ffi::ByteWidth(rhs.element_type());
   p.align_lhs = Alignment(lhs.untyped_data());
-  p.align_rhs = Alignment(rhs.untyped_data());
-  p.align_out = Alignment(out->untyped_data());
-  if (p.bias && (bias.element_count() != p.n || bias.element_type() != out->element_type())) {
-    return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype");
+  p.align_rhs = std::min(Alignment(rhs.untyped_data()), p.batched() ? Alignment(rhs_step) : 256);
+  p.align_out = 256;
+  for (const auto& o : outs) p.align_out = std::min(p.align_out, Alignment(o->untyped_data()));
+  if (p.bias && (p.batched() || bias.element_count() != p.n || bias.element_type() != out->element_type())) {
+    return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype, one output");
   }
   p.residual = residual.element_count() > 0;
   p.align_residual = p.residual ? Alignment(residual.untyped_data()) : 0;
-  if (p.residual && (static_cast<int64_t>(residual.element_count()) != p.m * p.n ||
+  if (p.residual && (p.batched() || static_cast<int64_t>(residual.element_count()) != p.m * p.n ||
                      residual.element_type() != out->element_type())) {
-    return ffi::Error::InvalidArgument("gemm: residual must be empty or (m, n) in the output dtype");
+    return ffi::Error::InvalidArgument("gemm: residual must be empty or (m, n) in the output dtype, one output");
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {  // the Python side adds bias and residual itself when K = 0
-    return CudaError(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "gemm: zero-K memset");
+    for (const auto& o : outs) {
+      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(o->untyped_data(), 0, o->size_bytes(), stream),
+                                  "gemm: zero-K memset");
+    }
+    return ffi::Error::Success();
   }
 
-  if (workspace->size_bytes() < kWorkspaceBytes || Alignment(workspace->untyped_data()) < 256) {
-    return ffi::Error::InvalidArgument("gemm: the workspace must be a 256-byte aligned buffer of 32 MiB");
+  const size_t workspace_bytes = kWorkspaceBytes + PointerArrayBytes(p.parts);
+  if (workspace->size_bytes() < workspace_bytes || Alignment(workspace->untyped_data()) < 256) {
+    return ffi::Error::InvalidArgument("gemm: the workspace must be a 256-byte aligned buffer of 32 MiB (plus the "
+                                       "batch's pointer arrays)");
   }
   Cache& cache = GetCache();
   // Held through the launch: the cached descriptor carries this call's scale and bias pointers.
@@ -352,10 +417,23 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                   "BIAS_POINTER");
   }
   const float alpha = 1.0f, beta = p.residual ? 1.0f : 0.0f;
-  auto run = [&](const cublasLtMatmulAlgo_t& algo, cudaStream_t on, void* d, void* ws) {
-    const void* c = p.residual ? residual.untyped_data() : d;
-    return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
-                          &beta, c, plan->d, d, plan->d, &algo, ws, kWorkspaceBytes, on);
+  auto run = [&](const cublasLtMatmulAlgo_t& algo, cudaStream_t on, const Outs& o, void* ws) -> cublasStatus_t {
+    if (!p.batched()) {
+      const void* c = p.residual ? residual.untyped_data() : o.part[0];
+      return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
+                            &beta, c, plan->d, o.part[0], plan->d, &algo, ws, kWorkspaceBytes, on);
+    }
+    // The pointer arrays, after cuBLASLt's part of the workspace: A's, B's, then D's (also C's, unread at beta 0).
+    void** arrays = reinterpret_cast<void**>(static_cast<char*>(ws) + kWorkspaceBytes);
+    GemmBatchPointers ptrs{static_cast<const char*>(rhs.untyped_data()), static_cast<int64_t>(rhs_step),
+                           static_cast<const char*>(lhs.untyped_data()), {}, p.parts};
+    for (int i = 0; i < p.parts; ++i) ptrs.out[i] = o.part[i];
+    const void** a = const_cast<const void**>(arrays);
+    const void** b = const_cast<const void**>(arrays + p.parts);
+    void** d = arrays + 2 * p.parts;
+    if (LaunchGemmBatchPointers(ptrs, a, b, d, on) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+    return cublasLtMatmul(handle, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, d, plan->d, d, plan->d, &algo,
+                          ws, kWorkspaceBytes, on);
   };
   if (!plan->candidates.empty()) {
     // Chosen once, at the problem's first call, so that the algorithm (and with it the bits) never changes under a
@@ -364,12 +442,15 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
     plan->captured = capture != cudaStreamCaptureStatusNone;
     if (plan->candidates.size() > 1) {
-      plan->chosen = static_cast<int>(FastestAlgorithm(plan->candidates, out->size_bytes(), run));
+      plan->chosen = static_cast<int>(
+          FastestAlgorithm(plan->candidates, out->size_bytes(), p.parts, workspace_bytes, run));
     }
     plan->algo = plan->candidates[plan->chosen];
     plan->candidates.clear();
   }
-  TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo, stream, out->untyped_data(), workspace->untyped_data()), "matmul");
+  Outs real;
+  for (int i = 0; i < p.parts; ++i) real.part[i] = outs[i]->untyped_data();
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(run(plan->algo, stream, real, workspace->untyped_data()), "matmul");
   return LastCudaError("gemm");
 }
 
@@ -391,7 +472,7 @@ std::vector<GemmPlanInfo> GemmPlans() {
   std::lock_guard<std::mutex> lock(cache.mu);
   std::vector<GemmPlanInfo> infos;
   for (const auto& [key, plan] : cache.plans) {
-    infos.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key),
+    infos.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key), std::get<16>(key),
                      TypeName(std::get<4>(key)), TypeName(std::get<5>(key)), TypeName(std::get<6>(key)),
                      std::get<10>(key), plan->offered, plan->chosen, plan->captured});
   }
@@ -402,13 +483,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                                   .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), or (K, M) if transposed
-                                  .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), or (K, N) if transposed
+                                  .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), (K, N), (P, N, K)
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // lhs_scale_inv (FP8 lhs only)
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
                                   .Arg<ffi::AnyBuffer>()                     // residual: (M, N) in out dtype, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // out: (M, N) bf16/fp16/fp32
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB]
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB + pointer arrays]
+                                  .RemainingRets()                           // out (M, N), or one per rhs part
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
                                   .Attr<bool>("fast_accum"),                 // FP8 fast accumulation

@@ -66,6 +66,7 @@ NB_MODULE(_te_cuda, m) {
       d["m"] = p.m;
       d["n"] = p.n;
       d["k"] = p.k;
+      d["parts"] = p.parts;
       d["lhs_dtype"] = p.lhs_type;
       d["rhs_dtype"] = p.rhs_type;
       d["out_dtype"] = p.out_type;

@@ -86,8 +86,9 @@ __device__ __forceinline__ void StoreOut(uint8_t* p, uint2 v) { *reinterpret_cas
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias, bool kInterleaved>
 __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias, kInterleaved>())
     CastTransposeKernel(const Source<T> x, const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
-                        uint8_t* __restrict__ qt, unsigned* __restrict__ amax, float* __restrict__ dbias_partial,
-                        int64_t rows, int64_t cols, int64_t tiles_m, int64_t tiles_n) {
+                        uint8_t* __restrict__ qt, const TransposedRows trows, unsigned* __restrict__ amax,
+                        float* __restrict__ dbias_partial, int64_t rows, int64_t cols, int64_t tiles_m,
+                        int64_t tiles_n) {
   __shared__ uint2 tile[kTranspose ? kTile : 1][kChunksPerRow];
   __shared__ float col_sums[kDbias ? kWarps : 1][kTile];
   __shared__ uint32_t amax_scratch[kWarps];
@@ -150,10 +151,11 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias, kInterlea
     const int64_t qr = row0 + 8 * g;  // position along a qt row
     const int64_t c_base = col0 + 8 * h;
     if (qr < rows && c_base < cols) {
-      uint8_t* qtb = qt + b * rows * cols;
+      // The 8 columns are in one chunk of the row map (its group is a multiple of 8 here): consecutive rows of qt.
+      uint8_t* qtb = qt + b * rows * cols + trows.Row(c_base) * rows;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        StoreOut(qtb + (c_base + j) * rows + qr, TransposedRow(v, j));
+        StoreOut(qtb + j * rows + qr, TransposedRow(v, j));
       }
     }
   }
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias, kInterlea
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kTranspose, bool kDbias>
 __global__ void __launch_bounds__(kThreads)
     CastTransposeGenericKernel(const Source<T> x, const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
-                               uint8_t* __restrict__ qt, unsigned* __restrict__ amax,
+                               uint8_t* __restrict__ qt, const TransposedRows trows, unsigned* __restrict__ amax,
                                float* __restrict__ dbias_partial, int64_t rows, int64_t cols, int64_t tiles_m,
                                int64_t tiles_n) {
   __shared__ uint8_t tile[kSmallTile][kSmallTile + 1];
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(kThreads)
       const int lc = ty + i * kWarps;
       const int64_t c2 = col0 + lc;
       const int64_t r2 = row0 + tx;
-      if (c2 < cols && r2 < rows) qt[(b * cols + c2) * rows + r2] = tile[tx][lc];
+      if (c2 < cols && r2 < rows) qt[(b * cols + trows.Row(c2)) * rows + r2] = tile[tx][lc];
     }
   }
   if constexpr (kDbias) {
@@ -246,8 +248,8 @@ struct Parts {
 };
 
 template <typename T, __nv_fp8_interpretation_t kFmt>
-ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const Parts& parts, const float* scale, void* q,
-                  void* qt, unsigned* amax, float* dbias, float* workspace) {
+ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const Parts& parts, const TransposedRows& trows,
+                  const float* scale, void* q, void* qt, unsigned* amax, float* dbias, float* workspace) {
   Source<T> src{};
   bool aligned = true;
   for (int p = 0; p < parts.count; ++p) {
@@ -259,7 +261,7 @@ ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const Parts& parts
   src.part_cols = v.cols / parts.count;
   const bool transpose = qt != nullptr;
   // A chunk of kVec columns must come from one part.
-  const bool whole_chunks = parts.count == 1 || parts.group % kVec == 0;
+  const bool whole_chunks = (parts.count == 1 || parts.group % kVec == 0) && (trows.parts == 1 || trows.group % 8 == 0);
   const bool fast = v.cols % kVec == 0 && whole_chunks && (!transpose || v.rows % 8 == 0) && aligned &&
                     Aligned(q, 8) && (!transpose || Aligned(qt, 8));
   const int tile = fast ? kTile : kSmallTile;
@@ -272,8 +274,8 @@ ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const Parts& parts
       auto kernel = !fast                ? CastTransposeGenericKernel<T, kFmt, kTr, kDb>
                     : parts.count == 1 ? CastTransposeKernel<T, kFmt, kTr, kDb, false>
                                          : CastTransposeKernel<T, kFmt, kTr, kDb, true>;
-      kernel<<<blocks, kThreads, 0, stream>>>(src, scale, static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), amax,
-                                              workspace, v.rows, v.cols, tiles_m, tiles_n);
+      kernel<<<blocks, kThreads, 0, stream>>>(src, scale, static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), trows,
+                                              amax, workspace, v.rows, v.cols, tiles_m, tiles_n);
     });
   });
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "quantize kernel launch");
@@ -288,7 +290,7 @@ ffi::Error Launch(cudaStream_t stream, const QuantizeView& v, const Parts& parts
 
 // What te_quantize and te_quantize_interleaved share once x's view, type and parts are known.
 ffi::Error QuantizeParts(cudaStream_t stream, const QuantizeView& view, ffi::DataType x_type, const Parts& parts,
-                         ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
+                         const TransposedRows& trows, ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
                          ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::BufferR0<ffi::F32>> amax,
                          ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   const bool want_t = qt->element_count() > 0;
@@ -327,9 +329,9 @@ ffi::Error QuantizeParts(cudaStream_t stream, const QuantizeView& view, ffi::Dat
     using T = decltype(dummy);
     switch (q->element_type()) {
       case ffi::DataType::F8E4M3FN:
-        return Launch<T, __NV_E4M3>(stream, view, parts, s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr, ws);
+        return Launch<T, __NV_E4M3>(stream, view, parts, trows, s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr, ws);
       case ffi::DataType::F8E5M2:
-        return Launch<T, __NV_E5M2>(stream, view, parts, s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr, ws);
+        return Launch<T, __NV_E5M2>(stream, view, parts, trows, s, q->untyped_data(), qt_ptr, amax_ptr, db_ptr, ws);
       default:
         return ffi::Error::InvalidArgument("quantize: q must be float8_e4m3fn or float8_e5m2");
     }
@@ -340,13 +342,16 @@ ffi::Error QuantizeParts(cudaStream_t stream, const QuantizeView& view, ffi::Dat
 ffi::Error QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
                         ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> workspace, int64_t batch_ndim) {
+                        ffi::Result<ffi::AnyBuffer> workspace, int64_t batch_ndim, int64_t t_parts,
+                        int64_t t_group) {
   auto view = MakeQuantizeView(x.dimensions(), batch_ndim);
   if (view.has_error()) return view.error();
+  auto trows = MakeTransposedRows(view->cols, t_parts, t_group);
+  if (trows.has_error()) return trows.error();
   Parts parts;
   parts.data[0] = x.untyped_data();
   parts.group = view->cols;
-  return QuantizeParts(stream, *view, x.element_type(), parts, scale, q, qt, amax, dbias, workspace);
+  return QuantizeParts(stream, *view, x.element_type(), parts, *trows, scale, q, qt, amax, dbias, workspace);
 }
 
 ffi::Error QuantizeInterleavedCuda(cudaStream_t stream, ffi::BufferR0<ffi::F32> scale, ffi::RemainingArgs args,
@@ -380,7 +385,8 @@ ffi::Error QuantizeInterleavedCuda(cudaStream_t stream, ffi::BufferR0<ffi::F32> 
     return ffi::Error::InvalidArgument("quantize_interleaved: x's rows must be shorter than 2^31 elements");
   }
   view->cols *= count;
-  return QuantizeParts(stream, *view, first->element_type(), parts, scale, q, qt, amax, dbias, workspace);
+  return QuantizeParts(stream, *view, first->element_type(), parts, TransposedRows{1, 1, view->cols}, scale, q, qt,
+                       amax, dbias, workspace);
 }
 
 }  // namespace

@@ -43,16 +43,29 @@ class QuantizeConfig:
     batch_ndim: leading dims of ``x`` that stay in front in the transposed copy; the copy swaps the last dim with the
       block of dims between them: ``x.shape[:b] + x.shape[-1:] + x.shape[b:-1]``.
     dbias: also produce the float32 column sums of ``x``.
+    t_parts, t_group: with ``t_parts`` > 1 (a 2-D x only), the transposed copy's rows are grouped by part: x's columns
+      come in chunks of ``t_group``, chunk j belonging to part j % t_parts, and the copy is (t_parts, cols / t_parts,
+      rows), each part's chunks in order.
   """
 
   out_dtype: np.dtype
   transpose: bool = False
   batch_ndim: int = 0
   dbias: bool = False
+  t_parts: int = 1
+  t_group: int = 1
 
   def transposed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if self.t_parts > 1:
+      return (self.t_parts, shape[1] // self.t_parts, shape[0])
     b = self.batch_ndim
     return (*shape[:b], shape[-1], *shape[b:-1])
+
+  def group_transposed(self, qt: jax.Array) -> jax.Array:
+    """The (cols, rows) transposed copy with its rows grouped by part: (t_parts, cols / t_parts, rows)."""
+    cols, rows = qt.shape
+    qt = qt.reshape(cols // (self.t_parts * self.t_group), self.t_parts, self.t_group, rows)
+    return jnp.swapaxes(qt, 0, 1).reshape(self.t_parts, cols // self.t_parts, rows)
 
   def transposed_axes(self, ndim: int) -> tuple[int, ...]:
     b = self.batch_ndim
@@ -89,7 +102,8 @@ def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> l
   q = jnp.clip(xf * scale, -fp8_max, fp8_max).astype(config.out_dtype)
   outs = [q]
   if config.transpose:
-    outs.append(jnp.transpose(q, config.transposed_axes(x.ndim)))
+    qt = jnp.transpose(q, config.transposed_axes(x.ndim))
+    outs.append(config.group_transposed(qt) if config.t_parts > 1 else qt)
   outs.append(_amax_f32(xf))
   if config.dbias:
     outs.append(jnp.sum(xf, axis=tuple(range(x.ndim - 1))))
@@ -141,7 +155,9 @@ def shard_plan(config: QuantizeConfig, mesh, spec: tuple):
   max-reduced, so that every shard uses the same scale next step; dbias psum-reduced over the row dims)."""
   ndim = len(spec)
   out_shardings = [NamedSharding(mesh, P(*spec))]
-  if config.transpose:
+  if config.transpose and config.t_parts > 1:  # a shard holds whole chunk groups: its block of every part
+    out_shardings.append(NamedSharding(mesh, P(None, spec[1], spec[0])))
+  elif config.transpose:
     out_shardings.append(NamedSharding(mesh, P(*(spec[i] for i in config.transposed_axes(ndim)))))
   out_shardings.append(NamedSharding(mesh, P()))
   if config.dbias:
@@ -162,8 +178,14 @@ def shard_plan(config: QuantizeConfig, mesh, spec: tuple):
 
 
 def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
+  """x stays sharded as given, except that with grouped transposed rows (t_parts) x's columns are gathered unless
+  every shard holds whole groups of t_parts * t_group of them."""
   del result_shape
   spec = full_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+  if config.t_parts > 1 and spec[1] is not None:
+    shards = math.prod(mesh.shape[a] for a in mesh_axes(spec[1]))
+    if (arg_shapes[0].shape[1] // shards) % (config.t_parts * config.t_group):
+      spec = (spec[0], None)
   out_shardings, reduce = shard_plan(config, mesh, spec)
 
   def lower_fn(x, scale):
@@ -172,8 +194,10 @@ def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
   return mesh, lower_fn, out_shardings, (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P()))
 
 
-def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types) -> str:
-  del mesh, result_types
+def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types):
+  del result_types
+  if config.t_parts > 1:
+    return _grouped_sharding_rule(config, mesh, value_types[0].shape)
   ndim = len(value_types[0].shape)
   dims = [f"d{i}" for i in range(ndim)]
   x = " ".join(dims)
@@ -186,6 +210,21 @@ def _sharding_rule(config: QuantizeConfig, mesh, value_types, result_types) -> s
   return f"{x}, -> {', '.join(results)}"
 
 
+def _grouped_sharding_rule(config: QuantizeConfig, mesh, shape):
+  """With grouped transposed rows: x is ``r (h p g)`` and its copy ``p (h g) r``, only h (the chunk group) sharded,
+  where every mesh axis divides it; otherwise x's columns and the copy's rows are unrelated factors kept whole (the
+  propagation would shard h over part of a mesh axis, which has no PartitionSpec for the partition callback)."""
+  h = shape[1] // (config.t_parts * config.t_group)
+  if any(h % size for size in mesh.shape.values()):
+    x, qt, sizes = "r c", "p n r", {"need_replication_factors": ("c", "p", "n")}
+  else:
+    x, qt = "r (h p g)", "p (h g) r"
+    sizes = {"h": h, "g": config.t_group, "need_replication_factors": ("p", "g")}
+  cols = x.split(" ", 1)[1]
+  results = [x, qt, ""] + ([cols] if config.dbias else [])
+  return f"{x}, -> {', '.join(results)}", sizes
+
+
 def _batcher(args, dims, *, config: QuantizeConfig):
   """vmap: one kernel over the stacked input when the scale is shared, so a sharded batch dim stays sharded.
 
@@ -194,7 +233,7 @@ def _batcher(args, dims, *, config: QuantizeConfig):
   """
   x, scale = args
   x_dim, scale_dim = dims
-  if scale_dim is not None or x_dim is None:
+  if scale_dim is not None or x_dim is None or config.t_parts > 1:
     return sequential_batcher(_QUANTIZE)(args, dims, config=config)
   x = jnp.moveaxis(x, x_dim, 0)
   batched = dataclasses.replace(config, batch_ndim=config.batch_ndim + 1, dbias=False)
@@ -207,7 +246,8 @@ def _batcher(args, dims, *, config: QuantizeConfig):
 
 
 def _attributes(config: QuantizeConfig) -> dict:
-  return {"batch_ndim": np.int64(config.batch_ndim)}
+  return {"batch_ndim": np.int64(config.batch_ndim), "t_parts": np.int64(config.t_parts),
+          "t_group": np.int64(config.t_group)}
 
 
 _QUANTIZE = define_op(
@@ -263,6 +303,7 @@ def quantize(
     *,
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
+    transpose_parts: tuple[int, int] | None = None,
     dbias: bool = False,
 ) -> Quantized:
   """Casts ``x * scale`` to FP8 (saturating) and returns it with ``amax = max|x|``, in one pass over ``x``.
@@ -280,6 +321,10 @@ def quantize(
     transpose_batch_dims: leading dims of ``x`` kept in front in ``data_t``. The default, ``x.ndim - 2``, swaps the
       last two dims; 0 moves the last dim to the front, the K-major layout of a GEMM that contracts over every
       leading dim (the weight gradient of a dense layer).
+    transpose_parts: ``(parts, group)`` for a 2-D ``x`` (rows, cols): ``data_t`` is (parts, cols // parts, rows),
+      its rows grouped by part, where x's columns come in chunks of ``group``, chunk j belonging to part j % parts
+      (the transposed kernel of an (H, 3, D) QKV projection as three (H * D, hidden) GEMM operands, with
+      ``(3, D)``). 2 to 4 parts; cols a multiple of ``parts * group``.
     dbias: also return the float32 column sums of ``x`` (over every dim but the last) in ``dbias``.
 
   Returns:
@@ -287,6 +332,9 @@ def quantize(
   """
   x = _check_input(x)
   config = make_config(x.shape, dtype, transpose, transpose_batch_dims, dbias, "x")
+  if transpose_parts is not None:
+    config = dataclasses.replace(config, **_check_transpose_parts(transpose_parts, x.shape, transpose,
+                                                                  transpose_batch_dims))
   return unpack(_QUANTIZE.bind(x, _check_scale(scale), config=config), config)
 
 
@@ -305,6 +353,22 @@ def make_config(shape, dtype, transpose: bool, transpose_batch_dims: int | None,
   elif transpose_batch_dims is not None:
     raise ValueError("transpose_batch_dims needs transpose=True")
   return QuantizeConfig(out_dtype=out_dtype, transpose=bool(transpose), batch_ndim=batch_ndim, dbias=bool(dbias))
+
+
+def _check_transpose_parts(transpose_parts, shape, transpose: bool, transpose_batch_dims) -> dict:
+  """``quantize``'s ``transpose_parts`` as QuantizeConfig fields."""
+  if not transpose:
+    raise ValueError("transpose_parts needs transpose=True")
+  if len(shape) != 2 or transpose_batch_dims not in (None, 0):
+    raise ValueError(f"transpose_parts needs a 2-D x (and no transpose_batch_dims), got shape {tuple(shape)}")
+  if (not isinstance(transpose_parts, tuple) or len(transpose_parts) != 2
+      or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in transpose_parts)):
+    raise TypeError(f"transpose_parts must be a (parts, group) tuple of ints, got {transpose_parts!r}")
+  parts, group = (int(v) for v in transpose_parts)
+  if not 2 <= parts <= 4 or group < 1 or shape[1] % (parts * group):
+    raise ValueError(f"transpose_parts=({parts}, {group}): 2 to 4 parts, and x's last dim ({shape[1]}) a multiple of "
+                     f"parts * group")
+  return {"t_parts": parts, "t_group": group}
 
 
 def unpack(outs, config: QuantizeConfig) -> Quantized:

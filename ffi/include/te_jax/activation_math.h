@@ -9,11 +9,7 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define TE_JAX_HD __host__ __device__ __forceinline__
-#else
-#define TE_JAX_HD inline
-#endif
+#include "te_jax/host_device.h"
 
 namespace te_jax {
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "te_jax/host_device.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace te_jax {
@@ -17,6 +18,31 @@ struct QuantizeView {
   int64_t cols = 1;
   int64_t size() const { return batch * rows * cols; }
 };
+
+// Which row of the transposed copy (within a batch element) x's column c becomes: row c, or with parts > 1 the rows
+// grouped by part: x's columns come in chunks of `group`, chunk j belonging to part j % parts, and the copy is
+// (parts, cols / parts, rows), each part's chunks in order (the q, k and v rows of an (H, 3, D) QKV kernel, each
+// part a GEMM operand of its own).
+struct TransposedRows {
+  int64_t parts = 1;
+  int64_t group = 1;
+  int64_t part_rows = 0;  // cols / parts
+
+  TE_JAX_HD int64_t Row(int64_t c) const {
+    if (parts == 1) return c;
+    const int64_t chunk = c / group;
+    return (chunk % parts) * part_rows + (chunk / parts) * group + c % group;
+  }
+};
+
+// The transposed copy's row map from the handlers' t_parts and t_group attributes, checked against x's cols.
+inline xla::ffi::ErrorOr<TransposedRows> MakeTransposedRows(int64_t cols, int64_t t_parts, int64_t t_group) {
+  if (t_parts == 1) return TransposedRows{1, 1, cols};
+  if (t_parts < 1 || t_group < 1 || cols % (t_parts * t_group) != 0) {
+    return xla::ffi::Error::InvalidArgument("quantize: t_parts * t_group must divide x's last dim");
+  }
+  return TransposedRows{t_parts, t_group, cols / t_parts};
+}
 
 inline xla::ffi::ErrorOr<QuantizeView> MakeQuantizeView(xla::ffi::Span<const int64_t> dims, int64_t batch_ndim) {
   const int64_t rank = static_cast<int64_t>(dims.size());
@@ -50,7 +76,10 @@ auto QuantizeOperands(B b) {
 
 template <typename B>
 auto QuantizeAttrs(B b) {
-  return std::move(b).template Attr<int64_t>("batch_ndim");  // leading dims kept in front by qt
+  return std::move(b)
+      .template Attr<int64_t>("batch_ndim")  // leading dims kept in front by qt
+      .template Attr<int64_t>("t_parts")     // qt's rows grouped in this many parts (TransposedRows)
+      .template Attr<int64_t>("t_group");    // ... from chunks of this many of x's columns
 }
 
 }  // namespace te_jax
