@@ -54,7 +54,7 @@ constexpr float kSecondRoundSlack = 1.10f;
 
 // 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
 // allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py), plus the batched GEMM's
-// pointer arrays (3 x 8 bytes per batch, rounded up to 256).
+// pointer arrays (3 x 8 bytes per part, rounded up to 256).
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
 size_t PointerArrayBytes(int batch) { return batch > 1 ? (3 * 8 * batch + 255) / 256 * 256 : 0; }
@@ -134,7 +134,7 @@ int Alignment(uintptr_t v) {
 }
 int Alignment(const void* p) { return Alignment(reinterpret_cast<uintptr_t>(p)); }
 
-// The output buffers of one call: one, or the parts of an unstacked output.
+// The output buffers of one call: one, or one per part of rhs.
 struct Outs {
   void* part[kMaxGemmParts] = {};
 };
@@ -319,7 +319,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   // rhs: (N, K) (or (K, N) transposed); with parts, (parts, N, K), untransposed.
   const auto rdims = rhs.dimensions();
   const size_t rhs_rank = parts > 1 ? 3 : 2;
-  if (lhs.dimensions().size() != 2 || rdims.size() != rhs_rank || (parts > 1 && (transpose_rhs || rdims[0] != parts))) {
+  const bool parts_ok = parts == 1 || (rdims.size() == 3 && !transpose_rhs && rdims[0] == static_cast<int64_t>(parts));
+  if (lhs.dimensions().size() != 2 || rdims.size() != rhs_rank || !parts_ok) {
     return ffi::Error::InvalidArgument("gemm: lhs must be 2-D and rhs 2-D, or (parts, n, k) with parts outputs");
   }
   Problem p;
