@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from te_jax import scaling
 from te_jax.ops.gemm import gemm
-from te_jax.ops.quantize import Quantized, amax, quantize
+from te_jax.ops.quantize import Quantized, amax, group_parts, quantize
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
 from te_jax.ops.quantize_interleaved import quantize_interleaved
 from te_jax.recipe import DelayedScaling, Recipe
@@ -109,10 +109,6 @@ class Unstack:
       raise ValueError(f"unstack_axis={axis} has size {features[i]}; at most {_MAX_PARTS} parts are supported")
     return cls(features[i], math.prod(features[i + 1:]), i)
 
-  def parts_first(self, bias: jax.Array) -> jax.Array:
-    """An (N,) bias in the output features' order -> (parts, N // parts): each part's entries, in order."""
-    return jnp.swapaxes(bias.reshape(-1, self.parts, self.group), 0, 1).reshape(self.parts, -1)
-
 
 def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple[int, ...], features: tuple[int, ...],
                  unstack: Unstack | None):
@@ -174,7 +170,8 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
-    out = fwd_gemm(qw.data_t, bias=None if bias is None else unstack.parts_first(bias), rhs_parts=True)
+    biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
+    out = fwd_gemm(qw.data_t, bias=biases, rhs_parts=True)
   return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
 
 

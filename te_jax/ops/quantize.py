@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 
-__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "FP8_DTYPES"]
+__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "group_parts", "FP8_DTYPES"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -63,13 +63,19 @@ class QuantizeConfig:
 
   def group_transposed(self, qt: jax.Array) -> jax.Array:
     """The (cols, rows) transposed copy with its rows grouped by part: (t_parts, cols / t_parts, rows)."""
-    cols, rows = qt.shape
-    qt = qt.reshape(cols // (self.t_parts * self.t_group), self.t_parts, self.t_group, rows)
-    return jnp.swapaxes(qt, 0, 1).reshape(self.t_parts, cols // self.t_parts, rows)
+    return group_parts(qt, self.t_parts, self.t_group)
 
   def transposed_axes(self, ndim: int) -> tuple[int, ...]:
     b = self.batch_ndim
     return (*range(b), ndim - 1, *range(b, ndim - 1))
+
+
+def group_parts(x: jax.Array, parts: int, group: int) -> jax.Array:
+  """(N, ...) whose leading dim comes in chunks of ``group``, chunk j belonging to part j % parts -> (parts,
+  N // parts, ...): each part's chunks together, in order."""
+  n, rest = x.shape[0], x.shape[1:]
+  x = x.reshape(n // (parts * group), parts, group, *rest)
+  return jnp.swapaxes(x, 0, 1).reshape(parts, n // parts, *rest)
 
 
 class Quantized(NamedTuple):

@@ -11,7 +11,7 @@ namespace te_jax {
 struct GemmPlanInfo {
   int device;
   int64_t m, n, k;                           // row-major out[m, n] = lhs[m, k] . rhs[n, k]^T
-  int parts;                                 // output buffers (an unstacked output's parts)
+  int parts;                                 // output buffers: one per part of rhs
   std::string lhs_type, rhs_type, out_type;  // JAX dtype names
   bool fast_accum;
   int candidates;                            // algorithms the heuristic offered (all timed when more than one)
