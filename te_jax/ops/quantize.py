@@ -183,15 +183,27 @@ def shard_plan(config: QuantizeConfig, mesh, spec: tuple):
   return tuple(out_shardings), reduce
 
 
+def holds_whole_groups(mesh, entry, size: int, group: int) -> bool:
+  """Whether each shard of a dim of ``size`` sharded as the PartitionSpec ``entry`` says holds whole groups of
+  ``group`` consecutive elements: what an op that regroups chunks needs for its shard to be a block of the whole."""
+  return (size // math.prod(mesh.shape[a] for a in mesh_axes(entry))) % group == 0
+
+
+def every_axis_divides(mesh, n: int) -> bool:
+  """Whether every mesh axis size divides ``n``. A Shardy rule may only name a chunk-count factor where it does:
+  otherwise the propagation can shard it over part of a mesh axis, which no PartitionSpec of the partition callback
+  expresses."""
+  return all(n % size == 0 for size in mesh.shape.values())
+
+
 def _partition(config: QuantizeConfig, mesh, arg_shapes, result_shape):
   """x stays sharded as given, except that with grouped transposed rows (t_parts) x's columns are gathered unless
   every shard holds whole groups of t_parts * t_group of them."""
   del result_shape
   spec = full_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
-  if config.t_parts > 1 and spec[1] is not None:
-    shards = math.prod(mesh.shape[a] for a in mesh_axes(spec[1]))
-    if (arg_shapes[0].shape[1] // shards) % (config.t_parts * config.t_group):
-      spec = (spec[0], None)
+  if config.t_parts > 1 and spec[1] is not None and not holds_whole_groups(
+      mesh, spec[1], arg_shapes[0].shape[1], config.t_parts * config.t_group):
+    spec = (spec[0], None)
   out_shardings, reduce = shard_plan(config, mesh, spec)
 
   def lower_fn(x, scale):
@@ -221,7 +233,7 @@ def _grouped_sharding_rule(config: QuantizeConfig, mesh, shape):
   where every mesh axis divides it; otherwise x's columns and the copy's rows are unrelated factors kept whole (the
   propagation would shard h over part of a mesh axis, which has no PartitionSpec for the partition callback)."""
   h = shape[1] // (config.t_parts * config.t_group)
-  if any(h % size for size in mesh.shape.values()):
+  if not every_axis_divides(mesh, h):
     x, qt, sizes = "r c", "p n r", {"need_replication_factors": ("c", "p", "n")}
   else:
     x, qt = "r (h p g)", "p (h g) r"

@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax.ops._primitive import define_op, full_spec, sequential_batcher
 from te_jax.ops.quantize import (QuantizeConfig, Quantized, _abstract_eval, _amax_f32, _check_input, _check_scale,
-                                 _native_signature, make_config, quantize, quantize_ref, shard_plan, unpack)
+                                 _native_signature, every_axis_divides, holds_whole_groups, make_config, quantize,
+                                 quantize_ref, shard_plan, unpack)
 
 __all__ = ["MAX_PARTS", "quantize_interleaved", "interleave"]
 
@@ -72,11 +73,8 @@ def _local_spec(config: InterleavedConfig, mesh, arg_shapes) -> tuple:
   hold whole groups for its interleave to be a block of the global one)."""
   part = arg_shapes[1]
   spec = list(full_spec(part.sharding, len(part.shape)))
-  if spec[-1] is not None:
-    axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
-    shards = int(np.prod([mesh.shape[a] for a in axes]))
-    if (part.shape[-1] // shards) % config.group:
-      spec[-1] = None
+  if spec[-1] is not None and not holds_whole_groups(mesh, spec[-1], part.shape[-1], config.group):
+    spec[-1] = None
   return tuple(spec)
 
 
@@ -94,21 +92,29 @@ def _partition(config: InterleavedConfig, mesh, arg_shapes, result_shape):
 
 def _sharding_rule(config: InterleavedConfig, mesh, value_types, result_types):
   """Leading dims pass through; the last dim of the parts is (h g), of x (h p g): x's last dim may be sharded
-  over h, the chunk index, only."""
-  del mesh, result_types
+  over h, the chunk index, only, and only where every mesh axis divides h; otherwise the parts' last dim and x's
+  are unrelated factors kept whole."""
+  del result_types
   part_shape = value_types[1].shape
   n_parts = len(value_types) - 1
+  h = part_shape[-1] // config.group
+  if every_axis_divides(mesh, h):
+    part_last, x_last = "(h g)", "(h p g)"
+    sizes = {"h": h, "g": config.group, "p": n_parts}
+  else:
+    part_last, x_last = "c", "n"
+    sizes = {"need_replication_factors": ("c", "n")}
   lead = [f"d{i}" for i in range(len(part_shape) - 1)]
-  part = " ".join([*lead, "(h g)"])
-  x_dims = [*lead, "(h p g)"]
+  part = " ".join([*lead, part_last])
+  x_dims = [*lead, x_last]
   results = [" ".join(x_dims)]
   if config.base.transpose:
     results.append(" ".join(x_dims[i] for i in config.base.transposed_axes(len(x_dims))))
   results.append("")
   if config.base.dbias:
-    results.append("(h p g)")
+    results.append(x_last)
   rule = f", {', '.join([part] * n_parts)} -> {', '.join(results)}"
-  return rule, {"h": part_shape[-1] // config.group, "g": config.group, "p": n_parts}
+  return rule, sizes
 
 
 def _batcher(args, dims, *, config: InterleavedConfig):
