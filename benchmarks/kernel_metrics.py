@@ -8,7 +8,8 @@ it for each of a kernel's replay passes: minutes per kernel on the H200.
 
 Each op is compiled and run twice (the first call compiles; ncu's --launch-skip can drop it); the shapes are the
 acceptance shapes of bench_activation (gelu (16384, 16384), bf16 -> E4M3 with and without the transposed copy; its
-backward to E5M2 with the transposed copy and dbias) and bench_norm (LayerNorm (32768, 8192), bf16 -> E4M3).
+backward to E5M2 with the transposed copy and dbias) and bench_norm (LayerNorm (32768, 8192), bf16 -> E4M3), and the
+LayerNorm backward (with a residual gradient) at the GPT layer's (8192, 4096).
 ``acceptance_ops`` also serves ``profile_layer.py --bench ops``.
 """
 
@@ -48,6 +49,12 @@ def acceptance_ops(shrink: int = 1) -> dict[str, tuple[Callable[..., Any], tuple
                           (xn, gamma, beta, scale))
   ops["rmsnorm fwd"] = (jax.jit(lambda x, gm, s: te_jax.norm_fwd(x, gm, norm_type="rmsnorm", epsilon=1e-6,
                                                                  out_dtype=E4M3, scale=s)), (xn, gamma, scale))
+  # The LayerNorm backward at the GPT layer's shape (8192 tokens, hidden 4096), with the residual gradient added in.
+  xl, gl = x[:n // 2, :n // 4], g[:n // 2, :n // 4]
+  mean, rsigma = jnp.mean(xl.astype(jnp.float32), axis=-1), jnp.ones((n // 2,), jnp.float32)
+  ops["layernorm bwd + dres (GPT layer)"] = (
+      jax.jit(lambda dz, x, m, r, gm, dres: te_jax.norm_bwd(dz, x, m, r, gm, dres=dres)),
+      (gl, xl, mean, rsigma, jnp.ones((n // 4,), jnp.float32), gl))
   # The copy ceiling as the benchmarks measure it (a 1 GiB jnp.copy), for kernel-time bandwidths against its own.
   ops["copy 1 GiB"] = (jax.jit(jnp.copy), (jnp.zeros(((1 << 28) // shrink**2,), jnp.float32),))
   return ops
