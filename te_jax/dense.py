@@ -33,9 +33,6 @@ from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["DenseFp8Meta", "dense"]
 
-# cuBLASLt's FP8 GEMMs need every dim that is a leading dim of a stored operand to be a multiple of 16: K and N
-# in the forward GEMM, and M (the tokens) in the weight-gradient GEMM, which contracts over them.
-
 
 class DenseFp8Meta(NamedTuple):
   """Delayed-scaling state of one dense layer: input, kernel and output gradient."""

@@ -28,7 +28,6 @@ from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 __all__ = ["NormSpec", "layernorm_dense"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class NormSpec:
   """The static parameters of the norm in front of a GEMM."""

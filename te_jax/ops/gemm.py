@@ -36,7 +36,9 @@ from te_jax.ops.quantize import FP8_DTYPES
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-FP8_ALIGN = 16  # cuBLASLt FP8: K and N (the stored operands' leading dims) multiples of 16
+# cuBLASLt FP8: K and N (the stored operands' leading dims) multiples of 16. The FP8 layers therefore also pad their
+# tokens to a multiple of it: the weight-gradient GEMM contracts over them.
+FP8_ALIGN = 16
 MAX_PARTS = 4  # kMaxGemmParts in gemm_batch.h
 
 
