@@ -1,11 +1,12 @@
-"""FP8 scaling state math: pure functions, the one place where scales are computed.
+"""FP8 scaling state math, the one place where scales are computed (``update_scale_states`` runs it as one op,
+``te_jax.ops.scale_update``, whose reference is built from the functions here).
 
 Conventions (those of Transformer Engine's delayed scaling):
 
 - ``scale = fp8_max / (amax * 2**margin)`` multiplies a tensor before its FP8 cast; ``scale_inv = 1 / scale``
   dequantizes it (and goes to the GEMM).
 - An amax of zero, or one that is not finite (NaN, inf), keeps the previous scale; so does an amax so small that
-  the scale would overflow float32.
+  the scale would overflow float32, or so large that it would be 0.
 - The amax history is a float32 vector whose element 0 is the most recent amax. Delayed scaling rolls the amax of
   the step just taken into it, then derives the next step's scale from it with ``max`` (over the whole history) or
   ``most_recent`` (element 0).
@@ -56,11 +57,13 @@ def fp8_max(dtype) -> float:
 
 
 def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value, margin: int = 0) -> jax.Array:
-  """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0, not finite, or too small (elementwise:
-  ``fp8_max_value`` may be a float or an array broadcasting with ``amax``)."""
+  """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0 or not finite, or where the new scale
+  would not be a positive finite float32 (elementwise: ``fp8_max_value`` may be a float or an array broadcasting with
+  ``amax``). Computed as ``fp8_max / amax / 2**margin``: the same bits wherever the scale is a normal float32, and
+  no overflow of ``amax * 2**margin`` (which would give a scale of 0) for a huge amax."""
   amax = jnp.asarray(amax, jnp.float32)
-  new = jnp.asarray(fp8_max_value, jnp.float32) / (amax * jnp.float32(2.0**margin))
-  ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(new)
+  new = jnp.asarray(fp8_max_value, jnp.float32) / amax / jnp.float32(2.0**margin)
+  ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(new) & (new > 0.0)
   return jnp.where(ok, new, scale).astype(jnp.float32)
 
 
@@ -101,12 +104,12 @@ def update_scale_states(
     margin: int = 0,
     algo: AmaxComputeAlgo = "max",
 ) -> list[ScaleState]:
-  """``update_scale_state`` of several tensors (histories of one length) as one batched computation: the same values,
-  from a few XLA kernels in all instead of a few per tensor (each is a launch of a tiny kernel)."""
-  history = jnp.stack([s.amax_history for s in states])
-  amax = jnp.stack([jnp.reshape(a, ()).astype(history.dtype) for a in amaxes])
-  history = jax.vmap(roll_amax_history)(history, amax)
-  latest = jax.vmap(lambda h: amax_from_history(h, algo))(history)
-  fp8_maxes = jnp.asarray([fp8_max(d) for d in fp8_dtypes], jnp.float32)
-  scales = compute_scale(latest, jnp.stack([s.scale for s in states]), fp8_maxes, margin)
-  return [ScaleState(history[i], scales[i]) for i in range(len(states))]
+  """``update_scale_state`` of several tensors (histories of one length) as one op: the same values, from one
+  kernel launch on a GPU with the CUDA module (``te_jax.ops.scale_update``) instead of a few launches per tensor."""
+  from te_jax.ops.scale_update import scale_update  # noqa: PLC0415 - the op's reference uses this module
+
+  if algo not in ("max", "most_recent"):
+    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
+  histories, scales = scale_update([s.amax_history for s in states], [s.scale for s in states], amaxes,
+                                   [fp8_max(d) for d in fp8_dtypes], margin=margin, most_recent=algo == "most_recent")
+  return [ScaleState(h, s) for h, s in zip(histories, scales)]

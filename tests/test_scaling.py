@@ -20,11 +20,12 @@ def _on_cpu():
 
 
 def np_compute_scale(amax, scale, fp8_max, margin=0) -> np.float32:
-  """The documented rule in numpy float32: fp8_max / (amax * 2^margin), else the previous scale."""
+  """The documented rule in numpy float32: fp8_max / amax / 2^margin where that is a positive finite float32 (and
+  amax is positive and finite), else the previous scale."""
   amax = np.float32(amax)
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-    new = np.float32(fp8_max) / (amax * np.float32(2.0**margin))
-  return new if (amax > 0 and np.isfinite(amax) and np.isfinite(new)) else np.float32(scale)
+    new = np.float32(fp8_max) / amax / np.float32(2.0**margin)
+  return new if (amax > 0 and np.isfinite(amax) and np.isfinite(new) and new > 0) else np.float32(scale)
 
 
 def test_fp8_max():
@@ -61,6 +62,13 @@ def test_compute_scale_margin_overflow_keeps_previous():
   """amax * 2^margin is finite but the scale is not: 448 / (2^-120 * 2^-8) = 448 * 2^128 overflows."""
   got = scaling.compute_scale(jnp.float32(2.0**-120), jnp.float32(2.0), 448.0, margin=-8)
   assert_f32_equal(got, np.float32(2.0), what="scale")
+
+
+def test_compute_scale_huge_amax_with_margin():
+  """amax * 2^margin would overflow to inf (and the scale to 0); fp8_max / amax / 2^margin does not."""
+  got = scaling.compute_scale(jnp.float32(3.0e38), jnp.float32(2.0), 448.0, margin=2)
+  assert_f32_equal(got, np.float32(448.0) / np.float32(3.0e38) / np.float32(4.0), what="scale")
+  assert float(got) > 0
 
 
 def test_compute_scale_elementwise_and_jit():
@@ -149,3 +157,102 @@ def test_scale_state_create():
 def test_scale_state_create_rejects(history_len):
   with pytest.raises(ValueError, match=f"history_len must be >= 1, got {history_len}"):
     scaling.ScaleState.create(history_len)
+
+
+# ---- the batched update as one op (te_jax.ops.scale_update) ------------------------------------------------------
+
+SPECIAL_AMAXES = (3.0, 0.0, np.nan, np.inf, 0.5, 1e-45, 3.0e38, 448.0)
+
+
+def _np_update(history, scale, amax, fp8_max, margin, algo):
+  history = np.concatenate([[np.float32(amax)], history[:-1]]).astype(np.float32)
+  source = history.max() if algo == "max" else history[0]
+  return history, np_compute_scale(source, scale, fp8_max, margin)
+
+
+def _random_states(count, history_len, seed):
+  """``count`` states with random histories (a NaN in one of them) and scales, their amaxes (the special ones first)
+  and FP8 dtypes (alternating)."""
+  rng = np.random.default_rng(seed)
+  histories = [rng.uniform(0, 4, history_len).astype(np.float32) for _ in range(count)]
+  if count > 2 and history_len > 2:
+    histories[2][history_len // 2] = np.nan
+  scales = [np.float32(rng.uniform(1, 100)) for _ in range(count)]
+  amaxes = [np.float32(SPECIAL_AMAXES[i] if i < len(SPECIAL_AMAXES) else rng.uniform(0, 8)) for i in range(count)]
+  dtypes = [(jnp.float8_e4m3fn, jnp.float8_e5m2)[i % 2] for i in range(count)]
+  return histories, scales, amaxes, dtypes
+
+
+def _update(histories, scales, amaxes, dtypes, margin, algo):
+  states = [scaling.ScaleState(jnp.asarray(h), jnp.asarray(s)) for h, s in zip(histories, scales)]
+  return scaling.update_scale_states(states, [jnp.asarray(a) for a in amaxes], dtypes, margin=margin, algo=algo)
+
+
+@pytest.mark.parametrize("count,history_len", [(1, 1), (5, 16), (17, 1000)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_scale_states_matches_numpy(count, history_len, algo):
+  """More tensors than one CUDA launch takes (16), histories longer than a block's threads, the special amaxes."""
+  histories, scales, amaxes, dtypes = _random_states(count, history_len, seed=count)
+  got = jax.jit(lambda h, s, a: _update(h, s, a, dtypes, 3, algo))(histories, scales, amaxes)
+  for h, s, a, d, new in zip(histories, scales, amaxes, dtypes, got):
+    want_h, want_s = _np_update(h, s, a, scaling.fp8_max(d), 3, algo)
+    assert_f32_equal(new.amax_history, want_h, what="history")
+    assert_f32_equal(new.scale, want_s, what="scale")
+
+
+def test_scale_update_rejects_bad_input():
+  from te_jax.ops.scale_update import scale_update
+
+  h, s = jnp.zeros(4), jnp.float32(1.0)
+  with pytest.raises(ValueError, match="as many scales, amaxes and fp8_max as histories"):
+    scale_update([h, h], [s], [s, s], [448.0, 448.0])
+  with pytest.raises(ValueError, match="1-D and of one length"):
+    scale_update([h, jnp.zeros(5)], [s, s], [s, s], [448.0, 448.0])
+  with pytest.raises(ValueError, match="1-D and of one length"):
+    scale_update([jnp.zeros(0)], [s], [s], [448.0])
+  with pytest.raises(ValueError, match="amaxes must be scalars"):
+    scale_update([h], [s], [jnp.zeros(2)], [448.0])
+
+
+def test_scale_update_under_a_mesh_and_vmap():
+  """Replicated state under jit on an 8-device mesh (with an amax from a sharded input), and vmapped."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("d",))
+  x = jax.device_put(jnp.arange(64, dtype=jnp.float32) - 40.0,
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  state = scaling.ScaleState.create(4)
+
+  @jax.jit
+  def step(state, x):
+    return scaling.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
+
+  new = step(state, x)
+  assert_f32_equal(new.amax_history, np.array([40.0, 0, 0, 0], np.float32), what="history")
+  assert_f32_equal(new.scale, E4M3_MAX / np.float32(40.0), what="scale")
+  batched = jax.vmap(lambda a: scaling.update_scale_state(state, a, jnp.float8_e5m2))(jnp.float32([2.0, 0.0]))
+  assert_f32_equal(batched.scale, np.array([E5M2_MAX / np.float32(2.0), 1.0], np.float32), what="scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count,history_len", [(1, 1), (6, 16), (17, 1024), (3, 1000)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_gpu_scale_update_matches_reference_bitwise(count, history_len, algo, margin, gpu):
+  """te_scale_update_cuda against the stacked jnp reference compiled for the same GPU, and against numpy."""
+  from te_jax import _native
+  from te_jax.ops.scale_update import ScaleUpdateConfig, scale_update_ref
+
+  assert _native.has_target("cuda", "te_scale_update_cuda"), _native.load_errors
+  histories, scales, amaxes, dtypes = _random_states(count, history_len, seed=10 + count)
+  with jax.default_device(gpu):
+    ours = jax.jit(lambda h, s, a: _update(h, s, a, dtypes, margin, algo))
+    hlo = ours.lower(histories, scales, amaxes).compile().as_text()
+    assert 'custom_call_target="te_scale_update_cuda"' in hlo
+    got = ours(histories, scales, amaxes)
+    config = ScaleUpdateConfig(tuple(scaling.fp8_max(d) for d in dtypes), margin, algo == "most_recent")
+    ref = jax.jit(lambda *args: scale_update_ref(*args, config=config))(*histories, *scales, *amaxes)
+  for i, (h, s, a, d, new) in enumerate(zip(histories, scales, amaxes, dtypes, got)):
+    assert_f32_equal(new.amax_history, ref[i], what="history vs reference")
+    assert_f32_equal(new.scale, ref[count + i], what="scale vs reference")
+    want_h, want_s = _np_update(h, s, a, scaling.fp8_max(d), margin, algo)
+    assert_f32_equal(new.amax_history, want_h, what="history vs numpy")
+    assert_f32_equal(new.scale, want_s, what="scale vs numpy")

@@ -20,6 +20,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RopeFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RopeBwdCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ScaleUpdateCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
@@ -43,6 +44,7 @@ NB_MODULE(_te_cuda, m) {
     d["te_norm_bwd_cuda"] = Capsule(te_jax::NormBwdCudaHandler);
     d["te_rope_fwd_cuda"] = Capsule(te_jax::RopeFwdCudaHandler);
     d["te_rope_bwd_cuda"] = Capsule(te_jax::RopeBwdCudaHandler);
+    d["te_scale_update_cuda"] = Capsule(te_jax::ScaleUpdateCudaHandler);
     d["te_softmax_fwd_cuda"] = Capsule(te_jax::SoftmaxFwdCudaHandler);
     d["te_softmax_bwd_cuda"] = Capsule(te_jax::SoftmaxBwdCudaHandler);
     d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);
