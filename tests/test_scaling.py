@@ -263,3 +263,29 @@ def test_gpu_scale_update_matches_reference_bitwise(count, history_len, algo, ma
     assert_f32_equal(new.amax_history, gpu_ref[i], what="history vs the reference on the GPU")
     ulps = abs(int(np.float32(new.scale).view(np.int32)) - int(np.float32(gpu_ref[count + i]).view(np.int32)))
     assert ulps <= 1, f"scale {float(new.scale)!r} vs the reference on the GPU {float(gpu_ref[count + i])!r}"
+
+
+def test_scale_update_in_shard_map_keeps_varying_axes():
+  """Inside shard_map the new state varies over the mesh axes its amax varies over: a per-shard amax gives a
+  per-shard state (out_specs P("x")), a psum/pmax-reduced one a replicated state (out_specs P())."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
+  state = scaling.ScaleState.create(3)
+  x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4)
+
+  def per_shard(x):
+    new = scaling.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
+    return new.amax_history[None], new.scale[None]
+
+  hist, scale = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))(x)
+  np.testing.assert_array_equal(np.asarray(hist)[:, 0], [3.0, 7.0, 11.0, 15.0])
+  assert_f32_equal(scale, E4M3_MAX / np.float32([3.0, 7.0, 11.0, 15.0]), what="scale")
+
+  def reduced(x):
+    new = scaling.update_scale_state(state, jax.lax.pmax(jnp.max(jnp.abs(x)), "x"), jnp.float8_e4m3fn)
+    return new.amax_history, new.scale
+
+  hist, scale = jax.jit(jax.shard_map(reduced, mesh=mesh, in_specs=P("x"), out_specs=(P(), P())))(x)
+  assert_f32_equal(hist, np.array([15.0, 0.0, 0.0], np.float32), what="history")
+  assert_f32_equal(scale, E4M3_MAX / np.float32(15.0), what="scale")
