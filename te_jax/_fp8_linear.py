@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import scaling
+from te_jax._manual_axes import max_over_shards, varying_axes
 from te_jax.ops.gemm import gemm
 from te_jax.ops.quantize import Quantized, amax, group_parts, quantize
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
@@ -47,6 +48,15 @@ class Fp8Config:
   out_dtype: jnp.dtype  # the compute dtype: the layer input's dtype
   kernel_dtype: jnp.dtype  # the weight gradient's dtype
   bias_dtype: jnp.dtype | None  # None: no bias
+  # Inside shard_map: the manual axes the kernel varies over as the caller passed it, before the layer cast it to
+  # vary like its input (a replicated weight's current-scaling amax needs no reduction over the batch shards).
+  kernel_axes: frozenset[str] | None = None
+
+  @classmethod
+  def of(cls, recipe: Recipe, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> "Fp8Config":
+    """The config of the GEMM of layer input ``x`` with ``kernel`` (and ``bias``), as the layer's caller passed them."""
+    bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
+    return cls(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel))
 
   @property
   def has_bias(self) -> bool:
@@ -64,12 +74,15 @@ class Fp8Config:
   def bwd_dtype(self):
     return self.recipe.fp8_format.bwd_dtype
 
-  def scale(self, state: scaling.ScaleState | None, x: jax.Array | tuple[jax.Array, ...] | None, dtype) -> jax.Array:
+  def scale(self, state: scaling.ScaleState | None, x: jax.Array | tuple[jax.Array, ...] | None, dtype,
+            shard_axes: frozenset[str] | None = None) -> jax.Array:
     """The scale to cast ``x`` (an array, or the parts of one) with: the delayed state's, or one from ``x``'s own
-    amax (current scaling)."""
+    amax (current scaling), inside shard_map the amax of the whole tensor: reduced over ``shard_axes`` (None: every
+    manual axis ``x`` varies over)."""
     if self.delayed:
       return state.scale
     a = jnp.max(jnp.stack([amax(p) for p in x])) if isinstance(x, tuple) else amax(x)
+    (a,) = max_over_shards([a], [shard_axes])
     return scaling.compute_scale(a, jnp.float32(1.0), scaling.fp8_max(dtype))
 
   def update_metas(self, items):
@@ -77,7 +90,9 @@ class Fp8Config:
     ``items`` are ``(meta, amax_x, amax_kernel, amax_grad)`` with ``meta`` a (x, kernel, grad) state tuple such as
     ``DenseFp8Meta``; returns the new metas, of the same types."""
     states = [s for meta, *_ in items for s in meta]
+    # Inside shard_map: the amax of the whole tensor wherever the state is replicated (as under jax.jit).
     amaxes = [a for _, *amaxes in items for a in amaxes]
+    amaxes = max_over_shards(amaxes, [varying_axes(a) - varying_axes(s.amax_history) for a, s in zip(amaxes, states)])
     dtypes = [self.fwd_dtype, self.fwd_dtype, self.bwd_dtype] * len(items)
     new = scaling.update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin,
                                       algo=self.recipe.amax_compute_algo)
@@ -160,7 +175,7 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
   transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
   ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each written
   by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part."""
-  sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype)
+  sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
   sw_inv = 1.0 / sw
   fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype,
                                fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax import _native
+from te_jax._manual_axes import max_over_shards, to_common_varying
 from te_jax.softmax import scaled_masked_softmax, scaled_softmax
 
 __all__ = [
@@ -538,7 +539,7 @@ def _quantize_e4m3(x):
   """Per-tensor current scaling: (x * s) in E4M3 with s = 448 / amax(x), and 1 / s, as the (1, 1, 1, 1) float32
   factors cuDNN takes."""
   x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32))
+  (amax,) = max_over_shards([jnp.max(jnp.abs(x32))], [None])  # inside shard_map: the whole tensor's
   scale = jnp.where(amax > 0, _E4M3_MAX / amax, 1.0)
   x8 = jnp.clip(x32 * scale, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
   return x8, (1.0 / scale).reshape(1, 1, 1, 1), amax
@@ -715,7 +716,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
   q, k, v = (_to_bshd(x, tensor_format) for x in (q, k, v))
   seg = None if segment_ids is None else _segment_mask(segment_ids, cfg)
   if cfg.fp8:
-    out = _fp8_attention(q, k, v, cfg)
+    out = _fp8_attention(*to_common_varying(q, k, v), cfg)
   elif choice.name == "fused":
     causal, window = _native_window(cfg)
     band = None if (causal and (window is not None or cfg.lo == -math.inf)) else _band_mask(cfg)

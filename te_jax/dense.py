@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from te_jax import scaling
 from te_jax._fp8_linear import (Fp8Config, Unstack, check_residual, layer_output, linear_bwd, linear_fwd,
                                 quantize_grad, residual_rows, state_as_float32, state_like)
+from te_jax._manual_axes import to_common_varying
 from te_jax.autocast import get_autocast_state
 from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.quantize import quantize
@@ -165,8 +166,9 @@ def dense(
   if pad:  # zero rows leave amax, dbias and the weight gradient unchanged
     x2d = jnp.pad(x2d, ((0, pad), (0, 0)))
   b = None if bias is None else bias.reshape(n)
-  cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   r = residual_rows(residual, m, n, pad, x.dtype)
-  y = _dense_fp8(cfg, unstack, r is not None, x2d, kernel.reshape(k, n), b, r, meta)
+  x2d, k2d, b, r = to_common_varying(x2d, kernel.reshape(k, n), b, r)  # inside shard_map: as jax's dot would
+  y = _dense_fp8(cfg, unstack, r is not None, x2d, k2d, b, r, meta)
   return layer_output(y, m, batch_shape, features, unstack)

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from te_jax._manual_axes import to_common_varying
 from te_jax.ops.norm import NormConfig, check_norm_args, norm_bwd, norm_fwd
 
 __all__ = ["layernorm"]
@@ -95,4 +96,5 @@ def layernorm(
   norm = NormConfig(layernorm_type, float(epsilon), out_dtype)
   beta_dtype = None if beta is None else jnp.dtype(jnp.asarray(beta).dtype)
   # norm_fwd checks the arrays while tracing
+  x, gamma, beta = to_common_varying(x, gamma, beta)  # inside shard_map: as jax's own ops would
   return _layernorm(_Config(norm, bool(zero_centered_gamma), beta_dtype), x, gamma, beta)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from te_jax._fp8_linear import (Fp8Config, Unstack, layer_output, linear_bwd, linear_fwd, quantize_grad,
                                 state_as_float32, state_like)
+from te_jax._manual_axes import to_common_varying
 from te_jax.autocast import get_autocast_state
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm import layernorm
@@ -198,11 +199,12 @@ def layernorm_dense(
   n = math.prod(features)
   check_fp8_dims(hidden=h, features=n)
   x2d, pad = pad_rows(x.reshape(-1, h))
-  cfg = Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   b = None if bias is None else bias.reshape(n)
+  x2d, gamma, beta, k2d, b = to_common_varying(x2d, gamma, beta, kernel.reshape(h, n), b)  # inside shard_map
   y, z, x_out = _ln_dense_fp8(cfg, norm, bool(return_layernorm_output), bool(return_input), unstack, x2d, gamma, beta,
-                              kernel.reshape(h, n), b, meta)
+                              k2d, b, meta)
   m = x2d.shape[0] - pad
   y = layer_output(y, m, x.shape[:-1], features, unstack)
   unpad = lambda v: None if v is None else v[:m].reshape(x.shape)  # noqa: E731

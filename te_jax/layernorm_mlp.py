@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from te_jax._fp8_linear import (Fp8Config, check_residual, linear_bwd, linear_fwd, residual_rows, state_as_float32,
                                 state_like)
+from te_jax._manual_axes import to_common_varying
 from te_jax.activation import activation
 from te_jax.dense import DenseFp8Meta, dense
 from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
@@ -181,16 +182,15 @@ def layernorm_mlp(
   check_fp8_dims(hidden=h_dim, intermediate=f_dim)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
-  def fp8_config(kernel, bias):
-    return Fp8Config(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
-
-  cfg = _MlpConfig(fp8_config(kernel_1, bias_1), fp8_config(kernel_2, bias_2), norm, act, gated, f_dim)
+  cfg = _MlpConfig(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
+                   gated, f_dim)
   delayed = isinstance(recipe, DelayedScaling)
   if residual is x:
     kind, r = _INPUT_RESIDUAL, None
   else:
     r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
+  x2d, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x2d, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, kind, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
   return y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -27,6 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from te_jax import _native
+from te_jax._manual_axes import to_common_varying
 
 __all__ = ["NativeSignature", "Op", "define_op", "full_spec", "mesh_axes", "output_aval", "sequential_batcher"]
 
@@ -63,7 +64,9 @@ class Op:
     self.outer = outer
 
   def bind(self, *args, config) -> list[jax.Array]:
-    return self.outer.bind(*args, config=config)
+    """Inside ``shard_map`` the operands are first cast to vary over the same manual axes, as jax's own ops do, so
+    that each result's type says it varies over every axis any operand does."""
+    return self.outer.bind(*to_common_varying(*args), config=config)
 
 
 def define_op(
