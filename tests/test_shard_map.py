@@ -1,7 +1,7 @@
 """te_jax's layers inside ``jax.shard_map`` on 8 CPU devices (forced in conftest.py).
 
 A train step written per device (data parallel: replicated parameters, batch-sharded input; tensor parallel:
-column- and row-sharded kernels) must give what the same step gives under ``jax.jit`` on the global arrays: the
+column- and row-sharded kernels; FSDP: kernels all-gathered where used) must give what the same step gives under ``jax.jit`` on the global arrays: the
 outputs, the parameter gradients (summed over the batch shards by the cast of each replicated weight to the input's
 varying axes, as jax's own ops do) and the FP8 scales, which are those of the whole tensors (delayed-scaling states
 from the max-reduced amaxes, current scaling from the whole tensor's amax).
@@ -176,30 +176,42 @@ def _mlp(x, w1, w2, metas, recipe):
   return te_jax.dense(jax.nn.gelu(h), w2, fp8_meta=metas[1], recipe=recipe)
 
 
+def _all_gather_rows(w):
+  return jax.lax.all_gather(w, "data", axis=0, tiled=True)
+
+
+# (mesh, kernel specs, what the per-device step does with the kernels and the output)
+PARALLEL = {
+    # first kernel column-sharded, second row-sharded over "model", the output psum-reduced; batch over "data"
+    "tp": (((2, 4), ("data", "model")), (P(None, "model"), P("model")), lambda w: w,
+           lambda y: jax.lax.psum(y, "model")),
+    # FSDP: both kernels' rows sharded over "data", all-gathered where they are used
+    "fsdp": (((8,), ("data",)), (P("data"), P("data")), _all_gather_rows, lambda y: y),
+}
+
+
+@pytest.mark.parametrize("layout", list(PARALLEL))
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_tensor_parallel_mlp_matches_jit(recipe):
-  """An MLP with its first kernel column-sharded and its second row-sharded over "model" (the output psum-reduced),
-  the batch over "data": output, kernel gradients and delayed states as under jit on the whole kernels."""
+def test_model_parallel_mlp_matches_jit(recipe, layout):
+  """A two-dense MLP per device, tensor parallel or FSDP: output, kernel gradients and delayed states as under jit
+  on the whole kernels."""
   rec = RECIPES[recipe]
-  mesh = _mesh((2, 4), ("data", "model"))
+  (shape, names), kernel_specs, use_kernel, reduce_out = PARALLEL[layout]
   rng = np.random.default_rng(7)
   x = _rows_of_many_scales((32, 16), seed=8)
   w1 = jnp.asarray(rng.standard_normal((16, 64)) * np.exp2(np.arange(64) % 4), jnp.float32)  # shards differ
-  w2 = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((64, 16)) * np.exp2(np.arange(64) % 4)[:, None], jnp.float32)
   metas = (te_jax.DenseFp8Meta.create(4), te_jax.DenseFp8Meta.create(4)) if recipe == "delayed" else (None, None)
 
-  def loss_parts(x, w1, w2, metas, psum):
-    y = _mlp(x, w1, w2, metas, rec)
-    return psum(y)
-
-  def grads(x, w1, w2, metas, psum=lambda y: y):
-    y, vjp = jax.vjp(lambda w1, w2, m: loss_parts(x, w1, w2, m, psum), w1, w2, metas)
+  def grads(x, w1, w2, metas, use_kernel=lambda w: w, reduce_out=lambda y: y):
+    f = lambda w1, w2, m: reduce_out(_mlp(x, use_kernel(w1), use_kernel(w2), m, rec))  # noqa: E731
+    y, vjp = jax.vjp(f, w1, w2, metas)
     return y, vjp(jnp.ones_like(y))
 
   y_jit, (d1_jit, d2_jit, m_jit) = jax.jit(grads)(x, w1, w2, metas)
-  per_device = jax.shard_map(functools.partial(grads, psum=lambda y: jax.lax.psum(y, "model")), mesh=mesh,
-                             in_specs=(P("data"), P(None, "model"), P("model"), P()),
-                             out_specs=(P("data"), (P(None, "model"), P("model"), P())))
+  per_device = jax.shard_map(functools.partial(grads, use_kernel=use_kernel, reduce_out=reduce_out),
+                             mesh=_mesh(shape, names), in_specs=(P("data"), *kernel_specs, P()),
+                             out_specs=(P("data"), (*kernel_specs, P())))
   y_sm, (d1_sm, d2_sm, m_sm) = jax.jit(per_device)(x, w1, w2, metas)
   assert _rel(y_sm, y_jit) < 1e-3, _rel(y_sm, y_jit)  # an E4M3 rounding of the hidden layer may flip
   assert _rel(d1_sm, d1_jit) < 1e-3 and _rel(d2_sm, d2_jit) < 1e-3, (_rel(d1_sm, d1_jit), _rel(d2_sm, d2_jit))
@@ -207,6 +219,7 @@ def test_tensor_parallel_mlp_matches_jit(recipe):
     for a, b in zip(jax.tree.leaves(m_sm), jax.tree.leaves(m_jit), strict=True):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
     assert float(m_sm[0].kernel.amax_history[0]) == float(np.max(np.abs(np.asarray(w1))))
+    assert float(m_sm[1].kernel.amax_history[0]) == float(np.max(np.abs(np.asarray(w2))))
 
 
 def test_primitives_vary_over_every_operands_axes():
