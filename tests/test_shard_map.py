@@ -240,3 +240,30 @@ def test_primitives_vary_over_every_operands_axes():
   with pytest.raises(Exception, match="model"):
     jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(None, "model")), out_specs=P("data")))(lhs, rhs)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dpa", [False, True], ids=["bf16-attention", "fp8-attention"])
+def test_gpu_layer_step_in_shard_map_matches_jit(gpu, fp8_dpa):
+  """On a one-GPU mesh (its axis still typed as varying): the FP8 layer's step with te_jax's CUDA kernels and cuDNN
+  attention gives the jit step's output, gradients and state."""
+  import re  # noqa: PLC0415
+
+  mesh = Mesh(np.array([gpu]), ("data",))
+  layer = te_flax.TransformerLayer(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=2, layer_type="decoder",
+                                   self_attn_mask_type="causal", dtype=jnp.bfloat16)
+  x = jax.device_put(_rows_of_many_scales((2, 128, 256), seed=9).astype(jnp.bfloat16), gpu)
+  rec = DelayedScaling(amax_history_len=4, fp8_dpa=fp8_dpa)
+  with te_jax.autocast(enabled=True, recipe=rec):
+    v = jax.device_put(layer.init(jax.random.key(10), x, deterministic=True), gpu)
+    step = _layer_step(layer, x.size)
+    per_device = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P())))
+    hlo = per_device.lower(v, x).compile().as_text()
+    y_sm, g_sm = per_device(v, x)
+    y_jit, g_jit = jax.jit(step)(v, x)
+  targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+  for t in ("te_gemm_cuda", "te_norm_fwd_cuda", "te_norm_bwd_cuda", "te_act_fwd_cuda", "te_act_bwd_cuda"):
+    assert t in targets, (t, sorted(targets))
+  assert ("__cudnn$fmhaSoftmaxF8" in targets) == fp8_dpa, sorted(targets)
+  assert _rel(np.asarray(y_sm, np.float32), np.asarray(y_jit, np.float32)) < 1e-3
+  _assert_close_trees(g_sm, g_jit, True, "")
