@@ -407,6 +407,45 @@ def test_fp8_layer_trains_close_to_high_precision(rec):
     assert any(n.startswith(module) for n in names), (module, sorted(names))
 
 
+class _Stack(nn.Module):
+  """Layers of a decoder stack, each wrapped in ``nn.remat`` (activation checkpointing) when ``policy`` is given."""
+
+  policy: object = None
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    cls = te_flax.TransformerLayer if self.policy is None else nn.remat(te_flax.TransformerLayer, policy=self.policy)
+    for i in range(self.layers):
+      x = cls(hidden_size=64, mlp_hidden_size=256, num_attention_heads=4, layer_type="decoder",
+              self_attn_mask_type="causal", dtype=jnp.float32, backend="unfused", hidden_dropout=0.0,
+              attention_dropout=0.0, name=f"layer_{i}")(x)
+    return x
+
+
+@pytest.mark.parametrize("rec", [None, DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["fp32", "delayed", "current"])
+def test_remat_layers_give_the_same_step_in_less_memory(rec):
+  """nn.remat around each layer (recomputing its forward in the backward, everything or only the GEMM outputs
+  saved): the same gradients and FP8 state updates bit for bit (the recomputed forward uses the same scales), and
+  less compiled temp memory with nothing saved."""
+  x = _x((8, 128, 64), 30)
+  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+    v = _Stack().init(jax.random.key(31), x)
+    results = {}
+    for name, policy in (("plain", None), ("nothing saved", jax.checkpoint_policies.nothing_saveable),
+                         ("dots saved", jax.checkpoint_policies.dots_saveable)):
+      grad = jax.jit(jax.grad(lambda v, x, m=_Stack(policy=policy): jnp.sum(m.apply(v, x) ** 2)))
+      compiled = grad.lower(v, x).compile()
+      results[name] = (compiled(v, x), compiled.memory_analysis().temp_size_in_bytes)
+  g_plain, temp_plain = results["plain"]
+  for name in ("nothing saved", "dots saved"):
+    g, _ = results[name]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_plain), strict=True):
+      np.testing.assert_array_equal(a, b, err_msg=f"{name}: {jax.tree_util.keystr(path)}")
+  assert results["nothing saved"][1] < 0.7 * temp_plain, (results["nothing saved"][1], temp_plain)
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------------
 
 
