@@ -59,6 +59,14 @@ constexpr int BwdMinBlocks() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN <= 2 ? 2 : 1;
 }
 
+// One chunk per thread of 16-bit x and dz: the kernel holds the chunk, its gamma and (LayerNorm) its dbeta sums in
+// registers, where 64 registers still leave no spills; two ring reads and a dbeta read-modify-write in shared
+// memory fewer per row (the kernel is bound by instruction issue and the shared-memory pipe, not by DRAM).
+template <typename T, typename Tdz, int kN>
+constexpr bool HoldsChunk() {
+  return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN == 1;
+}
+
 // Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are
 // copied in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is
 // reduced: kStages - 1 rows in flight), then (LayerNorm) the thread's dbeta accumulators, kept here rather than in
@@ -70,7 +78,9 @@ template <typename T, typename Tdz, bool kRms, bool kRes, int kN>
 struct BwdSmem {
   static constexpr int kWx = Chunk<T>::kWords;    // uint4 per chunk of x (and of dres) ...
   static constexpr int kWdz = Chunk<Tdz>::kWords;  // ... and of dz
-  static constexpr int kAcc = kRms ? 0 : kN * kVec / 4;  // float4 dbeta accumulators per thread
+  // One chunk per thread of 16-bit x and dz: its dbeta sums fit the 64 registers too (no spills).
+  static constexpr bool kDbRegs = !kRms && HoldsChunk<T, Tdz, kN>();
+  static constexpr int kAcc = kRms || kDbRegs ? 0 : kN * kVec / 4;  // float4 dbeta accumulators per thread
   static constexpr bool kResRing =
       kRes && (2 * kN * (2 * kWx + kWdz) + kAcc) * 16 * kMaxBlock * BwdMinBlocks<T, Tdz, kN>() <= 224 * 1024;
   static constexpr int kWr = kResRing ? kWx : 0;
@@ -101,10 +111,11 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
   const float n = static_cast<float>(a.cols);
   float4* db = reinterpret_cast<float4*>(ring + kStages * kSlots * blockDim.x) + threadIdx.x;  // db[k * blockDim.x]
   float dg[kN][kVec];
+  float dbr[kN][kVec];  // the dbeta sums with Smem::kDbRegs
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) dg[j][i] = 0.0f;
+    for (int i = 0; i < kVec; ++i) dg[j][i] = dbr[j][i] = 0.0f;
   }
   if constexpr (!kRms) {
 #pragma unroll
@@ -147,7 +158,12 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
     __pipeline_wait_prior(kStages - 1);  // row i's group has landed
     const int64_t row = first + i;
     const bool ok = row < end;
-    // x and dz of chunk j, read from the ring in each of the two passes (fewer registers than holding them).
+    // x and dz of chunk j, read from the ring in the first pass and again in the second (fewer registers than
+    // holding them), unless HoldsChunk.
+    constexpr bool kHold = HoldsChunk<T, Tdz, kN>();
+    Chunk<T> xh[kN];
+    Chunk<Tdz> dzh[kN];
+    float gh[kN][kVec];
     auto read = [&](int j, Chunk<T>& xc, Chunk<Tdz>& dzc) {
 #pragma unroll
       for (int w = 0; w < kWx; ++w) xc.raw[w] = *slot(i, j * kWx + w);
@@ -161,10 +177,10 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
     for (int j = 0; j < kN; ++j) {
       const int c = t + j * Tn;
       if (!ok || c >= chunks) continue;  // past the worker's rows: nothing to add
-      Chunk<T> xc;
-      Chunk<Tdz> dzc;
+      Chunk<T>& xc = xh[j];
+      Chunk<Tdz>& dzc = dzh[j];
+      float(&g)[kVec] = gh[j];
       read(j, xc, dzc);
-      float g[kVec];
       LoadParams(a.gamma + c * kVec, g);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
@@ -175,7 +191,10 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
         s[1] = fmaf(dy, xhat, s[1]);
         dg[j][e] = fmaf(d, xhat, dg[j][e]);
       }
-      if constexpr (!kRms) {
+      if constexpr (Smem::kDbRegs) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dbr[j][e] += dzc.Get(e);
+      } else if constexpr (!kRms) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float4& b = db[(2 * j + h) * blockDim.x];
@@ -191,11 +210,14 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
     for (int j = 0; j < kN; ++j) {
       const int c = t + j * Tn;
       if (!ok || c >= chunks) continue;
-      Chunk<T> xc;
-      Chunk<Tdz> dzc;
-      read(j, xc, dzc);
-      float g[kVec], dx[kVec];
-      LoadParams(a.gamma + c * kVec, g);
+      Chunk<T>& xc = xh[j];
+      Chunk<Tdz>& dzc = dzh[j];
+      float(&g)[kVec] = gh[j];
+      if constexpr (!kHold) {
+        read(j, xc, dzc);
+        LoadParams(a.gamma + c * kVec, g);
+      }
+      float dx[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float xhat = kRms ? xc.Get(e) * rs : (xc.Get(e) - m) * rs;
@@ -227,8 +249,13 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
     pg[1] = make_float4(dg[j][4], dg[j][5], dg[j][6], dg[j][7]);
     if constexpr (!kRms) {
       float4* pb = reinterpret_cast<float4*>(a.partial + (a.partial_rows + worker) * a.cols + c * kVec);
-      pb[0] = db[2 * j * blockDim.x];
-      pb[1] = db[(2 * j + 1) * blockDim.x];
+      if constexpr (Smem::kDbRegs) {
+        pb[0] = make_float4(dbr[j][0], dbr[j][1], dbr[j][2], dbr[j][3]);
+        pb[1] = make_float4(dbr[j][4], dbr[j][5], dbr[j][6], dbr[j][7]);
+      } else {
+        pb[0] = db[2 * j * blockDim.x];
+        pb[1] = db[(2 * j + 1) * blockDim.x];
+      }
     }
   }
 }
