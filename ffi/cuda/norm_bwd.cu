@@ -60,8 +60,9 @@ constexpr int BwdMinBlocks() {
 }
 
 // One chunk per thread of 16-bit x and dz: the kernel holds the chunk, its gamma and (LayerNorm) its dbeta sums in
-// registers, where 64 registers still leave no spills; two ring reads and a dbeta read-modify-write in shared
-// memory fewer per row (the kernel is bound by instruction issue and the shared-memory pipe, not by DRAM).
+// registers, where 64 registers still leave no spills. Per row that saves the second ring read of x and dz, the
+// second gamma load and the dbeta read-modify-write in shared memory: at hidden 4096 (the kernel is bound by
+// instruction issue and the shared-memory pipe there, not by DRAM) 0.082 -> 0.076 ms for 8192 rows.
 template <typename T, typename Tdz, int kN>
 constexpr bool HoldsChunk() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN == 1;
@@ -69,16 +70,15 @@ constexpr bool HoldsChunk() {
 
 // Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are
 // copied in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is
-// reduced: kStages - 1 rows in flight), then (LayerNorm) the thread's dbeta accumulators, kept here rather than in
-// registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the total stays within
-// 96 KiB at 512 threads (two such blocks per SM), else two. With dres (kRes), its rows join the ring where a
+// reduced: kStages - 1 rows in flight), then (LayerNorm, unless HoldsChunk) the thread's dbeta accumulators, kept
+// here rather than in registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the
+// total stays within 96 KiB at 512 threads (two such blocks per SM), else two. With dres (kRes), its rows join the ring where a
 // two-stage ring of the three still lets BwdMinBlocks blocks share an SM (kResRing); otherwise each thread loads
 // its dres chunks from global memory in the normalize pass.
 template <typename T, typename Tdz, bool kRms, bool kRes, int kN>
 struct BwdSmem {
   static constexpr int kWx = Chunk<T>::kWords;    // uint4 per chunk of x (and of dres) ...
   static constexpr int kWdz = Chunk<Tdz>::kWords;  // ... and of dz
-  // One chunk per thread of 16-bit x and dz: its dbeta sums fit the 64 registers too (no spills).
   static constexpr bool kDbRegs = !kRms && HoldsChunk<T, Tdz, kN>();
   static constexpr int kAcc = kRms || kDbRegs ? 0 : kN * kVec / 4;  // float4 dbeta accumulators per thread
   static constexpr bool kResRing =
@@ -137,7 +137,9 @@ __global__ void __launch_bounds__(kMaxBlock, BwdMinBlocks<T, Tdz, kN>()) NormBwd
 #pragma unroll
         for (int w = 0; w < kWx; ++w) __pipeline_memcpy_async(slot(i, j * kWx + w), xs + w, sizeof(uint4));
 #pragma unroll
-        for (int w = 0; w < kWdz; ++w) __pipeline_memcpy_async(slot(i, kN * kWx + j * kWdz + w), dzs + w, sizeof(uint4));
+        for (int w = 0; w < kWdz; ++w) {
+          __pipeline_memcpy_async(slot(i, kN * kWx + j * kWdz + w), dzs + w, sizeof(uint4));
+        }
         if constexpr (Smem::kResRing) {
           const uint4* rs = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dres) + row * a.cols + c * kVec);
 #pragma unroll
