@@ -5,7 +5,11 @@
 - Fp8DotGeneral as ``dot_general_cls`` of Flax's own layers.
 - Training: an MLP classifier in FP8 reaches the BF16 loss; a BF16 checkpoint (params only) loads into an FP8 model;
   the full variables round-trip through orbax; nn.scan over layers keeps one FP8 state per layer.
+- FP8 state updates of a module applied twice, and of micro-batches combined with accumulate_gradients: the larger
+  amax and its scale.
 """
+
+import doctest
 
 import flax.linen as nn
 import jax
@@ -373,8 +377,39 @@ def test_scan_keeps_one_fp8_state_per_layer():
     assert np.all(np.asarray(state.params[FP8][name]["grad_amax_history"])[:, :3] > 0)
 
 
+def test_accumulated_micro_batches_give_the_full_batchs_state():
+  """Gradients of four micro-batches (of different magnitudes) combined with accumulate_gradients: the FP8 state is
+  the full batch's, bit for bit, and the parameter gradients its within float32 summation order. A plain sum adds
+  the scales, a scale under which the largest micro-batch's input would saturate."""
+  model = te_flax.DenseGeneral(32, dtype=jnp.float32)
+  x = _x(shape=(4, 16, 32)) * jnp.exp2(jnp.arange(4.0))[:, None, None]
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=3)):
+    variables = model.init(jax.random.key(0), x[0])
+    grad = jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2)))
+    full = grad(variables, x.reshape(64, 32))
+    total = summed = None
+    for mb in x:
+      g = grad(variables, mb)
+      total = te_flax.accumulate_gradients(total, g)
+      summed = g if summed is None else jax.tree.map(jnp.add, summed, g)
+  for name, want in full[FP8].items():
+    np.testing.assert_array_equal(np.asarray(total[FP8][name]), np.asarray(want), err_msg=name)
+  for a, b in zip(jax.tree.leaves(total["params"]), jax.tree.leaves(full["params"]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
+  assert float(summed[FP8]["x_scale"]) * float(jnp.abs(x).max()) > 448.0  # what the plain sum would do
+  with pytest.raises(ValueError, match="not an FP8 amax history or scale"):
+    te_flax.accumulate_gradients({FP8: {"other": jnp.ones(2)}}, {FP8: {"other": jnp.ones(2)}})
+
+
+def test_docstring_examples():
+  import te_jax.flax._fp8_state as module  # noqa: PLC0415
+
+  result = doctest.testmod(module)
+  assert result.attempted > 0 and result.failed == 0, result
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_module_applied_twice_combines_fp8_state_by_max(jit):
+def test_module_applied_twice_combines_fp8_state_updates(jit):
   class Twice(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -393,3 +428,13 @@ def test_module_applied_twice_combines_fp8_state_by_max(jit):
   # Both applications see the same kernel, so any max-combination gives exactly the one-application state.
   np.testing.assert_array_equal(np.asarray(new["kernel_amax_history"]), [kernel_amax, 0, 0])
   np.testing.assert_array_equal(np.asarray(new["kernel_scale"]), np.float32(448.0) / kernel_amax)
+  # Their inputs (x, then relu of the first output) and output gradients differ: the history holds the larger amax,
+  # and the scale is that amax's, the smaller of the two applications' scales (the other input would saturate).
+  dense = te_flax.DenseGeneral(32, dtype=jnp.float32)
+  first = dense.apply({"params": variables["params"]["DenseGeneral_0"]}, x)
+  x_amax = max(np.abs(np.asarray(x)).max(), np.abs(np.asarray(jax.nn.relu(first))).max())
+  np.testing.assert_array_equal(np.asarray(new["x_amax_history"]), [x_amax, 0, 0])
+  np.testing.assert_array_equal(np.asarray(new["x_scale"]), np.float32(448.0) / np.float32(x_amax))
+  grad_amax = np.asarray(new["grad_amax_history"])[0]
+  assert grad_amax > 0 and np.asarray(new["grad_amax_history"])[1] == 0
+  np.testing.assert_array_equal(np.asarray(new["grad_scale"]), np.float32(57344.0) / grad_amax)

@@ -49,8 +49,38 @@ def dense_fp8_meta(module: nn.Module, recipe: Recipe | None, prefix: str = "") -
           f"{module.name}: {prefix}{role}_amax_history has shape {history.value.shape}, but the recipe's "
           f"amax_history_len is {recipe.amax_history_len}"
       )
-    states.append(scaling.ScaleState(_max_grad_view(module, history.value), _max_grad_view(module, scale.value)))
+    states.append(scaling.ScaleState(_max_grad_view(module, history.value), _min_grad_view(module, scale.value)))
   return DenseFp8Meta(*states)
+
+
+def accumulate_gradients(total, grads):
+  """``total + grads``, for gradient accumulation over micro-batches, with the FP8 state's updates combined the
+  way autodiff combines those of a module applied twice: amax histories by max, scales by min (the scale of the
+  max-combined history). A plain sum would add them, into histories of summed amaxes and summed scales under which
+  the next step's tensors saturate. ``total`` None: ``grads`` (the first micro-batch). Both are gradients w.r.t. the
+  whole variables dict; the FP8 collection holds ``*_amax_history`` and ``*_scale`` leaves only.
+
+  >>> import jax.numpy as jnp
+  >>> g = lambda amax, scale, w: {FP8_COLLECTION: {"x_amax_history": jnp.array([amax, 0.0]),
+  ...                                              "x_scale": jnp.array(scale)}, "params": {"w": jnp.array(w)}}
+  >>> acc = accumulate_gradients(accumulate_gradients(None, g(2.0, 224.0, 1.0)), g(4.0, 112.0, 3.0))
+  >>> [acc[FP8_COLLECTION]["x_amax_history"].tolist(), float(acc[FP8_COLLECTION]["x_scale"]), float(acc["params"]["w"])]
+  [[4.0, 0.0], 112.0, 4.0]
+  """
+  if total is None:
+    return grads
+
+  def combine(path, a, b):
+    if not any(getattr(k, "key", None) == FP8_COLLECTION for k in path):
+      return a + b
+    name = str(getattr(path[-1], "key", ""))
+    if name.endswith("_amax_history"):
+      return jnp.maximum(a, b)
+    if name.endswith("_scale"):
+      return jnp.minimum(a, b)
+    raise ValueError(f"accumulate_gradients: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
+
+  return jax.tree_util.tree_map_with_path(combine, total, grads)
 
 
 # Outside jit, autodiff adds cotangents through a per-array-type table that has no entry for extended-dtype arrays
@@ -68,15 +98,44 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on jax's int
 _MAX_GRAD_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _max_grad_view(module: nn.Module, value):
+def _max_grad_view(module: nn.Module, value, negated: bool = False):
   """``value`` in ``fp8_ops.fp32_max_grad``, a float32 whose gradients combine by max instead of sum.
 
   The conversion is made once per state value and apply, so that every application of a module (shared weights,
   a module called twice) uses the same converted value: autodiff then accumulates their state updates in the
-  max-combining dtype, and the one conversion hands the result back as float32.
+  max-combining dtype, and the one conversion hands the result back as float32. ``negated``: the conversion of
+  ``_negated_cotangent(value)``.
   """
   views = _MAX_GRAD_VIEWS.setdefault(module.scope.root, {})
   key = id(value)
   if key not in views:
-    views[key] = (value, jax.lax.convert_element_type(value, fp8_ops.fp32_max_grad))
+    views[key] = (value, jax.lax.convert_element_type(_negated_cotangent(value) if negated else value,
+                                                      fp8_ops.fp32_max_grad))
   return views[key][1]
+
+
+def _min_grad_view(module: nn.Module, value):
+  """``value`` (a scale) as ``_max_grad_view`` hands it over, but with the updates of several applications
+  combined by min: the scale of the max-combined amax history, since a larger amax gives a smaller scale (with a
+  max, the application with the smallest amax would set the scale, and the others' tensors would saturate). The
+  updates are negated before the shared view and negated back after it, so the max-combination picks the min."""
+  return _negated_cotangent(_max_grad_view(module, value, negated=True))
+
+
+@jax.custom_vjp
+def _negated_cotangent(x):
+  """``x``; its cotangent comes back negated (in ``x``'s dtype, float32 or ``fp32_max_grad``)."""
+  return x
+
+
+def _negated_cotangent_fwd(x):
+  return x, None
+
+
+def _negated_cotangent_bwd(_, g):
+  if jax.dtypes.issubdtype(g.dtype, jax.dtypes.extended):  # negated in float32, handed back in g's dtype
+    return (jax.lax.convert_element_type(-jax.lax.convert_element_type(g, jnp.float32), g.dtype),)
+  return (-g,)
+
+
+_negated_cotangent.defvjp(_negated_cotangent_fwd, _negated_cotangent_bwd)
