@@ -117,8 +117,9 @@ def _max_grad_view(module: nn.Module, value, negated: bool = False):
 def _min_grad_view(module: nn.Module, value):
   """``value`` (a scale) as ``_max_grad_view`` hands it over, but with the updates of several applications
   combined by min: the scale of the max-combined amax history, since a larger amax gives a smaller scale (with a
-  max, the application with the smallest amax would set the scale, and the others' tensors would saturate). The
-  updates are negated before the shared view and negated back after it, so the max-combination picks the min."""
+  max, the application with the smallest amax would set the scale, and the others' tensors would saturate). Each
+  application's update is negated on its way into the shared view and negated back on its way out to the variable,
+  so the view's max-combination picks the min."""
   return _negated_cotangent(_max_grad_view(module, value, negated=True))
 
 
