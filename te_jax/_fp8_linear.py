@@ -31,8 +31,23 @@ __all__ = ["Fp8Config", "LinearResiduals", "Unstack", "check_residual", "layer_o
 
 def state_as_float32(tree):
   """The FP8 state with float32 leaves. Modules hand it over in Flax's max-combining ``fp32_max_grad`` dtype (so
-  that several applications of one module combine their updates by max); the math runs in float32."""
-  return jax.tree.map(lambda v: v if v.dtype == jnp.float32 else jax.lax.convert_element_type(v, jnp.float32), tree)
+  that several applications of one module combine their updates by max); the math runs in float32.
+
+  A scale that is not positive reads as 1.0, a fresh state's. Updates never make one, but a module that a train step
+  left unused gets a zero gradient for its state, which ``TrainState.apply_gradients`` writes over it: with a scale
+  of 0 the next step would quantize everything to 0 and dequantize with inf (NaN outputs). The zeroed history is
+  a fresh state's too, so such a module starts over."""
+
+  def f32(v):
+    return v if v.dtype == jnp.float32 else jax.lax.convert_element_type(v, jnp.float32)
+
+  def read(node):
+    if not isinstance(node, scaling.ScaleState):
+      return f32(node)
+    scale = f32(node.scale)
+    return scaling.ScaleState(f32(node.amax_history), jnp.where(scale > 0, scale, jnp.float32(1.0)))
+
+  return jax.tree.map(read, tree, is_leaf=lambda n: isinstance(n, scaling.ScaleState))
 
 
 def state_like(tree, ref):

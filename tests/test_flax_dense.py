@@ -6,7 +6,7 @@
 - Training: an MLP classifier in FP8 reaches the BF16 loss; a BF16 checkpoint (params only) loads into an FP8 model;
   the full variables round-trip through orbax; nn.scan over layers keeps one FP8 state per layer.
 - FP8 state updates of a module applied twice, and of micro-batches combined with accumulate_gradients: the larger
-  amax and its scale.
+  amax and its scale; a module left unused in a step starts over from a fresh state.
 """
 
 import doctest
@@ -399,6 +399,33 @@ def test_accumulated_micro_batches_give_the_full_batchs_state():
   assert float(summed[FP8]["x_scale"]) * float(jnp.abs(x).max()) > 448.0  # what the plain sum would do
   with pytest.raises(ValueError, match="not an FP8 amax history or scale"):
     te_flax.accumulate_gradients({FP8: {"other": jnp.ones(2)}}, {FP8: {"other": jnp.ones(2)}})
+
+
+def test_module_left_unused_in_a_step_starts_over():
+  """A module a train step does not apply gets a zero gradient for its FP8 state, which apply_gradients writes over
+  it (scale 0). Its next application acts as with a fresh state (history 0, scale 1), bit for bit, not with NaNs."""
+
+  class Optional(nn.Module):
+    @nn.compact
+    def __call__(self, x, use_b: bool):
+      y = te_flax.DenseGeneral(16, dtype=jnp.float32, name="a")(x)
+      return te_flax.DenseGeneral(16, dtype=jnp.float32, name="b")(y) if use_b else y
+
+  model, x = Optional(), _x(shape=(8, 32))
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    v = model.init(jax.random.key(1), x, True)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=v, tx=optax.sgd(1e-3))
+    for use_b in (True, False):
+      state = state.apply_gradients(grads=jax.grad(lambda p, u=use_b: jnp.sum(model.apply(p, x, u)))(state.params))
+    wiped = state.params[FP8]["b"]
+    assert float(wiped["x_scale"]) == 0.0 and not np.any(np.asarray(wiped["x_amax_history"]))
+    fresh = {**state.params, FP8: {**state.params[FP8], "b": v[FP8]["b"]}}
+    y, g = jax.value_and_grad(lambda p: jnp.sum(model.apply(p, x, True)))(state.params)
+    y_fresh, g_fresh = jax.value_and_grad(lambda p: jnp.sum(model.apply(p, x, True)))(fresh)
+  assert np.isfinite(float(y))
+  assert float(y) == float(y_fresh)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_fresh), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_docstring_examples():
