@@ -68,16 +68,10 @@ def scale_update_ref(*args, config: ScaleUpdateConfig) -> list[jax.Array]:
 # ---- primitive ---------------------------------------------------------------------------------------------------
 
 
-def _varying(*avals):
-  """The first of ``avals`` that varies over manual mesh axes (inside ``shard_map``), else the first."""
-  return next((a for a in avals if not a.manual_axis_type.empty), avals[0])
-
-
 def _abstract_eval(*avals, config: ScaleUpdateConfig):
   n = config.count
-  likes = [_varying(avals[2 * n + i], avals[i], avals[n + i]) for i in range(n)]
-  return ([output_aval(like, avals[i].shape, jnp.float32) for i, like in enumerate(likes)]
-          + [output_aval(like, (), jnp.float32) for like in likes])
+  like = avals[0]  # Op.bind has cast every operand to vary over the same manual axes
+  return [output_aval(like, a.shape, jnp.float32) for a in avals[:n]] + [output_aval(like, (), jnp.float32)] * n
 
 
 def _attributes(config: ScaleUpdateConfig) -> dict:
