@@ -1,10 +1,10 @@
 """te_jax's layers inside ``jax.shard_map`` on 8 CPU devices (forced in conftest.py).
 
-A train step written per device (data parallel: replicated parameters, batch-sharded input; tensor parallel:
-column- and row-sharded kernels; FSDP: kernels all-gathered where used) must give what the same step gives under ``jax.jit`` on the global arrays: the
-outputs, the parameter gradients (summed over the batch shards by the cast of each replicated weight to the input's
-varying axes, as jax's own ops do) and the FP8 scales, which are those of the whole tensors (delayed-scaling states
-from the max-reduced amaxes, current scaling from the whole tensor's amax).
+A train step written per device (data parallel: replicated parameters, batch-sharded input; tensor parallel: column- and
+row-sharded kernels; FSDP: kernels all-gathered where used) must give what the same step gives under ``jax.jit`` on the
+global arrays: the outputs, the parameter gradients (summed over the batch shards by the cast of each replicated weight
+to the input's varying axes, as jax's own ops do) and the FP8 scales, which are those of the whole tensors
+(delayed-scaling states from the max-reduced amaxes, current scaling from the whole tensor's amax).
 """
 
 import functools

@@ -68,13 +68,13 @@ constexpr bool HoldsChunk() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN == 1;
 }
 
-// Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are
-// copied in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is
-// reduced: kStages - 1 rows in flight), then (LayerNorm, unless HoldsChunk) the thread's dbeta accumulators, kept
-// here rather than in registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the
-// total stays within 96 KiB at 512 threads (two such blocks per SM), else two. With dres (kRes), its rows join the ring where a
-// two-stage ring of the three still lets BwdMinBlocks blocks share an SM (kResRing); otherwise each thread loads
-// its dres chunks from global memory in the normalize pass.
+// Shared memory of the fast backward kernel, per thread: a ring of kStages rows of x and dz (the next rows are copied
+// in with cp.async, 16 bytes per copy, each thread its own chunks, so no barrier, while the current row is reduced:
+// kStages - 1 rows in flight), then (LayerNorm, unless HoldsChunk) the thread's dbeta accumulators, kept here rather
+// than in registers so that 2 blocks of 512 threads fit an SM without spills. Three stages where the total stays within
+// 96 KiB at 512 threads (two such blocks per SM), else two. With dres (kRes), its rows join the ring where a two-stage
+// ring of the three still lets BwdMinBlocks blocks share an SM (kResRing); otherwise each thread loads its dres chunks
+// from global memory in the normalize pass.
 template <typename T, typename Tdz, bool kRms, bool kRes, int kN>
 struct BwdSmem {
   static constexpr int kWx = Chunk<T>::kWords;    // uint4 per chunk of x (and of dres) ...
