@@ -5,13 +5,18 @@ tokens). Reports the held-out loss, tokens per second and memory of both.
 Both runs start from the same parameters and see the same batches; the only difference is
 ``te_jax.autocast(enabled=..., recipe=DelayedScaling())`` around the train step.
 
-    python examples/train_lm.py                     # sizes picked for the machine: tiny on CPU, ~120M params on a GPU
+    python examples/train_lm.py                     # sizes picked for the machine: tiny on CPU, ~100M params on a GPU
     python examples/train_lm.py --size small --steps 50
+    python examples/train_lm.py --seeds 3 --fast-accumulation   # mean of 3 seeds; one more FP8 run, fast accumulation
+
+A single short run's loss gap moves by a few percent with the seed (the loss still falls fast at a few hundred steps),
+so compare means over seeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sysconfig
 import time
@@ -84,39 +89,46 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
     yield window[:, :-1], window[:, 1:]
 
 
-def train(fp8: bool, model, params, train_data, eval_data, batch, seq, steps, lr):
-  rec = recipe.DelayedScaling(amax_history_len=16) if fp8 else None
+def trainer(rec, model, params, batch, seq, steps, lr):
+  """The compiled train step of one run (``rec``: its FP8 recipe, None for BF16), a maker of its start state from
+  parameters, its compiled loss, and the step's XLA temp memory. Compiled once, run for every seed."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10)
-  with te_jax.autocast(enabled=fp8, recipe=rec):
-    variables = model.init(jax.random.key(0), jnp.zeros((batch, seq), jnp.int32))
-    variables = {**variables, "params": params}
-    state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
-                                          tx=optax.chain(optax.clip_by_global_norm(1.0),
-                                                         optax.adamw(schedule, weight_decay=0.01)))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  zeros = jnp.zeros((batch, seq), jnp.int32)
+  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+    variables = model.init(jax.random.key(0), zeros)  # the FP8 state (if any) starts fresh in every run
+
+    def new_state(params):
+      return train_state.TrainState.create(apply_fn=model.apply, params={**variables, "params": params}, tx=tx)
 
     def loss_fn(v, x, y):
       logits = model.apply(v, x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    @jax.jit
     def step(state, x, y):
       loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
       return state.apply_gradients(grads=grads), loss
 
-    evaluate = jax.jit(loss_fn)
-    data = batches(train_data, batch, seq, seed=1)
-    x0, y0 = next(data)
-    compiled = step.lower(state, x0, y0).compile()
-    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
-    times, losses = [], []
-    for i in range(steps):
-      x, y = (x0, y0) if i == 0 else next(data)
-      t0 = time.perf_counter()
-      state, loss = step(state, x, y)
-      losses.append(float(loss))  # synchronizes
-      times.append(time.perf_counter() - t0)
-    eval_batches = batches(eval_data, batch, seq, seed=2)
-    eval_loss = float(np.mean([float(evaluate(state.params, *next(eval_batches))) for _ in range(8)]))
+    state = new_state(params)
+    step = jax.jit(step).lower(state, zeros, zeros).compile()
+    evaluate = jax.jit(loss_fn).lower(state.params, zeros, zeros).compile()
+  return new_state, step, evaluate, step.memory_analysis().temp_size_in_bytes
+
+
+def train(run, params, train_data, eval_data, batch, seq, steps, seed):
+  """``steps`` steps of ``run`` (a ``trainer``) from ``params`` on the batches of ``seed``."""
+  new_state, step, evaluate, temp_bytes = run
+  state = new_state(params)
+  data = batches(train_data, batch, seq, seed=1 + seed)
+  times, losses = [], []
+  for _ in range(steps):
+    x, y = next(data)
+    t0 = time.perf_counter()
+    state, loss = step(state, x, y)
+    losses.append(float(loss))  # synchronizes
+    times.append(time.perf_counter() - t0)
+  eval_batches = batches(eval_data, batch, seq, seed=2)  # the same held-out batches for every run and seed
+  eval_loss = float(np.mean([float(evaluate(state.params, *next(eval_batches))) for _ in range(8)]))
   step_s = float(np.median(times[1:] if steps > 1 else times))
   return {
       "train_loss": float(np.mean(losses[-max(1, steps // 10):])),
@@ -132,7 +144,13 @@ def main():
   parser.add_argument("--size", choices=sorted(SIZES), default=None)
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="repeat with this many seeds (parameter init and batch order); the table shows means")
+  parser.add_argument("--fast-accumulation", action="store_true",
+                      help="also train with FP8 fast accumulation in all three GEMMs of each layer")
   args = parser.parse_args()
+  if args.seeds < 1:
+    parser.error(f"--seeds must be at least 1, got {args.seeds}")
   on_gpu = jax.default_backend() == "gpu"
   size = args.size or ("large" if on_gpu else "small")
   steps = args.steps or (400 if on_gpu else 60)
@@ -140,24 +158,39 @@ def main():
   train_data, eval_data = load_corpus(32 << 20 if on_gpu else 4 << 20)
 
   model = LM(hidden, layers, heads, mlp)
-  params = model.init(jax.random.key(0), jnp.zeros((batch, seq), jnp.int32))["params"]
-  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  init = [model.init(jax.random.key(s), jnp.zeros((batch, seq), jnp.int32))["params"] for s in range(args.seeds)]
+  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(init[0]))
   print(f"te_jax {te_jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}): byte-level LM, "
         f"{layers} layers x {hidden} hidden, {heads} heads, mlp {mlp}, {n_params / 1e6:.1f}M params; batch {batch} x "
-        f"{seq} tokens, {steps} steps; corpus: {len(train_data) / 1e6:.1f} MB of Python standard library source")
-  results = {name: train(name == "FP8", model, params, train_data, eval_data, batch, seq, steps, args.lr)
-             for name in ("BF16", "FP8")}
+        f"{seq} tokens, {steps} steps, {args.seeds} seed(s); corpus: {len(train_data) / 1e6:.1f} MB of Python "
+        "standard library source")
+  delayed = recipe.DelayedScaling(amax_history_len=16)
+  recipes = {"BF16": None, "FP8": delayed}
+  if args.fast_accumulation:
+    fast = recipe.MMParams(use_split_accumulator=False)
+    recipes["FP8 fast"] = dataclasses.replace(delayed, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+  per_seed = {}
+  for name, rec in recipes.items():
+    run = trainer(rec, model, init[0], batch, seq, steps, args.lr)
+    per_seed[name] = [train(run, init[s], train_data, eval_data, batch, seq, steps, s) for s in range(args.seeds)]
+  results = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in per_seed.items()}
 
-  print("\n| run  | train loss | held-out loss | tokens/s | step (ms) | XLA temp memory (MiB) |")
-  print("|------|-----------:|--------------:|---------:|----------:|----------------------:|")
+  print("\n| run      | train loss | held-out loss | tokens/s | step (ms) | XLA temp memory (MiB) |")
+  print("|----------|-----------:|--------------:|---------:|----------:|----------------------:|")
   for name, r in results.items():
-    print(f"| {name:<4} | {r['train_loss']:10.4f} | {r['eval_loss']:13.4f} | {r['tokens_per_s']:8,.0f} | "
+    print(f"| {name:<8} | {r['train_loss']:10.4f} | {r['eval_loss']:13.4f} | {r['tokens_per_s']:8,.0f} | "
           f"{r['step_ms']:9.2f} | {r['temp_mib']:21.1f} |")
-  bf16, fp8 = results["BF16"], results["FP8"]
-  gap = (fp8["eval_loss"] - bf16["eval_loss"]) / bf16["eval_loss"]
-  print(f"\nFP8 vs BF16: held-out loss {gap:+.2%}, speed {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x, "
-        f"temp memory {fp8['temp_mib'] / max(bf16['temp_mib'], 1e-9):.2f}x"
-        + ("" if on_gpu else "  (CPU: FP8 is emulated, so speed is not the point here)"))
+  bf16 = results["BF16"]
+  for name in recipes:
+    if name == "BF16":
+      continue
+    r = results[name]
+    gaps = [(f["eval_loss"] - b["eval_loss"]) / b["eval_loss"] for f, b in zip(per_seed[name], per_seed["BF16"])]
+    spread = f" (per seed: {', '.join(f'{g:+.2%}' for g in gaps)})" if len(gaps) > 1 else ""
+    memory = r["temp_mib"] / max(bf16["temp_mib"], 1e-9)
+    print(f"{name} vs BF16: held-out loss {float(np.mean(gaps)):+.2%}{spread}, speed "
+          f"{r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x, temp memory {memory:.2f}x"
+          + ("" if on_gpu else "  (CPU: FP8 is emulated, so speed is not the point here)"))
 
 
 if __name__ == "__main__":

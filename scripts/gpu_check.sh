@@ -6,9 +6,9 @@
 #   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example;
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
-#                                             # LM_ARGS for train_lm.py; ncu, Nsight Compute counters of the
-#                                             # kernels of benchmarks/kernel_metrics.py: NCU_KERNELS, NCU_SKIP,
-#                                             # NCU_SECTIONS)
+#                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; ncu, Nsight
+#                                             # Compute counters of the kernels of benchmarks/kernel_metrics.py:
+#                                             # NCU_KERNELS, NCU_SKIP, NCU_SECTIONS)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -109,7 +109,8 @@ want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters} \
    --print-details all \
    python3 benchmarks/kernel_metrics.py"
-want lm && step "LM (BF16 vs FP8 TransformerLayers)" 240 demo.log 12 "python3 examples/train_lm.py ${LM_ARGS:-}"
+want lm && step "LM (BF16 vs FP8 TransformerLayers)" "${LM_S:-240}" demo.log 16 \
+  "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
 fi
