@@ -114,3 +114,9 @@ def assert_column_sums_close(dbias, x):
   err = np.abs(d[finite] - exact[finite])
   worst = np.argmax(err - bound[finite]) if err.size else 0
   assert np.all(err <= bound[finite]), f"dbias: error {err[worst]} over the bound {bound[finite][worst]}"
+
+
+def rel_error(a, b) -> float:
+  """||a - b|| / ||b|| in float64 (0-norm ``b`` guarded)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

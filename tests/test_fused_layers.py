@@ -16,6 +16,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
+from conftest import rel_error
 
 RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
 ACTS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
@@ -44,11 +45,6 @@ def _mlp_ref(x, gamma, beta, k1, k2, b1, b2, act):
   return a @ k2 + b2
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _loss(fn):
   return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) ** 2)
 
@@ -59,12 +55,12 @@ def test_mlp_high_precision_matches_reference(act):
   x = args[0].astype(jnp.float32)
   ours = te_jax.layernorm_mlp(x, *args[1:], activation_type=act)
   ref = _mlp_ref(x, *args[1:], act)
-  assert _rel(ours, ref) < 1e-5  # float32 throughout; only summation order differs
+  assert rel_error(ours, ref) < 1e-5  # float32 throughout; only summation order differs
   g_ours = jax.grad(_loss(lambda *a: te_jax.layernorm_mlp(*a, activation_type=act)), argnums=tuple(range(7)))(x,
                                                                                                            *args[1:])
   g_ref = jax.grad(_loss(lambda *a: _mlp_ref(*a, act)), argnums=tuple(range(7)))(x, *args[1:])
   for a, b in zip(g_ours, g_ref):
-    assert _rel(a, b) < 1e-4
+    assert rel_error(a, b) < 1e-4
 
 
 @pytest.mark.parametrize("rec", list(RECIPES), ids=list(RECIPES))
@@ -92,7 +88,7 @@ def test_mlp_fp8_close_to_high_precision_and_updates_state(act, rec):
   # FP8 E4M3 forward / E5M2 backward over a 64/128-wide block: a few percent (a wrong scale or layout is >> 10%).
   assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 0.03
   for a, b in zip(grads[:7], ref_grads[:7]):
-    assert _rel(a, b) < 0.15
+    assert rel_error(a, b) < 0.15
 
 
 def test_mlp_fp8_program_runs_the_fused_kernels_and_saves_fp8():
@@ -128,7 +124,7 @@ def test_layernorm_dense_fp8_with_layernorm_output(rec):
   if rec == "delayed":  # the first step ran at scale 1; the second uses the state it left
     ours = grad(x, gamma, beta, kernel, ours[4], RECIPES[rec])
   for a, b in zip(ours[:4], ref):
-    assert _rel(a, b) < 0.15
+    assert rel_error(a, b) < 0.15
 
 
 def test_argument_errors():
@@ -271,7 +267,7 @@ def test_gpu_mlp_matches_cpu_path(act, rec, gpu):
   loss_cpu, grads_cpu = grad(*jax.device_put((*args, *metas), cpu))
   assert abs(float(loss_gpu) - float(loss_cpu)) / float(loss_cpu) < 5e-3
   for i, (a, b) in enumerate(zip(grads_gpu[:7], grads_cpu[:7])):
-    assert _rel(a, b) < 0.1, (i, _rel(a, b))
+    assert rel_error(a, b) < 0.1, (i, rel_error(a, b))
   for a, b in zip(jax.tree.leaves(grads_gpu[7:9]), jax.tree.leaves(grads_cpu[7:9])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.1)
 
@@ -315,7 +311,7 @@ def test_gpu_layernorm_mlp_module_matches_plain_flax(fp8, gpu):
   pairs = ((gp["wi_kernel"][:, 0, :], g_ref["fc1"]["kernel"]), (gp["wo_kernel"], g_ref["fc2"]["kernel"]),
            (gp["scale"], g_ref["ln"]["scale"]), (gp["wo_bias"], g_ref["fc2"]["bias"]))
   for a, b in pairs:
-    assert _rel(a, b) < tol, [_rel(a, b) for a, b in pairs]
+    assert rel_error(a, b) < tol, [rel_error(a, b) for a, b in pairs]
 
 
 @pytest.mark.parametrize("module", ["te_jax.layernorm_dense", "te_jax.layernorm_mlp"])

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
+from conftest import rel_error
 from test_sharding import all_reduces
 
 RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
@@ -35,11 +36,6 @@ def _rows_of_many_scales(shape, seed):
   return jnp.asarray(rng.standard_normal(shape) * rows, jnp.float32)
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _assert_close_trees(got, want, fp8: bool, what: str):
   """float32 within summation-order rounding (relative to each tensor's largest element); under FP8 an E5M2 gradient
   element may flip by a quarter of its value where such a difference crosses a rounding boundary (~1e-5 in norm),
@@ -47,7 +43,7 @@ def _assert_close_trees(got, want, fp8: bool, what: str):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
     name = f"{what}{jax.tree_util.keystr(path)}"
     if fp8:
-      assert _rel(a, b) < 1e-3, (name, _rel(a, b))
+      assert rel_error(a, b) < 1e-3, (name, rel_error(a, b))
     else:
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))), err_msg=name)
 
@@ -213,8 +209,8 @@ def test_model_parallel_mlp_matches_jit(recipe, layout):
                              mesh=_mesh(shape, names), in_specs=(P("data"), *kernel_specs, P()),
                              out_specs=(P("data"), (*kernel_specs, P())))
   y_sm, (d1_sm, d2_sm, m_sm) = jax.jit(per_device)(x, w1, w2, metas)
-  assert _rel(y_sm, y_jit) < 1e-3, _rel(y_sm, y_jit)  # an E4M3 rounding of the hidden layer may flip
-  assert _rel(d1_sm, d1_jit) < 1e-3 and _rel(d2_sm, d2_jit) < 1e-3, (_rel(d1_sm, d1_jit), _rel(d2_sm, d2_jit))
+  assert rel_error(y_sm, y_jit) < 1e-3, rel_error(y_sm, y_jit)  # an E4M3 rounding of the hidden layer may flip
+  assert rel_error(d1_sm, d1_jit) < 1e-3 and rel_error(d2_sm, d2_jit) < 1e-3, (rel_error(d1_sm, d1_jit), rel_error(d2_sm, d2_jit))
   if recipe == "delayed":
     for a, b in zip(jax.tree.leaves(m_sm), jax.tree.leaves(m_jit), strict=True):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
@@ -265,5 +261,5 @@ def test_gpu_layer_step_in_shard_map_matches_jit(gpu, fp8_dpa):
   for t in ("te_gemm_cuda", "te_norm_fwd_cuda", "te_norm_bwd_cuda", "te_act_fwd_cuda", "te_act_bwd_cuda"):
     assert t in targets, (t, sorted(targets))
   assert ("__cudnn$fmhaSoftmaxF8" in targets) == fp8_dpa, sorted(targets)
-  assert _rel(np.asarray(y_sm, np.float32), np.asarray(y_jit, np.float32)) < 1e-3
+  assert rel_error(np.asarray(y_sm, np.float32), np.asarray(y_jit, np.float32)) < 1e-3
   _assert_close_trees(g_sm, g_jit, True, "")

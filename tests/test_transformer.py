@@ -17,11 +17,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+from conftest import rel_error
 
 
 # ---- plain jnp reference layer --------------------------------------------------------------------------------------
@@ -110,11 +106,11 @@ def test_layer_matches_reference_float32(kv_heads, rope):
   v = layer.init(jax.random.key(1), x, deterministic=True)
   ours = layer.apply(v, x, deterministic=True)
   ref = _layer_ref(v["params"], x, 4, kv_heads, rope=rope)
-  assert _rel(ours, ref) < 1e-5
+  assert rel_error(ours, ref) < 1e-5
   g = jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2))(v)["params"]
   g_ref = jax.grad(lambda p: jnp.sum(_layer_ref(p, x, 4, kv_heads, rope=rope) ** 2))(v["params"])
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-    assert _rel(a, b) < 1e-4
+    assert rel_error(a, b) < 1e-4
 
 
 def _norm_ref(x, prm, rms: bool, zero_centered: bool, eps=1e-6):
@@ -162,11 +158,11 @@ def test_layer_options_match_reference(options):
   keys = jax.random.split(jax.random.key(32), len(leaves))
   v = {"params": jax.tree.unflatten(tree, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)])}
   ref = functools.partial(_options_layer_ref, **options)
-  assert _rel(layer.apply(v, x, deterministic=True), ref(v["params"], x)) < 1e-5
+  assert rel_error(layer.apply(v, x, deterministic=True), ref(v["params"], x)) < 1e-5
   g = jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2))(v)["params"]
   g_ref = jax.grad(lambda p: jnp.sum(ref(p, x) ** 2))(v["params"])
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-    assert _rel(a, b) < 1e-4
+    assert rel_error(a, b) < 1e-4
 
 
 def test_post_norm_residuals_with_cross_attention_match_reference():
@@ -185,7 +181,7 @@ def test_post_norm_residuals_with_cross_attention_match_reference():
     z = _ln(x, m["scale"], m["ln_bias"])
     return jax.nn.gelu(z @ m["wi_kernel"][:, 0, :], approximate=True) @ m["wo_kernel"] + z
 
-  assert _rel(layer.apply(v, x, encoded, deterministic=True), ref(v["params"], x)) < 1e-5
+  assert rel_error(layer.apply(v, x, encoded, deterministic=True), ref(v["params"], x)) < 1e-5
 
 
 def test_cross_attention_and_padding_mask_match_reference():
@@ -197,7 +193,7 @@ def test_cross_attention_and_padding_mask_match_reference():
   assert sorted(v["params"]) == ["kv", "out", "query"]
   ours = mha.apply(v, x, enc, mask, deterministic=True)
   ref = _mha_ref(v["params"], x, 4, 2, causal=False, kv=enc, mask=mask)
-  assert _rel(ours, ref) < 1e-5
+  assert rel_error(ours, ref) < 1e-5
 
 
 def test_post_ln_layer_matches_reference():
@@ -211,7 +207,7 @@ def test_post_ln_layer_matches_reference():
           p["self_attention_layernorm"]["scale"], p["self_attention_layernorm"]["bias"])
   m = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", h, p["wi"]["kernel"][:, 0, :]), approximate=True) @ p["wo"]["kernel"]
   ref = _ln(h + m, p["mlp_layernorm"]["scale"], p["mlp_layernorm"]["bias"])
-  assert _rel(layer.apply(v, x, deterministic=True), ref) < 1e-5
+  assert rel_error(layer.apply(v, x, deterministic=True), ref) < 1e-5
 
 
 def test_transpose_batch_sequence_is_the_same_layer():
@@ -479,7 +475,7 @@ def test_gpu_fp8_layer_runs_fused_kernels_and_matches_cpu(gpu):
     l_cpu, g_cpu = grad_cpu(*jax.device_put((v, x), cpu))
   assert abs(float(l_gpu) - float(l_cpu)) / float(l_cpu) < 2e-2
   for a, b in zip(jax.tree.leaves(g_gpu["params"]), jax.tree.leaves(g_cpu["params"])):
-    assert _rel(a, b) < 0.15
+    assert rel_error(a, b) < 0.15
 
 
 @pytest.mark.gpu
@@ -490,7 +486,7 @@ def test_gpu_bf16_layer_matches_reference(gpu):
   v = layer.init(jax.random.key(20), x, deterministic=True)
   ours = jax.jit(lambda v, x: layer.apply(v, x, deterministic=True))(v, x)
   ref = _layer_ref(jax.device_get(v["params"]), np.asarray(x, np.float32), 2, 1, rope=True)
-  assert _rel(ours, ref) < 2e-2
+  assert rel_error(ours, ref) < 2e-2
 
 
 # ---- FP8 attention through the recipe --------------------------------------------------------------------------------
@@ -548,7 +544,7 @@ def _assert_same_step(y, grads, y_ref, grads_ref, fp8: bool):
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
     if fp8:
-      assert _rel(a, b) < 1e-3, _rel(a, b)
+      assert rel_error(a, b) < 1e-3, rel_error(a, b)
     else:
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
