@@ -3,7 +3,8 @@ side, on a real text corpus that is on every machine: the Python standard librar
 tokens). Reports the held-out loss, tokens per second and memory of both.
 
 Both runs start from the same parameters and see the same batches; the only difference is
-``te_jax.autocast(enabled=..., recipe=DelayedScaling())`` around the train step.
+``te_jax.autocast(enabled=..., recipe=DelayedScaling())`` around the train step, and ``te_jax.flax.calibrate`` before
+the first step (which gives the FP8 state its first amaxes; it returns BF16 variables as they are).
 
     python examples/train_lm.py                     # sizes picked for the machine: tiny on CPU, ~100M params on a GPU
     python examples/train_lm.py --size small --steps 50
@@ -89,27 +90,35 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
     yield window[:, :-1], window[:, 1:]
 
 
-def trainer(rec, model, params, batch, seq, steps, lr):
+def trainer(rec, model, batch, seq, steps, lr):
   """The compiled train step of one run (``rec``: its FP8 recipe, None for BF16), a maker of its start state from
-  parameters, its compiled loss, and the step's XLA temp memory. Compiled once, run for every seed."""
+  parameters and the first batch, its compiled loss, and the step's XLA temp memory. Compiled once, run for every
+  seed."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   zeros = jnp.zeros((batch, seq), jnp.int32)
-  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+
+  def fp8():
+    return te_jax.autocast(enabled=rec is not None, recipe=rec)
+
+  with fp8():
     variables = model.init(jax.random.key(0), zeros)  # the FP8 state (if any) starts fresh in every run
 
-    def new_state(params):
-      return train_state.TrainState.create(apply_fn=model.apply, params={**variables, "params": params}, tx=tx)
+  def loss_fn(v, x, y):
+    logits = model.apply(v, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def loss_fn(v, x, y):
-      logits = model.apply(v, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  def new_state(params, x, y):
+    with fp8():  # FP8: the first step's scales from a pass over its batch (a fresh state's are 1); BF16: a no-op
+      v = te_flax.calibrate(loss_fn, {**variables, "params": params}, x, y)
+    return train_state.TrainState.create(apply_fn=model.apply, params=v, tx=tx)
 
-    def step(state, x, y):
-      loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
-      return state.apply_gradients(grads=grads), loss
+  def step(state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
 
-    state = new_state(params)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  with fp8():
     step = jax.jit(step).lower(state, zeros, zeros).compile()
     evaluate = jax.jit(loss_fn).lower(state.params, zeros, zeros).compile()
   return new_state, step, evaluate, step.memory_analysis().temp_size_in_bytes
@@ -118,11 +127,13 @@ def trainer(rec, model, params, batch, seq, steps, lr):
 def train(run, params, train_data, eval_data, batch, seq, steps, seed):
   """``steps`` steps of ``run`` (a ``trainer``) from ``params`` on the batches of ``seed``."""
   new_state, step, evaluate, temp_bytes = run
-  state = new_state(params)
   data = batches(train_data, batch, seq, seed=1 + seed)
+  x, y = next(data)
+  state = new_state(params, x, y)
   times, losses = [], []
-  for _ in range(steps):
-    x, y = next(data)
+  for i in range(steps):
+    if i:
+      x, y = next(data)
     t0 = time.perf_counter()
     state, loss = step(state, x, y)
     losses.append(float(loss))  # synchronizes
@@ -171,7 +182,7 @@ def main():
     recipes["FP8 fast"] = dataclasses.replace(delayed, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
   per_seed = {}
   for name, rec in recipes.items():
-    run = trainer(rec, model, init[0], batch, seq, steps, args.lr)
+    run = trainer(rec, model, batch, seq, steps, args.lr)
     per_seed[name] = [train(run, init[s], train_data, eval_data, batch, seq, steps, s) for s in range(args.seeds)]
   results = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in per_seed.items()}
 

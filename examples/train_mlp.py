@@ -66,11 +66,15 @@ def train(fp8: bool, model, params, teacher, batch, features, steps, lr):
   with te_jax.autocast(enabled=fp8, recipe=rec):
     variables = model.init(jax.random.key(0), jnp.zeros((batch, features), jnp.bfloat16))
     variables = {**variables, "params": params}  # same starting point for both runs
-    state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adamw(lr))
 
     def loss_fn(v, x, y):
       logits = model.apply(v, x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+    # FP8: the first step's scales from a pass over its batch (a fresh state's scales are 1); BF16: a no-op
+    variables = te_flax.calibrate(loss_fn, variables, *batch_of(teacher, jax.random.fold_in(data_key, 0), batch,
+                                                                 features), has_aux=True)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adamw(lr))
 
     @jax.jit
     def step(state, i):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from te_jax import scaling
 from te_jax._manual_axes import max_over_shards, varying_axes
+from te_jax.autocast import get_autocast_state
 from te_jax.ops.gemm import gemm
 from te_jax.ops.quantize import Quantized, amax, group_parts, quantize
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
@@ -66,12 +67,15 @@ class Fp8Config:
   # Inside shard_map: the manual axes the kernel varies over as the caller passed it, before the layer cast it to
   # vary like its input (a replicated weight's current-scaling amax needs no reduction over the batch shards).
   kernel_axes: frozenset[str] | None = None
+  # A calibration pass (``te_jax.autocast.calibration_pass``): a delayed recipe's tensors are cast by their own amax.
+  calibrating: bool = False
 
   @classmethod
   def of(cls, recipe: Recipe, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> "Fp8Config":
     """The config of the GEMM of layer input ``x`` with ``kernel`` (and ``bias``), as the layer's caller passed them."""
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
-    return cls(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel))
+    return cls(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel),
+               get_autocast_state().calibrating)
 
   @property
   def has_bias(self) -> bool:
@@ -79,7 +83,9 @@ class Fp8Config:
 
   @property
   def delayed(self) -> bool:
-    return isinstance(self.recipe, DelayedScaling)
+    """Whether the tensors are cast with the scales of a delayed-scaling state (known before the cast, so the
+    kernel that produces a tensor can cast it too). A calibration pass keeps the state but not its scales."""
+    return isinstance(self.recipe, DelayedScaling) and not self.calibrating
 
   @property
   def fwd_dtype(self):

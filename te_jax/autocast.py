@@ -14,7 +14,7 @@ import jax
 
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
-__all__ = ["MeshResource", "AutocastState", "autocast", "get_autocast_state", "check_fp8_support"]
+__all__ = ["MeshResource", "AutocastState", "autocast", "calibration_pass", "get_autocast_state", "check_fp8_support"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,8 @@ class AutocastState:
   recipe: Recipe | None = None
   mesh_resource: MeshResource = MeshResource()
   allow_emulation: bool = False
+  # Inside ``calibration_pass``: delayed-scaling tensors are cast by their own amax, the state still updated.
+  calibrating: bool = False
 
   @property
   def fp8_recipe(self) -> Recipe | None:
@@ -114,5 +116,15 @@ def autocast(
   if enabled:
     check_fp8_support(allow_emulation)
   state = AutocastState(bool(enabled), recipe, mesh_resource, bool(allow_emulation))
+  with _STATE(state):
+    yield state
+
+
+@contextlib.contextmanager
+def calibration_pass() -> Iterator[AutocastState]:
+  """Inside (within an FP8 ``autocast``): every tensor a ``DelayedScaling`` state would scale is cast by its own
+  amax instead (current scaling), and the state is updated with the amaxes as in a train step. For
+  ``te_jax.flax.calibrate``: the pass that gives a fresh state its first amaxes."""
+  state = dataclasses.replace(get_autocast_state(), calibrating=True)
   with _STATE(state):
     yield state

@@ -428,6 +428,83 @@ def test_module_left_unused_in_a_step_starts_over():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class _Stack(nn.Module):
+  """A LayerNormDenseGeneral, a LayerNormMLP and a DenseGeneral: the fused paths and the plain one."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = te_flax.LayerNormDenseGeneral(64, dtype=jnp.float32, name="ln_dense")(x)
+    x = x + te_flax.LayerNormMLP(intermediate_dim=128, dtype=jnp.float32, name="mlp")(x)
+    return te_flax.DenseGeneral(32, dtype=jnp.float32, name="out")(x)
+
+
+def _mean_loss(v, x, model=_Stack()):
+  return jnp.mean(model.apply(v, x) ** 2)
+
+
+def _check_calibrated_first_step(device):
+  x = jax.device_put(_x(shape=(512, 32)), device)
+  model, rec = _Stack(), DelayedScaling(amax_history_len=4)
+  grad = jax.jit(jax.grad(_mean_loss))
+  with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
+    params = model.init(jax.random.key(0), x)["params"]
+    want = grad({"params": params}, x)["params"]
+  with te_jax.autocast(enabled=True, recipe=rec):
+    fresh = {**model.init(jax.random.key(1), x), "params": params}
+    calibrated = te_flax.calibrate(_mean_loss, fresh, x)
+    got = grad(calibrated, x)["params"]
+    uncalibrated = grad(fresh, x)["params"]
+  assert_trees_equal(calibrated["params"], params)
+  assert_trees_equal(got, want)
+  assert not np.array_equal(np.asarray(uncalibrated["ln_dense"]["kernel"]), np.asarray(want["ln_dense"]["kernel"]))
+
+
+def test_calibrated_first_step_is_the_current_scaling_step():
+  """After ``calibrate`` on a batch, a delayed-scaling step on that batch casts every tensor by its own amax: its
+  gradients are those of Float8CurrentScaling, bit for bit, in the norm-fused, MLP and plain GEMMs (a fresh state's
+  differ: its scales of 1 let the gradients of a mean loss underflow E5M2)."""
+  _check_calibrated_first_step(CPU)
+
+
+@pytest.mark.gpu
+def test_calibrated_first_step_is_the_current_scaling_step_on_gpu(gpu):
+  """The same with the CUDA kernels: the calibration pass runs the current-scaling kernels, the step after it the
+  delayed ones (the norm and activation kernels casting straight to FP8)."""
+  _check_calibrated_first_step(gpu)
+
+
+def test_calibrate_records_each_tensors_amax():
+  """One DenseGeneral, loss ``sum(y * c)``: the calibrated histories hold max|x|, max|kernel| and max|c| (the output
+  gradient) in element 0 and zeros behind it, and each scale is fp8_max / amax."""
+  model = te_flax.DenseGeneral(16, dtype=jnp.float32, use_bias=False)
+  x, c = _x(shape=(32, 32)), _x(shape=(32, 16), seed=1) * 1e-4
+
+  def loss(v, x, c):
+    return jnp.sum(model.apply(v, x) * c), "aux"
+
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=HISTORY)):
+    v = model.init(jax.random.key(0), x)
+    state = te_flax.calibrate(loss, v, x, c, has_aux=True)[FP8]
+  for role, tensor, fmt in (("x", x, jnp.float8_e4m3fn), ("kernel", v["params"]["kernel"], jnp.float8_e4m3fn),
+                            ("grad", c, jnp.float8_e5m2)):
+    amax = np.float32(np.abs(np.asarray(tensor)).max())
+    history = np.asarray(state[f"{role}_amax_history"], np.float32)
+    np.testing.assert_array_equal(history, np.r_[amax, np.zeros(HISTORY - 1, np.float32)], err_msg=role)
+    np.testing.assert_allclose(float(state[f"{role}_scale"]), fp8_max(fmt) / amax, rtol=1e-6, err_msg=role)
+
+
+def test_calibrate_leaves_variables_alone_without_delayed_scaling():
+  x, model = _x(shape=(16, 32)), _Stack()
+  variables = model.init(jax.random.key(0), x)
+  assert te_flax.calibrate(_mean_loss, variables, x) is variables  # no autocast: BF16, nothing to calibrate
+  with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
+    assert te_flax.calibrate(_mean_loss, variables, x) is variables
+  with pytest.raises(TypeError, match="fn must be a callable"):
+    te_flax.calibrate(None, variables, x)
+  with pytest.raises(TypeError, match="variables must be the variables dict"):
+    te_flax.calibrate(_mean_loss, [variables], x)
+
+
 def test_docstring_examples():
   import te_jax.flax._fp8_state as module  # noqa: PLC0415
 

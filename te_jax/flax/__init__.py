@@ -2,6 +2,7 @@
 
 from te_jax.flax._fp8_state import FP8_COLLECTION as FP8_COLLECTION
 from te_jax.flax._fp8_state import accumulate_gradients as accumulate_gradients
+from te_jax.flax._fp8_state import calibrate as calibrate
 from te_jax.flax.attention import DotProductAttention as DotProductAttention
 from te_jax.flax.dense import DenseGeneral as DenseGeneral
 from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
