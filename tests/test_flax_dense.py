@@ -22,6 +22,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format
+from conftest import rel_error
 from test_dense import current_scale, dense_reference, fp8_max, quantization_bounds
 
 FP8 = te_flax.FP8_COLLECTION
@@ -442,35 +443,42 @@ def _mean_loss(v, x, model=_Stack()):
   return jnp.mean(model.apply(v, x) ** 2)
 
 
-def _check_calibrated_first_step(device):
+def _calibrated_first_step(device):
+  """Gradients of the first step on one batch: under Float8CurrentScaling, and under DelayedScaling after
+  ``calibrate`` on that batch and without it; the parameters ``calibrate`` returned."""
   x = jax.device_put(_x(shape=(512, 32)), device)
-  model, rec = _Stack(), DelayedScaling(amax_history_len=4)
-  grad = jax.jit(jax.grad(_mean_loss))
+  model, grad = _Stack(), jax.jit(jax.grad(_mean_loss))
   with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
     params = model.init(jax.random.key(0), x)["params"]
-    want = grad({"params": params}, x)["params"]
-  with te_jax.autocast(enabled=True, recipe=rec):
+    current = grad({"params": params}, x)["params"]
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
     fresh = {**model.init(jax.random.key(1), x), "params": params}
     calibrated = te_flax.calibrate(_mean_loss, fresh, x)
-    got = grad(calibrated, x)["params"]
-    uncalibrated = grad(fresh, x)["params"]
-  assert_trees_equal(calibrated["params"], params)
-  assert_trees_equal(got, want)
-  assert not np.array_equal(np.asarray(uncalibrated["ln_dense"]["kernel"]), np.asarray(want["ln_dense"]["kernel"]))
+    assert_trees_equal(calibrated["params"], params)
+    return current, grad(calibrated, x)["params"], grad(fresh, x)["params"]
+
+
+def _leaf_errors(a, b):
+  return [rel_error(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
 
 
 def test_calibrated_first_step_is_the_current_scaling_step():
   """After ``calibrate`` on a batch, a delayed-scaling step on that batch casts every tensor by its own amax: its
-  gradients are those of Float8CurrentScaling, bit for bit, in the norm-fused, MLP and plain GEMMs (a fresh state's
-  differ: its scales of 1 let the gradients of a mean loss underflow E5M2)."""
-  _check_calibrated_first_step(CPU)
+  gradients are those of Float8CurrentScaling, bit for bit, in the norm-fused, MLP and plain GEMMs. A fresh state's
+  are 2-8% off (its scales of 1 let the gradients of a mean loss underflow E5M2)."""
+  current, calibrated, fresh = _calibrated_first_step(CPU)
+  assert_trees_equal(calibrated, current)
+  assert max(_leaf_errors(fresh, current)) > 0.05
 
 
 @pytest.mark.gpu
 def test_calibrated_first_step_is_the_current_scaling_step_on_gpu(gpu):
-  """The same with the CUDA kernels: the calibration pass runs the current-scaling kernels, the step after it the
-  delayed ones (the norm and activation kernels casting straight to FP8)."""
-  _check_calibrated_first_step(gpu)
+  """The same with the CUDA kernels, where the step after the calibration pass casts inside the norm and activation
+  kernels (the pass itself writes their outputs, then quantizes): float32 rounding differs between the two, so the
+  gradients agree to within 1%, not bit for bit, against 2-8% for a fresh state."""
+  current, calibrated, fresh = _calibrated_first_step(gpu)
+  assert max(_leaf_errors(calibrated, current)) < 0.01
+  assert max(_leaf_errors(fresh, current)) > 0.05
 
 
 def test_calibrate_records_each_tensors_amax():
