@@ -63,12 +63,12 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
   scale of 1, whatever its range: the E5M2 gradients of a loss averaged over many tokens (mostly far below 1)
   underflow, the dgrads computed from them give the layers below amaxes that are too small, and the scales take a few
   steps to settle, just when the optimizer's moments are set. On the byte-level LM of ``examples/train_lm.py`` that
-  costs about 5% of held-out loss after 400 steps, against none with this call.
+  left FP8's held-out loss 3-5% above BF16's after 400 steps; with this call, 1% (the GPU's run-to-run spread).
 
   Runs ``jax.grad(fn)(variables, *args)`` once with every FP8 tensor cast by its own amax (current scaling, so each
   amax is the one a calibrated step would see), and returns ``variables`` with the FP8 collection updated from it:
   the amaxes rolled into the histories, the scales derived from them. Parameters are returned unchanged. Outside an
-  FP8 ``autocast`` with ``DelayedScaling``, or without an FP8 collection, ``variables`` come back as they are, so the
+  FP8 ``autocast`` whose recipe is ``DelayedScaling``, or without an FP8 collection, ``variables`` come back as they are, so the
   same code runs in BF16. Jitted here (once per ``fn``), or traced into the caller's ``jax.jit``.
 
   Args:
