@@ -702,3 +702,29 @@ def test_scanned_layer_stack_trains_with_fp8_state_per_layer():
   scales = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(fp8)
             if jax.tree_util.keystr(path).endswith("x_scale']")]
   assert scales and all(s.shape == (3,) and np.all(s != 1.0) for s in scales)  # every layer's scales moved
+
+
+def test_calibrate_fills_every_scanned_layers_state():
+  """``te_flax.calibrate`` through nn.scan: each layer's every history gets one amax (element 0, the rest zero) and
+  the scale fp8_max / amax, layer by layer, and the parameters come back as they were."""
+  x = _x((4, 16, 32), 30, jnp.bfloat16)
+  model = _ScannedStack()
+
+  def loss_fn(v, x):
+    return jnp.mean(model.apply(v, x, rngs={"dropout": jax.random.key(1)}).astype(jnp.float32) ** 2)
+
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    v = model.init({"params": jax.random.key(32), "dropout": jax.random.key(33)}, x)
+    calibrated = te_flax.calibrate(loss_fn, v, x)
+  for a, b in zip(jax.tree.leaves(calibrated["params"]), jax.tree.leaves(v["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  state = {jax.tree_util.keystr(p): np.asarray(leaf, np.float32)
+           for p, leaf in jax.tree_util.tree_leaves_with_path(calibrated[te_jax.FP8_COLLECTION])}
+  histories = [k for k in state if k.endswith("_amax_history']")]
+  assert len(histories) >= 12, sorted(state)  # q/k/v + out, fc1, fc2: x, kernel and grad of each
+  for k in histories:
+    h = state[k]
+    assert h.shape == (3, 4) and np.all(h[:, 0] > 0) and not np.any(h[:, 1:]), (k, h)
+    fmt = jnp.float8_e5m2 if k.endswith("grad_amax_history']") else jnp.float8_e4m3fn
+    scale = state[k.replace("_amax_history']", "_scale']")]
+    np.testing.assert_allclose(scale, float(jnp.finfo(fmt).max) / h[:, 0], rtol=1e-6, err_msg=k)
