@@ -9,6 +9,7 @@ the first step (which gives the FP8 state its first amaxes; it returns BF16 vari
     python examples/train_lm.py                     # sizes picked for the machine: tiny on CPU, ~100M params on a GPU
     python examples/train_lm.py --size small --steps 50
     python examples/train_lm.py --seeds 3 --fast-accumulation   # mean of 3 seeds; one more FP8 run, fast accumulation
+    python examples/train_lm.py --fresh-state       # one more FP8 run, without te_flax.calibrate before the first step
 
 A single short run's loss gap moves by a few percent with the seed (the loss still falls fast at a few hundred steps),
 so compare means over seeds.
@@ -90,10 +91,10 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
     yield window[:, :-1], window[:, 1:]
 
 
-def trainer(rec, model, batch, seq, steps, lr):
+def trainer(rec, model, batch, seq, steps, lr, calibrate=True):
   """The compiled train step of one run (``rec``: its FP8 recipe, None for BF16), a maker of its start state from
-  parameters and the first batch, its compiled loss, and the step's XLA temp memory. Compiled once, run for every
-  seed."""
+  parameters and the first batch (``calibrate``: through ``te_flax.calibrate``), its compiled loss, and the step's XLA
+  temp memory. Compiled once, run for every seed."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   zeros = jnp.zeros((batch, seq), jnp.int32)
@@ -110,7 +111,8 @@ def trainer(rec, model, batch, seq, steps, lr):
 
   def new_state(params, x, y):
     with fp8():  # FP8: the first step's scales from a pass over its batch (a fresh state's are 1); BF16: a no-op
-      v = te_flax.calibrate(loss_fn, {**variables, "params": params}, x, y)
+      v = {**variables, "params": params}
+      v = te_flax.calibrate(loss_fn, v, x, y) if calibrate else v
     return train_state.TrainState.create(apply_fn=model.apply, params=v, tx=tx)
 
   def step(state, x, y):
@@ -159,6 +161,8 @@ def main():
                       help="repeat with this many seeds (parameter init and batch order); the table shows means")
   parser.add_argument("--fast-accumulation", action="store_true",
                       help="also train with FP8 fast accumulation in all three GEMMs of each layer")
+  parser.add_argument("--fresh-state", action="store_true",
+                      help="also train FP8 without te_flax.calibrate: the first step with a fresh state's scales of 1")
   args = parser.parse_args()
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
@@ -180,16 +184,18 @@ def main():
   if args.fast_accumulation:
     fast = recipe.MMParams(use_split_accumulator=False)
     recipes["FP8 fast"] = dataclasses.replace(delayed, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+  if args.fresh_state:
+    recipes["FP8 fresh"] = delayed
   per_seed = {}
   for name, rec in recipes.items():
-    run = trainer(rec, model, batch, seq, steps, args.lr)
+    run = trainer(rec, model, batch, seq, steps, args.lr, calibrate=name != "FP8 fresh")
     per_seed[name] = [train(run, init[s], train_data, eval_data, batch, seq, steps, s) for s in range(args.seeds)]
   results = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in per_seed.items()}
 
-  print("\n| run      | train loss | held-out loss | tokens/s | step (ms) | XLA temp memory (MiB) |")
-  print("|----------|-----------:|--------------:|---------:|----------:|----------------------:|")
+  print("\n| run       | train loss | held-out loss | tokens/s | step (ms) | XLA temp memory (MiB) |")
+  print("|-----------|-----------:|--------------:|---------:|----------:|----------------------:|")
   for name, r in results.items():
-    print(f"| {name:<8} | {r['train_loss']:10.4f} | {r['eval_loss']:13.4f} | {r['tokens_per_s']:8,.0f} | "
+    print(f"| {name:<9} | {r['train_loss']:10.4f} | {r['eval_loss']:13.4f} | {r['tokens_per_s']:8,.0f} | "
           f"{r['step_ms']:9.2f} | {r['temp_mib']:21.1f} |")
   bf16 = results["BF16"]
   for name in recipes:
