@@ -439,6 +439,14 @@ def test_fields_not_asked_for_are_none():
 # ---- argument checks -----------------------------------------------------------------------------------------------
 
 
+def test_transpose_parts_limit_is_the_batched_gemms():
+  """transpose_parts makes the operand of gemm(..., rhs_parts=True): it takes as many parts as that GEMM does."""
+  from te_jax.ops.gemm import MAX_PARTS  # noqa: PLC0415
+  from te_jax.ops.quantize import MAX_TRANSPOSE_PARTS  # noqa: PLC0415
+
+  assert MAX_TRANSPOSE_PARTS == MAX_PARTS
+
+
 @pytest.mark.parametrize("args,kwargs,error,match", [
     ((jnp.ones((2, 2), jnp.int32), 1.0), {}, TypeError, "^x must be float32"),
     ((np.ones((2, 2), np.float64), 1.0), {}, TypeError, "^x must be float32"),

@@ -27,9 +27,13 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 
-__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "group_parts", "FP8_DTYPES"]
+__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "group_parts", "FP8_DTYPES",
+           "MAX_TRANSPOSE_PARTS"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# The most parts ``transpose_parts`` groups the transposed copy into: its consumer, ``gemm(..., rhs_parts=True)``,
+# takes at most ``te_jax.ops.gemm.MAX_PARTS`` (the kernel itself has no limit).
+MAX_TRANSPOSE_PARTS = 4
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -342,7 +346,7 @@ def quantize(
     transpose_parts: ``(parts, group)`` for a 2-D ``x`` (rows, cols): ``data_t`` is (parts, cols // parts, rows),
       its rows grouped by part, where x's columns come in chunks of ``group``, chunk j belonging to part j % parts
       (the transposed kernel of an (H, 3, D) QKV projection as three (H * D, hidden) GEMM operands, with
-      ``(3, D)``). 2 to 4 parts; cols a multiple of ``parts * group``.
+      ``(3, D)``). 2 to ``MAX_TRANSPOSE_PARTS`` (4) parts; cols a multiple of ``parts * group``.
     dbias: also return the float32 column sums of ``x`` (over every dim but the last) in ``dbias``.
 
   Returns:
@@ -383,9 +387,9 @@ def _check_transpose_parts(transpose_parts, shape, transpose: bool, transpose_ba
       or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in transpose_parts)):
     raise TypeError(f"transpose_parts must be a (parts, group) tuple of ints, got {transpose_parts!r}")
   parts, group = (int(v) for v in transpose_parts)
-  if not 2 <= parts <= 4 or group < 1 or shape[1] % (parts * group):
-    raise ValueError(f"transpose_parts=({parts}, {group}): 2 to 4 parts, and x's last dim ({shape[1]}) a multiple of "
-                     f"parts * group")
+  if not 2 <= parts <= MAX_TRANSPOSE_PARTS or group < 1 or shape[1] % (parts * group):
+    raise ValueError(f"transpose_parts=({parts}, {group}): 2 to {MAX_TRANSPOSE_PARTS} parts, and x's last dim "
+                     f"({shape[1]}) a multiple of parts * group")
   return {"t_parts": parts, "t_group": group}
 
 
