@@ -68,8 +68,8 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
   Runs ``jax.grad(fn)(variables, *args)`` once with every FP8 tensor cast by its own amax (current scaling, so each
   amax is the one a calibrated step would see), and returns ``variables`` with the FP8 collection updated from it:
   the amaxes rolled into the histories, the scales derived from them. Parameters are returned unchanged. Outside an
-  FP8 ``autocast`` whose recipe is ``DelayedScaling``, or without an FP8 collection, ``variables`` come back as they are, so the
-  same code runs in BF16. Jitted here (once per ``fn``), or traced into the caller's ``jax.jit``.
+  FP8 ``autocast`` whose recipe is ``DelayedScaling``, or without an FP8 collection, ``variables`` come back as they
+  are, so the same code runs in BF16. Jitted here (once per ``fn``), or traced into the caller's ``jax.jit``.
 
   Args:
     fn: ``fn(variables, *args)``: the scalar loss the train step differentiates (``(loss, aux)`` with ``has_aux``).
