@@ -501,6 +501,42 @@ def test_calibrate_records_each_tensors_amax():
     np.testing.assert_allclose(float(state[f"{role}_scale"]), fp8_max(fmt) / amax, rtol=1e-6, err_msg=role)
 
 
+class _Optional(nn.Module):
+  """Two DenseGenerals; ``use_b`` False skips the second."""
+
+  recipe_b: object = None
+
+  @nn.compact
+  def __call__(self, x, use_b: bool = True):
+    y = te_flax.DenseGeneral(16, dtype=jnp.float32, name="a")(x)
+    return te_flax.DenseGeneral(16, dtype=jnp.float32, recipe=self.recipe_b, name="b")(y) if use_b else y
+
+
+def test_calibrate_keeps_the_state_of_gemms_the_pass_does_not_reach():
+  """A module ``fn`` does not apply keeps its state bit for bit (not the pass's zero cotangent); the others are
+  calibrated."""
+  model, x = _Optional(), _x(shape=(8, 32))
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    v = model.init(jax.random.key(1), x)
+    v = {**v, FP8: {**v[FP8], "b": jax.tree.map(lambda a: a + 3.0, v[FP8]["b"])}}  # a state that is not fresh
+    out = te_flax.calibrate(lambda v, x: jnp.sum(model.apply(v, x, False)), v, x)[FP8]
+  assert_trees_equal(out["b"], v[FP8]["b"])
+  assert float(out["a"]["x_amax_history"][0]) == float(jnp.abs(x).max())
+
+
+def test_calibrate_reaches_a_modules_own_recipe():
+  """A module whose own ``recipe=DelayedScaling`` runs FP8 under a disabled autocast is calibrated; the module
+  beside it runs in BF16 and has no state."""
+  model, x = _Optional(recipe_b=DelayedScaling(amax_history_len=4)), _x(shape=(8, 32))
+  v = model.init(jax.random.key(1), x)
+  assert set(v[FP8]) == {"b"}
+  out = te_flax.calibrate(lambda v, x: jnp.sum(model.apply(v, x)), v, x)
+  y = model.apply(v, x, False)
+  assert float(out[FP8]["b"]["x_amax_history"][0]) == float(jnp.abs(y).max())
+  assert float(out[FP8]["b"]["x_scale"]) == pytest.approx(448.0 / float(jnp.abs(y).max()), rel=1e-6)
+  assert_trees_equal(out["params"], v["params"])
+
+
 def test_calibrate_leaves_variables_alone_without_delayed_scaling():
   x, model = _x(shape=(16, 32)), _Stack()
   variables = model.init(jax.random.key(0), x)

@@ -67,9 +67,11 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
 
   Runs ``jax.grad(fn)(variables, *args)`` once with every FP8 tensor cast by its own amax (current scaling, so each
   amax is the one a calibrated step would see), and returns ``variables`` with the FP8 collection updated from it:
-  the amaxes rolled into the histories, the scales derived from them. Parameters are returned unchanged. Outside an
-  FP8 ``autocast`` whose recipe is ``DelayedScaling``, or without an FP8 collection, ``variables`` come back as they
-  are, so the same code runs in BF16. Jitted here (once per ``fn``), or traced into the caller's ``jax.jit``.
+  the amaxes rolled into the histories, the scales derived from them. Parameters are returned unchanged, and so is
+  the state of every GEMM the pass does not run with delayed scaling (a module ``fn`` does not apply, or one that runs
+  without FP8 in this call). Delayed scaling is whatever the modules resolve: autocast's recipe or a module's own
+  ``recipe=``. Without an FP8 collection ``variables`` come back as they are, so the same code runs in BF16. Jitted
+  here (once per ``fn``), or traced into the caller's ``jax.jit``.
 
   Args:
     fn: ``fn(variables, *args)``: the scalar loss the train step differentiates (``(loss, aux)`` with ``has_aux``).
@@ -80,7 +82,7 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
     raise TypeError(f"calibrate: fn must be a callable loss function, got {type(fn).__name__}")
   if not isinstance(variables, Mapping):
     raise TypeError(f"calibrate: variables must be the variables dict, got {type(variables).__name__}")
-  if not isinstance(get_autocast_state().fp8_recipe, DelayedScaling) or FP8_COLLECTION not in variables:
+  if FP8_COLLECTION not in variables:
     return variables
   with calibration_pass():
     state = _calibrated_state(fn, bool(has_aux), variables, args)
@@ -90,7 +92,30 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _calibrated_state(fn, has_aux, variables, args):
   grads = jax.grad(fn, has_aux=has_aux)(variables, *args)
-  return (grads[0] if has_aux else grads)[FP8_COLLECTION]
+  return _where_updated((grads[0] if has_aux else grads)[FP8_COLLECTION], variables[FP8_COLLECTION])
+
+
+def _where_updated(new, old):
+  """``new`` for each tensor whose state the pass updated, ``old`` for the others. An updated scale is positive
+  (fp8_max / amax, or the previous scale where amax is 0); a state the pass did not reach gets a zero cotangent, scale
+  0 included. Per element of the scale, so each layer of a state stacked by ``nn.scan`` is judged on its own."""
+  new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
+  old_leaves = treedef.flatten_up_to(old)
+  by_path = {tuple(_key(k) for k in path): leaf for path, leaf in new_leaves}
+  merged = []
+  for (path, leaf), before in zip(new_leaves, old_leaves, strict=True):
+    *parent, name = (_key(k) for k in path)
+    stem = name.removesuffix("_amax_history").removesuffix("_scale")
+    scale = by_path.get((*parent, f"{stem}_scale"))
+    if scale is None or name not in (f"{stem}_amax_history", f"{stem}_scale"):
+      raise ValueError(f"calibrate: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
+    updated = scale != 0
+    merged.append(jnp.where(updated[..., None] if name.endswith("_amax_history") else updated, leaf, before))
+  return treedef.unflatten(merged)
+
+
+def _key(k) -> str:
+  return str(getattr(k, "key", k))
 
 
 def accumulate_gradients(total, grads):
