@@ -526,7 +526,7 @@ def test_calibrate_keeps_the_state_of_gemms_the_pass_does_not_reach():
 
 def test_calibrate_reaches_a_modules_own_recipe():
   """A module whose own ``recipe=DelayedScaling`` runs FP8 under a disabled autocast is calibrated; the module
-  beside it runs in BF16 and has no state."""
+  beside it runs without FP8 and has no state."""
   model, x = _Optional(recipe_b=DelayedScaling(amax_history_len=4)), _x(shape=(8, 32))
   v = model.init(jax.random.key(1), x)
   assert set(v[FP8]) == {"b"}
@@ -535,6 +535,8 @@ def test_calibrate_reaches_a_modules_own_recipe():
   assert float(out[FP8]["b"]["x_amax_history"][0]) == float(jnp.abs(y).max())
   assert float(out[FP8]["b"]["x_scale"]) == pytest.approx(448.0 / float(jnp.abs(y).max()), rel=1e-6)
   assert_trees_equal(out["params"], v["params"])
+  with pytest.raises(ValueError, match=r"\['other'\] is not an FP8 amax history or scale"):
+    te_flax.calibrate(lambda v, x: jnp.sum(model.apply(v, x)), {**v, FP8: {**v[FP8], "other": jnp.ones(2)}}, x)
 
 
 def test_calibrate_leaves_variables_alone_without_delayed_scaling():
