@@ -352,7 +352,8 @@ def print_layer_rows(bench: str, rows: Sequence[dict]) -> None:
   for r in rows:
     print(f"{bench} {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
           f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8; "
-          f"1 sync call {r['ms_sync']:.3f} ms, {r['speedup_vs_bf16_sync']:.2f}x / {r['speedup_vs_flax_fp8_sync']:.2f}x, "
+          f"1 sync call {r['ms_sync']:.3f} ms, {r['speedup_vs_bf16_sync']:.2f}x / "
+          f"{r['speedup_vs_flax_fp8_sync']:.2f}x, "
           f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x)" + (f" [{r['note']}]" if not r["ok"] else ""),
           file=sys.stderr, flush=True)
 
