@@ -9,6 +9,7 @@ the first step (which gives the FP8 state its first amaxes; it returns BF16 vari
     python examples/train_lm.py                     # sizes picked for the machine: tiny on CPU, ~100M params on a GPU
     python examples/train_lm.py --size small --steps 50
     python examples/train_lm.py --seeds 3 --fast-accumulation   # mean of 3 seeds; one more FP8 run, fast accumulation
+    python examples/train_lm.py --seeds 3 --first-seed 3          # the same with seeds 3, 4 and 5
     python examples/train_lm.py --fresh-state       # one more FP8 run, without te_flax.calibrate before the first step
 
 A single short run's loss gap moves by a few percent with the seed (the loss still falls fast at a few hundred steps),
@@ -159,6 +160,8 @@ def main():
   parser.add_argument("--lr", type=float, default=1e-3)
   parser.add_argument("--seeds", type=int, default=1,
                       help="repeat with this many seeds (parameter init and batch order); the table shows means")
+  parser.add_argument("--first-seed", type=int, default=0,
+                      help="the seeds are first-seed, first-seed + 1, ...: new seeds for a second sample")
   parser.add_argument("--fast-accumulation", action="store_true",
                       help="also train with FP8 fast accumulation in all three GEMMs of each layer")
   parser.add_argument("--fresh-state", action="store_true",
@@ -166,6 +169,9 @@ def main():
   args = parser.parse_args()
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
+  if args.first_seed < 0:
+    parser.error(f"--first-seed must be at least 0, got {args.first_seed}")
+  seeds = range(args.first_seed, args.first_seed + args.seeds)
   on_gpu = jax.default_backend() == "gpu"
   size = args.size or ("large" if on_gpu else "small")
   steps = args.steps or (400 if on_gpu else 60)
@@ -173,11 +179,11 @@ def main():
   train_data, eval_data = load_corpus(32 << 20 if on_gpu else 4 << 20)
 
   model = LM(hidden, layers, heads, mlp)
-  init = [model.init(jax.random.key(s), jnp.zeros((batch, seq), jnp.int32))["params"] for s in range(args.seeds)]
-  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(init[0]))
+  init = {s: model.init(jax.random.key(s), jnp.zeros((batch, seq), jnp.int32))["params"] for s in seeds}
+  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(init[seeds[0]]))
   print(f"te_jax {te_jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}): byte-level LM, "
         f"{layers} layers x {hidden} hidden, {heads} heads, mlp {mlp}, {n_params / 1e6:.1f}M params; batch {batch} x "
-        f"{seq} tokens, {steps} steps, {args.seeds} seed(s); corpus: {len(train_data) / 1e6:.1f} MB of Python "
+        f"{seq} tokens, {steps} steps, seed(s) {seeds[0]}-{seeds[-1]}; corpus: {len(train_data) / 1e6:.1f} MB of Python "
         "standard library source")
   delayed = recipe.DelayedScaling(amax_history_len=16)
   recipes = {"BF16": None, "FP8": delayed}
@@ -189,7 +195,7 @@ def main():
   per_seed = {}
   for name, rec in recipes.items():
     run = trainer(rec, model, batch, seq, steps, args.lr, calibrate=name != "FP8 fresh")
-    per_seed[name] = [train(run, init[s], train_data, eval_data, batch, seq, steps, s) for s in range(args.seeds)]
+    per_seed[name] = [train(run, init[s], train_data, eval_data, batch, seq, steps, s) for s in seeds]
   results = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in per_seed.items()}
 
   print("\n| run       | train loss | held-out loss | tokens/s | step (ms) | XLA temp memory (MiB) |")
