@@ -63,12 +63,20 @@ def _reference(q, k, v, do):
   return o, dq, dk, dv, jnp.max(jnp.abs(ds))
 
 
+def _unit(x):
+  """A scalar as the (1, 1, 1, 1) float32 factor cuDNN takes."""
+  return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
+
+
+def _cast(x, scale):
+  """The saturating E4M3 cast of x * scale."""
+  return jnp.clip(x.astype(jnp.float32) * jnp.reshape(scale, ()), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
 def _q(x, amax):
-  """x in E4M3 scaled by 448 / amax, and the (1, 1, 1, 1) scale and descale cuDNN takes."""
+  """x in E4M3 scaled by 448 / amax, and that scale and its inverse as cuDNN takes them."""
   scale = E4M3_MAX / amax
-  x8 = jnp.clip(x.astype(jnp.float32) * scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-  return x8, jnp.reshape(scale, (1, 1, 1, 1)).astype(jnp.float32), jnp.reshape(1.0 / scale, (1, 1, 1, 1)).astype(
-      jnp.float32)
+  return _cast(x, scale), _unit(scale), _unit(1.0 / scale)
 
 
 def _fp8_calls(q8, k8, v8, do8, s):
@@ -104,22 +112,18 @@ def main() -> int:
   deq = [x8.astype(jnp.float32) * ds.reshape(()) for x8, ds in ((q8, dsq), (k8, dsk), (v8, dsv), (do8, dsdo))]
   o_ref, dq_ref, dk_ref, dv_ref, amax_dp = _reference(*deq)  # amax_dp: of the scores' gradient
 
-  def unit(x):
-    return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
-
   s = {"descale_q": dsq, "descale_k": dsk, "descale_v": dsv, "descale_dO": dsdo,
-       "scale_s": unit(E4M3_MAX), "descale_s": unit(1 / E4M3_MAX)}
+       "scale_s": _unit(E4M3_MAX), "descale_s": _unit(1 / E4M3_MAX)}
   for name, ref in (("o", o_ref), ("dQ", dq_ref), ("dK", dk_ref), ("dV", dv_ref)):
     a = jnp.max(jnp.abs(ref))
-    s[f"scale_{name}"] = unit(E4M3_MAX / a)
-    s[f"descale_{name}"] = unit(a / E4M3_MAX)
-  s["scale_dP"], s["descale_dP"] = unit(E4M3_MAX / amax_dp), unit(amax_dp / E4M3_MAX)
+    s[f"scale_{name}"] = _unit(E4M3_MAX / a)
+    s[f"descale_{name}"] = _unit(a / E4M3_MAX)
+  s["scale_dP"], s["descale_dP"] = _unit(E4M3_MAX / amax_dp), _unit(amax_dp / E4M3_MAX)
 
   kernels = jax.jit(lambda q8, k8, v8, do8: _fp8_calls(q8, k8, v8, do8, s))
 
   def with_casts(q, k, v, do):
-    q8, k8, v8, do8 = (jnp.clip(x.astype(jnp.float32) * sc.reshape(()), -E4M3_MAX, E4M3_MAX).astype(E4M3)
-                       for x, sc in ((q, sq), (k, sk), (v, sv), (do, sdo)))
+    q8, k8, v8, do8 = (_cast(x, sc) for x, sc in ((q, sq), (k, sk), (v, sv), (do, sdo)))
     outs, amaxes = _fp8_calls(q8, k8, v8, do8, s)
     descales = (s["descale_o"], s["descale_dQ"], s["descale_dK"], s["descale_dV"])
     return [(x.astype(jnp.float32) * d.reshape(())).astype(jnp.bfloat16) for x, d in zip(outs, descales)], amaxes

@@ -183,8 +183,8 @@ def main():
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(init[seeds[0]]))
   print(f"te_jax {te_jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}): byte-level LM, "
         f"{layers} layers x {hidden} hidden, {heads} heads, mlp {mlp}, {n_params / 1e6:.1f}M params; batch {batch} x "
-        f"{seq} tokens, {steps} steps, seed(s) {seeds[0]}-{seeds[-1]}; corpus: {len(train_data) / 1e6:.1f} MB of Python "
-        "standard library source")
+        f"{seq} tokens, {steps} steps, seed(s) {seeds[0]}-{seeds[-1]}; corpus: {len(train_data) / 1e6:.1f} MB of "
+        "Python standard library source")
   delayed = recipe.DelayedScaling(amax_history_len=16)
   recipes = {"BF16": None, "FP8": delayed}
   if args.fast_accumulation:
