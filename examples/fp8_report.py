@@ -3,11 +3,11 @@
 For a few tensors shaped like what a Transformer layer sees (Gaussian activations, heavy-tailed activations with
 outliers, a Xavier-initialised weight, small gradients), and for each FP8 format (E4M3, E5M2), this prints:
 
-- the amax and the scale ``fp8_max / amax`` (``te_jax.scaling.compute_scale``);
+- the amax and the scale ``fp8_max / amax`` (``te_jax._core.scaling.compute_scale``);
 - the relative quantization error ``||dequant(quant(x)) - x|| / ||x||``;
 - the fraction of elements saturated (``|x * scale| > fp8_max``, clamped to +-max) and the fraction flushed to zero
   (non-zero in ``x``, zero after the cast);
-- whether ``te_jax.quantize`` (the native handler, when one is registered) is bitwise equal to the pure-JAX reference,
+- whether ``te_jax.ops.quantize.quantize`` (the native handler, when one is registered) is bitwise equal to the pure-JAX reference,
   and which handler ran.
 
 Each tensor is quantized twice: with *current* scaling (the scale from the tensor's own amax) and with *delayed*
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax
-from te_jax import _native
+from te_jax._core import native
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
 
 FORMATS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -75,7 +75,7 @@ def _handler(fn, *args) -> str:
 
 def analyse(x: jax.Array, scale: jax.Array, fmt: jnp.dtype) -> dict:
   """Quantizes ``x`` with ``scale`` on the native and the reference path; returns the error statistics."""
-  native = jax.jit(lambda x, s: te_jax.quantize(x, s, fmt, transpose=True))
+  native = jax.jit(lambda x, s: te_jax.ops.quantize.quantize(x, s, fmt, transpose=True))
   config = QuantizeConfig(out_dtype=fmt, transpose=True)
   reference = jax.jit(lambda x, s: quantize_ref(x, s, config=config))
   q = native(x, scale)
@@ -83,8 +83,8 @@ def analyse(x: jax.Array, scale: jax.Array, fmt: jnp.dtype) -> dict:
   same = all(np.array_equal(_bits(a), _bits(b)) for a, b in zip((q.data, q.data_t, q.amax), ref, strict=True))
 
   x64 = np.asarray(x.astype(jnp.float32), np.float64)
-  deq = np.asarray(te_jax.dequantize(q.data, 1.0 / scale, jnp.float32), np.float64)
-  fp8_max = te_jax.scaling.fp8_max(fmt)
+  deq = np.asarray(te_jax.ops.quantize.dequantize(q.data, 1.0 / scale, jnp.float32), np.float64)
+  fp8_max = te_jax._core.scaling.fp8_max(fmt)
   scaled = np.abs(np.asarray(x.astype(jnp.float32)) * np.float32(scale))
   return {
       "rel_err": np.linalg.norm(deq - x64) / np.linalg.norm(x64),
@@ -104,19 +104,19 @@ def main() -> None:
     previous = jnp.asarray(sample(rng), dtype)  # the tensor of the step before, for delayed scaling
     x = jnp.asarray(sample(rng), dtype)
     for fmt in FORMATS:
-      fmax = te_jax.scaling.fp8_max(fmt)
-      for scaling, amax in (("current", te_jax.amax(x)), ("delayed", te_jax.amax(previous))):
-        scale = te_jax.scaling.compute_scale(amax, jnp.float32(1.0), fmax)
+      fmax = te_jax._core.scaling.fp8_max(fmt)
+      for scaling, amax in (("current", te_jax.ops.quantize.amax(x)), ("delayed", te_jax.ops.quantize.amax(previous))):
+        scale = te_jax._core.scaling.compute_scale(amax, jnp.float32(1.0), fmax)
         r = analyse(x, scale, fmt)
         fmt_name = "E4M3" if fmt == FORMATS[0] else "E5M2"
         lines.append(f"{name:<26} {fmt_name:<6} {scaling:<8} {float(amax):>9.3g} {float(scale):>9.3g} "
                      f"{r['rel_err']:>8.2%} {r['saturated']:>9.1e} {r['flushed']:>8.1e}  "
                      f"{'bitwise' if r['bitwise'] else 'DIFFERS'} ({r['handler']})")
   backend = jax.default_backend()
-  if _native.REFERENCE_FORCED:
+  if native.REFERENCE_FORCED:
     path = "TE_JAX_REFERENCE=1: both paths are the pure-JAX reference"
   else:
-    path = f"native handler on {backend}: " + (", ".join(_native.registered.get("cuda" if backend == "gpu" else
+    path = f"native handler on {backend}: " + (", ".join(native.registered.get("cuda" if backend == "gpu" else
                                                                                 backend, [])) or "none")
   print(f"FP8 quantization report: {ROWS}x{COLS} tensors, data + transposed copy; {path}\n")
   print("\n".join(lines))

@@ -77,7 +77,7 @@ class LM(nn.Module):
     embed = nn.Embed(VOCAB, self.hidden, embedding_init=nn.initializers.normal(0.02), name="embed")
     x = embed(tokens).astype(jnp.bfloat16)
     for i in range(self.layers):
-      x = te_flax.TransformerLayer(hidden_size=self.hidden, mlp_hidden_size=self.mlp, num_attention_heads=self.heads,
+      x = te_flax.TransformerLayer(hidden_size=self.hidden, intermediate_dim=self.mlp, num_attention_heads=self.heads,
                                    layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16,
                                    kernel_init=nn.initializers.normal(0.02), name=f"layer_{i}")(x, deterministic=True)
     x = te_flax.LayerNorm(dtype=jnp.float32, name="final_norm")(x)

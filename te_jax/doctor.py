@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax
-from te_jax import _native
+from te_jax._core import native
 from te_jax import recipe as recipe_module
 
 __all__ = ["RECIPES", "collect", "format_report", "main"]
@@ -97,7 +97,7 @@ def _self_check() -> dict[str, Any]:
   try:
     x = jax.random.normal(jax.random.key(0), (64, 256), jnp.float32).astype(jnp.bfloat16) * 100
     scale = jnp.float32(2.0)
-    native = jax.jit(lambda x, s: te_jax.quantize(x, s, jnp.float8_e4m3fn, transpose=True))
+    native = jax.jit(lambda x, s: te_jax.ops.quantize.quantize(x, s, jnp.float8_e4m3fn, transpose=True))
     config = QuantizeConfig(out_dtype=jnp.dtype(jnp.float8_e4m3fn), transpose=True)
     ref = jax.jit(lambda x, s: quantize_ref(x, s, config=config))
     hlo = native.lower(x, scale).compile().as_text()
@@ -129,7 +129,7 @@ def _recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool) -> dict[str, dic
 
 def _machine_recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool, row) -> dict[str, dict[str, str]]:
   """What the machine allows each recipe, as if te_jax had them all."""
-  if _native.REFERENCE_FORCED:
+  if native.REFERENCE_FORCED:
     return {r: row(False, "TE_JAX_REFERENCE=1 forces the pure-JAX path") for r in RECIPES}
   if min_cc is None:
     return {r: row(False, "no GPU: the pure-JAX path, same FP8 numerics") for r in RECIPES}
@@ -171,7 +171,7 @@ def collect() -> dict[str, Any]:
   except RuntimeError as e:
     info["backend"], devices = f"error: {e}", []
   info["devices"] = [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in devices]
-  cuda_module = _native.modules.get("cuda")
+  cuda_module = native.modules.get("cuda")
   info["cuda"] = _cuda(cuda_module)
   info["gpus"] = [{
       "id": d.id,
@@ -182,12 +182,12 @@ def collect() -> dict[str, Any]:
   } for d in devices if d.platform in ("gpu", "cuda")]
   info["extensions"] = {
       platform_: {
-          "loaded": _native.modules.get(platform_) is not None,
-          "error": _native.load_errors.get(platform_),
-          "targets": list(_native.registered.get(platform_, [])),
-      } for platform_ in _native.modules
+          "loaded": native.modules.get(platform_) is not None,
+          "error": native.load_errors.get(platform_),
+          "targets": list(native.registered.get(platform_, [])),
+      } for platform_ in native.modules
   }
-  info["reference_forced"] = _native.REFERENCE_FORCED
+  info["reference_forced"] = native.REFERENCE_FORCED
   ccs = [c for c in (_cc_tuple(g["compute_capability"]) for g in info["gpus"]) if c]
   min_cc = min(ccs) if ccs else None
   fp8 = min_cc is not None and min_cc >= _FP8_CC
@@ -195,7 +195,7 @@ def collect() -> dict[str, Any]:
   info["fp8"] = {"supported": fp8, "reason": reason}
   info["check"] = _self_check()
   info["recipes"] = _recipes(min_cc, cuda_module is not None)
-  info["attention"] = te_jax.attention.backend_report()
+  info["attention"] = te_jax.fused.attention.backend_report()
   return info
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import te_jax
 import te_jax.flax as te_flax
-from te_jax import attention
+from te_jax.fused import attention, attention_cudnn, attention_masks
 
 HIGHEST = jax.lax.Precision.HIGHEST
 B, H, D = 2, 4, 8
@@ -52,7 +52,7 @@ def naive_mask(b, h, t, s, mask_type, mask=None, segment_ids=None, window=None):
 
 
 def naive_alibi(h, t, s, bottom_right):
-  slopes = attention.alibi_slopes(h)
+  slopes = attention_masks.alibi_slopes(h)
   shift = s - t if bottom_right else 0
   dist = np.abs(np.arange(s)[None, :] - np.arange(t)[:, None] - shift)
   return (-slopes[:, None, None] * dist[None])[None].astype(np.float32)
@@ -163,9 +163,9 @@ def test_alibi(mask_type, t, s):
 
 
 def test_alibi_slopes_follow_the_paper():
-  np.testing.assert_array_equal(attention.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
+  np.testing.assert_array_equal(attention_masks.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
   # 6 heads: the 4 slopes of n = 4, then every other slope of n = 8 (Press et al., reference code).
-  np.testing.assert_array_equal(attention.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+  np.testing.assert_array_equal(attention_masks.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
 
 
 WINDOWS = [(3, 0), (0, 0), (2, 2), (-1, 1), (4, -1)]
@@ -376,19 +376,19 @@ def test_bad_arguments(overrides, error, match):
 
 
 def test_fused_without_gpu_says_why():
-  if attention._gpu_compute_capability() is not None:  # noqa: SLF001
+  if attention_cudnn._gpu_compute_capability() is not None:  # noqa: SLF001
     pytest.skip("a GPU is present")
   with pytest.raises(ValueError, match="backend='fused' cannot run this configuration: no GPU"):
     _call(backend="fused")
   assert te_jax.attention_backend(*qkv(8, 8)).name == "unfused"
-  with pytest.raises(ValueError, match="fp8=True cannot run"):
-    _call(fp8=True)
+  with pytest.raises(ValueError, match="fp8_dpa=True cannot run"):
+    _call(fp8_dpa=True)
 
 
 def test_attention_backend_takes_shapes_and_packed_layouts():
   packed = jax.ShapeDtypeStruct((B, 16, 3, H, D), jnp.bfloat16)
   choice = te_jax.attention_backend(packed, qkv_layout="BS3HD", attn_mask_type="causal", backend="unfused")
-  assert choice == te_jax.AttentionBackend("unfused", "requested")
+  assert choice == te_jax.fused.attention.AttentionBackend("unfused", "requested")
   with pytest.raises(ValueError, match="packs q, k and v"):
     te_jax.attention_backend(packed, packed, qkv_layout="BS3HD")
   kv = jax.ShapeDtypeStruct((B, 16, 2, H, D), jnp.bfloat16)
@@ -397,7 +397,7 @@ def test_attention_backend_takes_shapes_and_packed_layouts():
 
 
 def test_reference_forced_means_unfused(monkeypatch):
-  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", True)  # noqa: SLF001
+  monkeypatch.setattr(attention.native, "REFERENCE_FORCED", True)  # noqa: SLF001
   choice = te_jax.attention_backend(*qkv(8, 8, dtype=jnp.bfloat16), backend="fused")
   assert choice.name == "unfused" and "TE_JAX_REFERENCE" in choice.reason
 
@@ -594,9 +594,9 @@ def emulated_cudnn(monkeypatch):
       get_large_negative_number=staticmethod(real.get_large_negative_number),
       _dot_product_attention=staticmethod(dot_product_attention),
       _dot_product_attention_fp8_fwd=staticmethod(fp8_fwd)))
-  monkeypatch.setattr(attention, "_cudnn", lambda: (fake, 91900))
-  monkeypatch.setattr(attention, "_gpu_compute_capability", lambda: (9, 0))
-  monkeypatch.setattr(attention._native, "REFERENCE_FORCED", False)  # noqa: SLF001
+  monkeypatch.setattr(attention_cudnn, "cudnn_attention", lambda: (fake, 91900))
+  monkeypatch.setattr(attention_cudnn, "_gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(attention.native, "REFERENCE_FORCED", False)  # noqa: SLF001
 
 
 EMULATED_CASES = GPU_CASES + [("padding", None, None, 2, "segments"), ("padding_causal", None, None, 4, "segments"),
@@ -672,19 +672,19 @@ def test_fp8_glue_with_emulated_cudnn(emulated_cudnn, mask_type):
   """With the FP8 call emulated exactly (dequantized inputs, E4M3 output), the error is that of quantizing q, k, v
   and O to E4M3 with te_jax's scales: a few 2^-4 relative roundings; the gradient is the bf16 one."""
   q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
-  assert te_jax.attention_backend(q, k, v, attn_mask_type=mask_type, fp8=True).name == "fused"
-  out = np.asarray(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True), np.float32)
+  assert te_jax.attention_backend(q, k, v, attn_mask_type=mask_type, fp8_dpa=True).name == "fused"
+  out = np.asarray(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8_dpa=True), np.float32)
   ref = np.asarray(te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                 attn_mask_type=mask_type, backend="unfused"))
   scale = np.max(np.abs(ref))
   assert np.max(np.abs(out - ref)) <= 0.25 * scale and np.mean(np.abs(out - ref)) <= 0.02 * scale
-  grad = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
+  grad = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8_dpa=True)
                                     .astype(jnp.float32)))(q)
   want = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, backend="fused")
                                     .astype(jnp.float32)))(q)
   np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
-  with pytest.raises(ValueError, match="fp8=True cannot run"):
-    te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=(4, 0), fp8=True)
+  with pytest.raises(ValueError, match="fp8_dpa=True cannot run"):
+    te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=(4, 0), fp8_dpa=True)
 
 
 @pytest.mark.gpu
@@ -748,10 +748,10 @@ def test_fp8_forward(mask_type):
   E4M3 keeps 3 mantissa bits: each of q, k, v, P and O is rounded to within 2^-4 of itself. Measured on an H200
   (cuDNN 9.19, this shape): max error 12% (no mask) and 8% (causal) of max|out|, mean error 0.6%; the bounds below
   are 25% and 2%. A wrong scale or descale factor is off by a factor, far outside them."""
-  ok, reason = te_jax.fp8_attention_support(128, 256, 256, training=False)
+  ok, reason = te_jax.fused.attention.fp8_attention_support(128, 256, 256, training=False)
   assert ok, reason
   q, k, v = qkv(256, 256, dtype=jnp.bfloat16, d=128)
-  f8 = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True))
+  f8 = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8_dpa=True))
   hlo = f8.lower(q, k, v).compile().as_text()
   assert "__cudnn$fmhaSoftmaxF8" in hlo
   ref = te_jax.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), attn_mask_type=mask_type,
@@ -760,7 +760,7 @@ def test_fp8_forward(mask_type):
   err = np.abs(out - np.asarray(ref))
   scale = float(jnp.max(jnp.abs(ref)))
   assert err.max() <= 0.25 * scale and err.mean() <= 0.02 * scale, (err.max(), err.mean(), scale)
-  g = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8=True)
+  g = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8_dpa=True)
                                  .astype(jnp.float32)))(q)
   g_bf16 = jax.grad(lambda q: jnp.sum(te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type)
                                       .astype(jnp.float32)))(q)

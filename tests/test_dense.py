@@ -28,10 +28,10 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from conftest import F32_U
-from te_jax import _fp8_linear
+from te_jax.fused import linear
 from te_jax.ops.gemm import gemm
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format, MMParams
-from te_jax.scaling import ScaleState
+from te_jax._core.scaling import ScaleState
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -442,7 +442,7 @@ def test_amax_and_scale_recurrence_over_5_steps(margin, algo):
       assert_within(y, ref["out"], bounds["out"], f"step {t} output")
       for role, dtype in zip(hist, (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)):
         hist[role], scale[role] = hand_update(hist[role], amax[role], dtype, margin, algo)
-        got = state.params[te_flax.FP8_COLLECTION]
+        got = state.params[te_jax.FP8_COLLECTION]
         np.testing.assert_array_equal(np.asarray(got[f"{role}_amax_history"]), hist[role], err_msg=f"{t} {role}")
         np.testing.assert_array_equal(np.asarray(got[f"{role}_scale"]), scale[role], err_msg=f"{t} {role}")
   assert len(set(kernel_amaxes)) == 5, "the kernel trained, so its amax changed every step"
@@ -522,7 +522,7 @@ def test_gemm_accumulation_follows_the_recipe(monkeypatch, rec, split):
     calls.append(fast_accum)
     return gemm(*args, fast_accum=fast_accum, **kwargs)
 
-  monkeypatch.setattr(_fp8_linear, "gemm", recording_gemm)
+  monkeypatch.setattr(linear, "gemm", recording_gemm)
   params = dict(zip(("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"),
                     (MMParams(use_split_accumulator=s) for s in split)))
   r = dataclasses.replace(RECIPES[rec], **params)

@@ -1,4 +1,4 @@
-"""te_jax.quantize_interleaved, and the layers' ``unstack_axis`` that uses it.
+"""te_jax.ops.quantize_interleaved.quantize_interleaved, and the layers' ``unstack_axis`` that uses it.
 
 - ``interleave`` against an explicit numpy construction, so the definition is anchored independently.
 - ``quantize_interleaved`` against ``quantize`` of the interleaved array: bitwise for the FP8 bytes, the transposed
@@ -8,8 +8,6 @@
 - ``dense`` / ``layernorm_dense`` with ``unstack_axis``: outputs and gradients equal to unstacking the stacked output.
 """
 
-import doctest
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal
-from te_jax import _native
+from te_jax._core import native
 from te_jax.ops.quantize_interleaved import interleave
 
 E4M3 = jnp.float8_e4m3fn
@@ -55,10 +53,10 @@ def check_against_quantize(parts, group, fp8, device, **kwargs):
   """quantize_interleaved vs quantize(numpy interleave), both jitted on ``device``; returns the compiled HLO."""
   dev_parts = [jax.device_put(p, device) for p in parts]
   x = jax.device_put(numpy_interleave(parts, group), device)
-  f = jax.jit(lambda ps, s: te_jax.quantize_interleaved(ps, s, fp8, group=group, **kwargs))
+  f = jax.jit(lambda ps, s: te_jax.ops.quantize_interleaved.quantize_interleaved(ps, s, fp8, group=group, **kwargs))
   compiled = f.lower(dev_parts, jnp.float32(1.5)).compile()
   out = compiled(dev_parts, jnp.float32(1.5))
-  ref = jax.jit(lambda x, s: te_jax.quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5))
+  ref = jax.jit(lambda x, s: te_jax.ops.quantize.quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5))
   what = f"{len(parts)} x {parts[0].shape}, group {group}"
   assert_fp8_equal(out.data, ref.data, what=f"data, {what}")
   assert_f32_equal(out.amax, ref.amax, what=f"amax, {what}")
@@ -91,10 +89,10 @@ def test_one_part_is_quantize():
 
 def test_vmap_is_per_element():
   parts = [jnp.asarray(p) for p in random_parts(3, (4, 16, 32), np.float32, seed=4)]
-  f = jax.vmap(lambda a, b, c: te_jax.quantize_interleaved([a, b, c], 2.0, group=8, transpose=True))
+  f = jax.vmap(lambda a, b, c: te_jax.ops.quantize_interleaved.quantize_interleaved([a, b, c], 2.0, group=8, transpose=True))
   out = f(*parts)
   for i in range(4):
-    ref = te_jax.quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True)
+    ref = te_jax.ops.quantize.quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True)
     assert_fp8_equal(out.data[i], ref.data)
     assert_fp8_equal(out.data_t[i], ref.data_t)
     assert_f32_equal(out.amax[i], ref.amax)
@@ -109,9 +107,9 @@ def test_vmap_is_per_element():
 def test_sharded_equals_unsharded(spec, group, cols):
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("a", "b"))
   parts = random_parts(3, (64, cols), np.float32, seed=5)
-  f = jax.jit(lambda ps: te_jax.quantize_interleaved(ps, 1.0, E4M3, group=group, transpose=True, dbias=True))
+  f = jax.jit(lambda ps: te_jax.ops.quantize_interleaved.quantize_interleaved(ps, 1.0, E4M3, group=group, transpose=True, dbias=True))
   out = f([jax.device_put(p, NamedSharding(mesh, spec)) for p in parts])
-  ref = te_jax.quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True)
+  ref = te_jax.ops.quantize.quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True)
   assert_fp8_equal(out.data, ref.data)
   assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
   assert_f32_equal(out.amax, ref.amax)
@@ -137,7 +135,7 @@ Z = np.zeros((4, 8), np.float32)
 ])
 def test_bad_arguments_raise_before_xla(parts, kwargs, error, match):
   with pytest.raises(error, match=match):
-    te_jax.quantize_interleaved(parts, 1.0, **kwargs)
+    te_jax.ops.quantize_interleaved.quantize_interleaved(parts, 1.0, **kwargs)
 
 
 # ---- CUDA handler --------------------------------------------------------------------------------------------------
@@ -154,7 +152,7 @@ GPU_CASES = [(3, (256, 384), 128), (2, (200, 264), 8), (4, (2, 72, 40), 8), (3, 
                          ids=["bf16-e5m2", "f32-e4m3", "f16-e4m3"])
 @pytest.mark.parametrize("n,shape,group", GPU_CASES, ids=str)
 def test_gpu_matches_quantize(n, shape, group, dtype, fp8, extras, gpu):
-  assert _native.has_target("cuda", "te_quantize_interleaved_cuda"), _native.load_errors
+  assert native.has_target("cuda", "te_quantize_interleaved_cuda"), native.load_errors
   hlo = check_against_quantize(random_parts(n, shape, dtype, seed=sum(shape)), group, fp8, gpu, **extras)
   assert hlo.count('custom_call_target="te_quantize_interleaved_cuda"') == 1
 
@@ -235,9 +233,3 @@ def test_layernorm_dense_unstack_with_layernorm_output(fp8):
   for i, p in enumerate(parts):
     np.testing.assert_array_equal(np.asarray(p), np.asarray(y[..., i, :]))
   np.testing.assert_array_equal(np.asarray(z), np.asarray(z_ref))
-
-
-@pytest.mark.parametrize("module", ["te_jax.ops.quantize_interleaved", "te_jax.ops.quantize"])
-def test_docstring_examples(module):
-  result = doctest.testmod(importlib.import_module(module))
-  assert result.attempted > 0 and result.failed == 0, result

@@ -95,8 +95,8 @@ def test_recipes_are_hashable_and_compare_by_value():
   assert DelayedScaling() != Float8CurrentScaling()
   table = {a: 1, Float8CurrentScaling(): 2}
   assert table[b] == 1 and table[Float8CurrentScaling()] == 2
-  state = te_jax.AutocastState(True, a)
-  assert hash(state) == hash(te_jax.AutocastState(True, b))
+  state = te_jax._core.autocast.AutocastState(True, a)
+  assert hash(state) == hash(te_jax._core.autocast.AutocastState(True, b))
 
 
 def test_format_dtypes():
@@ -110,34 +110,31 @@ def test_format_dtypes():
 
 
 def test_state_outside_any_autocast():
-  s = te_jax.get_autocast_state()
+  s = te_jax._core.autocast.get_autocast_state()
   assert not s.enabled and s.recipe is None and s.fp8_recipe is None
-  assert s.mesh_resource == te_jax.MeshResource()
 
 
 def test_state_inside_and_restored():
   r = DelayedScaling(amax_history_len=8)
-  mr = te_jax.MeshResource(dp_resource="data", tp_resource="model")
-  with te_jax.autocast(enabled=True, recipe=r, mesh_resource=mr) as yielded:
-    s = te_jax.get_autocast_state()
+  with te_jax.autocast(enabled=True, recipe=r) as yielded:
+    s = te_jax._core.autocast.get_autocast_state()
     assert s is yielded
-    assert s.enabled and s.recipe == r and s.fp8_recipe == r and s.mesh_resource == mr
+    assert s.enabled and s.recipe == r and s.fp8_recipe == r
     inner = Float8CurrentScaling(Format.E4M3)
     with te_jax.autocast(enabled=True, recipe=inner):
-      assert te_jax.get_autocast_state().fp8_recipe == inner
-      assert te_jax.get_autocast_state().mesh_resource == te_jax.MeshResource()  # not inherited
-    assert te_jax.get_autocast_state() == s
+      assert te_jax._core.autocast.get_autocast_state().fp8_recipe == inner
+    assert te_jax._core.autocast.get_autocast_state() == s
     with te_jax.autocast(enabled=False):
-      assert te_jax.get_autocast_state().fp8_recipe is None
-    assert te_jax.get_autocast_state() == s
-  assert not te_jax.get_autocast_state().enabled
+      assert te_jax._core.autocast.get_autocast_state().fp8_recipe is None
+    assert te_jax._core.autocast.get_autocast_state() == s
+  assert not te_jax._core.autocast.get_autocast_state().enabled
 
 
 def test_state_restored_after_an_exception():
   with pytest.raises(RuntimeError, match="boom"):
     with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
       raise RuntimeError("boom")
-  assert te_jax.get_autocast_state() == te_jax.AutocastState()
+  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
 
 
 def test_default_recipe_is_delayed_scaling():
@@ -152,13 +149,17 @@ def test_bad_recipe_type(bad):
   with pytest.raises(ValueError, match=r"recipe must be DelayedScaling or Float8CurrentScaling, got"):
     with te_jax.autocast(enabled=True, recipe=bad):
       pass
-  assert te_jax.get_autocast_state() == te_jax.AutocastState()
+  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
 
 
-def test_bad_mesh_resource_type():
-  with pytest.raises(ValueError, match=r"mesh_resource must be a te_jax.MeshResource"):
-    with te_jax.autocast(enabled=True, mesh_resource={"tp_resource": "model"}):
+@pytest.mark.parametrize("name", ["enabled", "allow_emulation"])
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_autocast_flags_must_be_bools(name, bad):
+  """``enabled="no"`` would be truthy: every flag is checked, and the state is left as it was."""
+  with pytest.raises(TypeError, match=f"autocast: {name} must be a bool, got {bad!r}"):
+    with te_jax.autocast(**{name: bad}):
       pass
+  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
 
 
 def test_fp8_support_check_passes_on_this_machine():
@@ -195,12 +196,12 @@ def test_jit_retraces_when_autocast_changes(first, second):
 
   @jax.jit
   def f(x, kernel, meta):
-    traces.append(te_jax.get_autocast_state())
+    traces.append(te_jax._core.autocast.get_autocast_state())
     return te_jax.dense(x, kernel, fp8_meta=meta)
 
   x, kernel = _inputs()
   # Used by DelayedScaling only: scales from the inputs' amaxes, as after a step of training.
-  meta = te_jax.DenseFp8Meta(*(te_jax.scaling.ScaleState(jnp.zeros(4), 448.0 / jnp.max(jnp.abs(v)))
+  meta = te_jax.DenseFp8Meta(*(te_jax._core.scaling.ScaleState(jnp.zeros(4), 448.0 / jnp.max(jnp.abs(v)))
                                for v in (x, kernel, x)))
   plain = np.asarray(jax.lax.dot_general(x, kernel, (((1,), (0,)), ((), ()))))
 

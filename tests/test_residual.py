@@ -125,7 +125,7 @@ def test_residual_shape_is_checked():
                                                                  (0.1, False, False)])
 def test_transformer_layer_folds_only_without_dropout(hidden_dropout, deterministic, folded):
   """The compiled step has the residual adds as separate XLA adds only when dropout sits before them."""
-  layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4,
+  layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4,
                                    hidden_dropout=hidden_dropout, attention_dropout=0.0, dtype=jnp.bfloat16,
                                    layer_type="encoder")
   x = jnp.asarray(_rand((2, 16, 64), 10, ml_dtypes.bfloat16))
@@ -144,7 +144,7 @@ def test_transformer_layer_backward_has_no_residual_adds(layer_type, gqa_groups)
   """Pre-LN without dropout, FP8: the gradients of both residual connections are added inside the norms' backward
   kernels (with GQA, through the query projection's norm), so the backward has no add of two residual-stream-shaped
   gradients."""
-  layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4, hidden_dropout=0.0,
+  layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4, hidden_dropout=0.0,
                                    attention_dropout=0.0, dtype=jnp.bfloat16, layer_type=layer_type,
                                    num_gqa_groups=gqa_groups)
   x = jnp.asarray(_rand((2, 16, 64), 15, ml_dtypes.bfloat16))

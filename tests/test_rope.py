@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_jax
 from conftest import assert_f32_equal
-from te_jax import _native
+from te_jax._core import native
 from te_jax.ops.rope import RopeConfig, rope_bwd, rope_bwd_ref, rope_fwd, rope_fwd_ref
 
 CPU = jax.devices("cpu")[0]
@@ -126,8 +126,8 @@ def numpy_f32_rotation(x, cos, sin, layout, interleaved, backward=False):
 @pytest.fixture(autouse=True)
 def _cpu_handlers_registered():
   """Every CPU test here means the native handlers: a silent fallback to the reference must fail, not pass."""
-  assert _native.has_target("cpu", "te_rope_fwd_cpu") and _native.has_target("cpu", "te_rope_bwd_cpu"), \
-      _native.load_errors
+  assert native.has_target("cpu", "te_rope_fwd_cpu") and native.has_target("cpu", "te_rope_bwd_cpu"), \
+      native.load_errors
 
 
 # ---- the reference against independent formulations ---------------------------------------------------------------
@@ -429,8 +429,8 @@ GPU_LARGE = [((4, 2048, 32, 128), 64, False)]
 @LAYOUTS
 @PAIRINGS
 def test_gpu_matches_reference_bitwise(dtype, layout, interleaved, gpu):
-  assert _native.has_target("cuda", "te_rope_fwd_cuda") and _native.has_target("cuda", "te_rope_bwd_cuda"), \
-      _native.load_errors
+  assert native.has_target("cuda", "te_rope_fwd_cuda") and native.has_target("cuda", "te_rope_bwd_cuda"), \
+      native.load_errors
   cases = GPU_CASES + (GPU_LARGE if dtype is ml_dtypes.bfloat16 else [])
   handler_matches_reference(cases, dtype, layout, interleaved, gpu, "cuda", seed=30)
 

@@ -1,4 +1,4 @@
-"""te_jax.scaling: the delayed-scaling math, against numpy float32 arithmetic written out by hand."""
+"""te_jax._core.scaling: the delayed-scaling math, against numpy float32 arithmetic written out by hand."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_f32_equal
-from te_jax import scaling
+from te_jax._core import scaling
+from te_jax.ops import scale_update
 
 E4M3_MAX = np.float32(448.0)
 E5M2_MAX = np.float32(57344.0)
@@ -113,7 +114,7 @@ def test_amax_from_history_bad_algo():
 def test_update_scale_state_replayed(history_len, margin, algo, fp8, fp8_max):
   """Several delayed-scaling steps, replayed by hand: a zero, a NaN and an inf amax among normal ones."""
   amaxes = np.array([3.0, 0.0, 10.0, np.nan, 0.5, 0.25, np.inf, 0.125, 2.0, 1.0, 1.0, 1.0], np.float32)
-  step = jax.jit(scaling.update_scale_state, static_argnames=("fp8_dtype", "margin", "algo"))
+  step = jax.jit(scale_update.update_scale_state, static_argnames=("fp8_dtype", "margin", "algo"))
   state = scaling.ScaleState.create(history_len)
   history, scale = np.zeros(history_len, np.float32), np.float32(1.0)
   for amax in amaxes:
@@ -136,13 +137,13 @@ def test_update_scale_states_batched_equals_one_by_one(algo):
   states = [scaling.ScaleState(jnp.asarray(rng.uniform(0, 4, 6), jnp.float32), jnp.float32(rng.uniform(1, 100)))
             for _ in dtypes]
   amaxes = [jnp.float32(v) for v in (3.0, 0.0, np.nan, np.inf, 0.5)]
-  batched = jax.jit(lambda s, a: scaling.update_scale_states(s, a, dtypes, margin=1, algo=algo))(states, amaxes)
+  batched = jax.jit(lambda s, a: scale_update.update_scale_states(s, a, dtypes, margin=1, algo=algo))(states, amaxes)
   for state, amax, dtype, got in zip(states, amaxes, dtypes, batched):
-    want = scaling.update_scale_state(state, amax, dtype, margin=1, algo=algo)
+    want = scale_update.update_scale_state(state, amax, dtype, margin=1, algo=algo)
     assert_f32_equal(got.amax_history, want.amax_history, what="history")
     assert_f32_equal(got.scale, want.scale, what="scale")
   with pytest.raises(ValueError, match="amax_compute_algo must be"):
-    scaling.update_scale_states(states, amaxes, dtypes, algo="mean")
+    scale_update.update_scale_states(states, amaxes, dtypes, algo="mean")
 
 
 def test_scale_state_create():
@@ -185,7 +186,7 @@ def _random_states(count, history_len, seed):
 
 def _update(histories, scales, amaxes, dtypes, margin, algo):
   states = [scaling.ScaleState(jnp.asarray(h), jnp.asarray(s)) for h, s in zip(histories, scales)]
-  return scaling.update_scale_states(states, [jnp.asarray(a) for a in amaxes], dtypes, margin=margin, algo=algo)
+  return scale_update.update_scale_states(states, [jnp.asarray(a) for a in amaxes], dtypes, margin=margin, algo=algo)
 
 
 @pytest.mark.parametrize("count,history_len", [(1, 1), (5, 16), (17, 1000)])
@@ -223,12 +224,12 @@ def test_scale_update_under_a_mesh_and_vmap():
 
   @jax.jit
   def step(state, x):
-    return scaling.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
+    return scale_update.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
 
   new = step(state, x)
   assert_f32_equal(new.amax_history, np.array([40.0, 0, 0, 0], np.float32), what="history")
   assert_f32_equal(new.scale, E4M3_MAX / np.float32(40.0), what="scale")
-  batched = jax.vmap(lambda a: scaling.update_scale_state(state, a, jnp.float8_e5m2))(jnp.float32([2.0, 0.0]))
+  batched = jax.vmap(lambda a: scale_update.update_scale_state(state, a, jnp.float8_e5m2))(jnp.float32([2.0, 0.0]))
   assert_f32_equal(batched.scale, np.array([E5M2_MAX / np.float32(2.0), 1.0], np.float32), what="scale")
 
 
@@ -240,10 +241,10 @@ def test_gpu_scale_update_matches_reference_bitwise(count, history_len, algo, ma
   """te_scale_update_cuda against the documented rule in IEEE float32 (numpy, and XLA:CPU's lowering of the
   reference) bit for bit, and against XLA:GPU's lowering of the reference: the same histories, scales within one ulp
   (XLA:GPU's float32 division is not correctly rounded)."""
-  from te_jax import _native
+  from te_jax._core import native
   from te_jax.ops.scale_update import ScaleUpdateConfig, scale_update_ref
 
-  assert _native.has_target("cuda", "te_scale_update_cuda"), _native.load_errors
+  assert native.has_target("cuda", "te_scale_update_cuda"), native.load_errors
   histories, scales, amaxes, dtypes = _random_states(count, history_len, seed=10 + count)
   config = ScaleUpdateConfig(tuple(scaling.fp8_max(d) for d in dtypes), margin, algo == "most_recent")
   reference = jax.jit(lambda *args: scale_update_ref(*args, config=config))
@@ -275,7 +276,7 @@ def test_scale_update_in_shard_map_keeps_varying_axes():
   x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4)
 
   def per_shard(x):
-    new = scaling.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
+    new = scale_update.update_scale_state(state, jnp.max(jnp.abs(x)), jnp.float8_e4m3fn)
     return new.amax_history[None], new.scale[None]
 
   hist, scale = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))(x)
@@ -283,7 +284,7 @@ def test_scale_update_in_shard_map_keeps_varying_axes():
   assert_f32_equal(scale, E4M3_MAX / np.float32([3.0, 7.0, 11.0, 15.0]), what="scale")
 
   def reduced(x):
-    new = scaling.update_scale_state(state, jax.lax.pmax(jnp.max(jnp.abs(x)), "x"), jnp.float8_e4m3fn)
+    new = scale_update.update_scale_state(state, jax.lax.pmax(jnp.max(jnp.abs(x)), "x"), jnp.float8_e4m3fn)
     return new.amax_history, new.scale
 
   hist, scale = jax.jit(jax.shard_map(reduced, mesh=mesh, in_specs=P("x"), out_specs=(P(), P())))(x)

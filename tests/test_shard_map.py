@@ -73,7 +73,7 @@ def test_data_parallel_layer_steps_match_jit(recipe):
   out_specs P() for them) against the same steps under jit: outputs, gradients and FP8 states agree at every step."""
   rec = RECIPES[recipe]
   mesh = _mesh((8,), ("data",))
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, layer_type="decoder",
                                    enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused")
   x = _rows_of_many_scales((16, 8, 32), seed=1)
   with te_jax.autocast(enabled=rec is not None, recipe=rec):
@@ -226,7 +226,7 @@ def test_primitives_vary_over_every_operands_axes():
   rhs = jnp.ones((16, 64), jnp.bfloat16)
 
   def local(a, b):
-    out = te_jax.gemm(a, b)
+    out = te_jax.ops.gemm.gemm(a, b)
     assert jax.typeof(out).manual_axis_type.varying == {"data", "model"}, jax.typeof(out)
     return out
 
@@ -246,7 +246,7 @@ def test_gpu_layer_step_in_shard_map_matches_jit(gpu, fp8_dpa):
   import re  # noqa: PLC0415
 
   mesh = Mesh(np.array([gpu]), ("data",))
-  layer = te_flax.TransformerLayer(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=2, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=256, intermediate_dim=1024, num_attention_heads=2, layer_type="decoder",
                                    self_attn_mask_type="causal", dtype=jnp.bfloat16)
   x = jax.device_put(_rows_of_many_scales((2, 128, 256), seed=9).astype(jnp.bfloat16), gpu)
   rec = DelayedScaling(amax_history_len=4, fp8_dpa=fp8_dpa)

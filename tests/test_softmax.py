@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_jax
 from conftest import F32_U
-from te_jax import _native
+from te_jax._core import native
 from te_jax.ops.softmax import SoftmaxConfig, softmax_bwd, softmax_bwd_ref, softmax_fwd, softmax_fwd_ref
 
 CPU = jax.devices("cpu")[0]
@@ -203,8 +203,8 @@ def test_reference_backward_is_the_gradient(kind):
 @pytest.fixture(autouse=True)
 def _cpu_handlers_registered():
   """Every CPU test here means the native handlers: a silent fallback to the reference must fail, not pass."""
-  assert _native.has_target("cpu", "te_softmax_fwd_cpu") and _native.has_target("cpu", "te_softmax_bwd_cpu"), \
-      _native.load_errors
+  assert native.has_target("cpu", "te_softmax_fwd_cpu") and native.has_target("cpu", "te_softmax_bwd_cpu"), \
+      native.load_errors
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -484,8 +484,8 @@ GPU_MASK_CASES = MASK_CASES + [((2, 4, 64, 2048), (2, 1, 64, 2048)), ((2, 4, 16,
 
 
 def _gpu_registered():
-  assert _native.has_target("cuda", "te_softmax_fwd_cuda") and _native.has_target("cuda", "te_softmax_bwd_cuda"), \
-      _native.load_errors
+  assert native.has_target("cuda", "te_softmax_fwd_cuda") and native.has_target("cuda", "te_softmax_bwd_cuda"), \
+      native.load_errors
 
 
 @pytest.mark.gpu

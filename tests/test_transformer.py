@@ -58,7 +58,7 @@ def _mha_ref(p, x, heads, kv_heads, *, causal=True, rope=False, ln=True, kv=None
   """The module's parameter layout: one (hidden, H, 3, D) "qkv" kernel for self attention without GQA, else a
   "query" (hidden, H, D) and a "kv" (hidden, Hk, 2, D) kernel (the input norm's parameters sit with the first)."""
   first = p["qkv"] if "qkv" in p else p["query"]
-  xn = _ln(x, first["scale"], first["ln_bias"]) if ln else x
+  xn = _ln(x, first["ln_scale"], first["ln_bias"]) if ln else x
   if "qkv" in p:
     qkv = jnp.einsum("bsh,hncd->bsncd", xn, p["qkv"]["kernel"])
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
@@ -77,7 +77,7 @@ def _layer_ref(p, x, heads, kv_heads, *, rope=False):
   """Pre-LN GPT layer, gelu (tanh form) MLP, no biases."""
   x = x + _mha_ref(p["self_attention"], x, heads, kv_heads, rope=rope)
   m = p["mlp"]
-  z = _ln(x, m["scale"], m["ln_bias"])
+  z = _ln(x, m["ln_scale"], m["ln_bias"])
   h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", z, m["wi_kernel"][:, 0, :]), approximate=True)
   return x + h @ m["wo_kernel"]
 
@@ -99,7 +99,7 @@ def test_docstring_examples():
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
 def test_layer_matches_reference_float32(kv_heads, rope):
-  layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4,
+  layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4,
                                    num_gqa_groups=kv_heads, layer_type="decoder", enable_rotary_pos_emb=rope,
                                    dtype=jnp.float32, backend="unfused")
   x = _x((2, 12, 64))
@@ -114,7 +114,7 @@ def test_layer_matches_reference_float32(kv_heads, rope):
 
 
 def _norm_ref(x, prm, rms: bool, zero_centered: bool, eps=1e-6):
-  scale = prm["scale"] + 1.0 if zero_centered else prm["scale"]
+  scale = prm["ln_scale"] + 1.0 if zero_centered else prm["ln_scale"]
   if rms:
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
   return _ln(x, scale, prm["ln_bias"], eps)
@@ -146,10 +146,10 @@ def test_layer_options_match_reference(options):
   """Residuals after the norm (both blocks, as Megatron and Transformer Engine define it), biases, SwiGLU, RMSNorm
   and zero-centered gamma against the jnp reference, values and gradients."""
   layer = te_flax.TransformerLayer(
-      hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+      hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
       apply_residual_connection_post_layernorm=options["post_residual"], use_bias=options["use_bias"],
-      mlp_activations=("silu", "linear") if options["gated"] else ("gelu",),
-      layernorm_type="rmsnorm" if options["rms"] else "layernorm", zero_centered_gamma=options["zero_centered"],
+      activation_type=("silu", "linear") if options["gated"] else ("gelu",),
+      norm_type="rmsnorm" if options["rms"] else "layernorm", zero_centered_gamma=options["zero_centered"],
       dtype=jnp.float32, backend="unfused")
   x = _x((2, 7, 32), 30)
   v = layer.init(jax.random.key(31), x, deterministic=True)
@@ -168,7 +168,7 @@ def test_layer_options_match_reference(options):
 def test_post_norm_residuals_with_cross_attention_match_reference():
   """apply_residual_connection_post_layernorm in a decoder layer: self attention, cross attention and MLP each add
   their own normalized input."""
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
                                    apply_residual_connection_post_layernorm=True, dtype=jnp.float32,
                                    backend="unfused")
   x, encoded = _x((2, 6, 32), 33), _x((2, 5, 32), 34)
@@ -176,9 +176,9 @@ def test_post_norm_residuals_with_cross_attention_match_reference():
 
   def ref(p, x):
     sa, ca, m = p["self_attention"], p["encoder_decoder_attention"], p["mlp"]
-    x = _mha_ref(sa, x, 4, 4) + _ln(x, sa["qkv"]["scale"], sa["qkv"]["ln_bias"])
-    x = _mha_ref(ca, x, 4, 4, causal=False, kv=encoded) + _ln(x, ca["query"]["scale"], ca["query"]["ln_bias"])
-    z = _ln(x, m["scale"], m["ln_bias"])
+    x = _mha_ref(sa, x, 4, 4) + _ln(x, sa["qkv"]["ln_scale"], sa["qkv"]["ln_bias"])
+    x = _mha_ref(ca, x, 4, 4, causal=False, kv=encoded) + _ln(x, ca["query"]["ln_scale"], ca["query"]["ln_bias"])
+    z = _ln(x, m["ln_scale"], m["ln_bias"])
     return jax.nn.gelu(z @ m["wi_kernel"][:, 0, :], approximate=True) @ m["wo_kernel"] + z
 
   assert rel_error(layer.apply(v, x, encoded, deterministic=True), ref(v["params"], x)) < 1e-5
@@ -197,7 +197,7 @@ def test_cross_attention_and_padding_mask_match_reference():
 
 
 def test_post_ln_layer_matches_reference():
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, output_layernorm=True,
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, output_layernorm=True,
                                    layer_type="encoder", dtype=jnp.float32, backend="unfused")
   x = _x((2, 5, 32), 4)
   v = layer.init(jax.random.key(5), x, deterministic=True)
@@ -211,7 +211,7 @@ def test_post_ln_layer_matches_reference():
 
 
 def test_transpose_batch_sequence_is_the_same_layer():
-  kw = dict(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder", dtype=jnp.float32,
+  kw = dict(hidden_size=32, intermediate_dim=64, num_attention_heads=2, layer_type="decoder", dtype=jnp.float32,
             backend="unfused", enable_rotary_pos_emb=True)
   x = _x((2, 7, 32), 6)
   v = te_flax.TransformerLayer(**kw).init(jax.random.key(7), x, deterministic=True)
@@ -227,7 +227,7 @@ def test_transpose_batch_sequence_is_the_same_layer():
 def test_kv_cache_decoding_matches_the_full_forward(kw):
   """Each feature that depends on the queries' positions (RoPE, relative biases, the sliding window, ALiBi) sees
   them at the cache index when decoding."""
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, num_gqa_groups=2,
                                    layer_type="decoder", dtype=jnp.float32, backend="unfused", **kw)
   x = _x((2, 9, 32), 8)
   v = layer.init(jax.random.key(9), x, deterministic=True)
@@ -249,7 +249,7 @@ def test_kv_cache_decoding_matches_the_full_forward(kw):
 
 def test_encoder_decoder_layer_decodes_like_the_full_forward():
   """A decoder layer with cross attention over an encoder output whose padding is a keys-only (B, 1, 1, S) mask."""
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
                                    enable_relative_embedding=True, dtype=jnp.float32, backend="unfused")
   x, encoded = _x((2, 9, 32), 20), _x((2, 7, 32), 21)
   enc_mask = jnp.zeros((2, 1, 1, 7), bool).at[1, :, :, 5:].set(True)  # example 1: 2 padded encoder positions
@@ -307,7 +307,7 @@ def test_relative_position_biases_values_and_gradient(q, k, bidirectional):
 
 
 def test_relative_embedding_layer_runs_with_bias():
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2,
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2,
                                    enable_relative_embedding=True, dtype=jnp.float32, backend="unfused")
   x = _x((2, 6, 32), 10)
   v = layer.init(jax.random.key(11), x, deterministic=True)
@@ -317,16 +317,23 @@ def test_relative_embedding_layer_runs_with_bias():
 
 
 def test_dropout_needs_rng_and_is_deterministic_given_it():
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, hidden_dropout=0.2,
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, hidden_dropout=0.2,
                                    attention_dropout=0.1, dtype=jnp.float32, backend="unfused")
   x = _x((2, 6, 32), 12)
   v = layer.init(jax.random.key(13), x, deterministic=True)
-  a = layer.apply(v, x, rngs={"dropout": jax.random.key(1)})
-  b = layer.apply(v, x, rngs={"dropout": jax.random.key(1)})
-  c = layer.apply(v, x, rngs={"dropout": jax.random.key(2)})
+  a = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  b = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  c = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
   np.testing.assert_allclose(layer.apply(v, x, deterministic=True), layer.apply(v, x, deterministic=True))
+  # As in Flax: the module's attribute or the call's argument, not both; with dropout, one of them is needed.
+  train = layer.clone(deterministic=False)
+  np.testing.assert_array_equal(train.apply(v, x, rngs={"dropout": jax.random.key(1)}), a)
+  with pytest.raises(ValueError, match="has dropout .*pass deterministic=True"):
+    layer.apply(v, x, rngs={"dropout": jax.random.key(1)})
+  with pytest.raises(ValueError, match="deterministic"):
+    train.apply(v, x, deterministic=True)
 
 
 def test_argument_errors():
@@ -365,7 +372,7 @@ def test_argument_errors():
 @pytest.mark.parametrize("rec", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
                          ids=["delayed", "current"])
 def test_fp8_layer_trains_close_to_high_precision(rec):
-  layer = te_flax.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4, num_gqa_groups=2,
+  layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4, num_gqa_groups=2,
                                    layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16,
                                    backend="unfused")
   x = _x((4, 16, 64), 14, jnp.bfloat16)
@@ -413,7 +420,7 @@ class _Stack(nn.Module):
   def __call__(self, x):
     cls = te_flax.TransformerLayer if self.policy is None else nn.remat(te_flax.TransformerLayer, policy=self.policy)
     for i in range(self.layers):
-      x = cls(hidden_size=64, mlp_hidden_size=256, num_attention_heads=4, layer_type="decoder",
+      x = cls(hidden_size=64, intermediate_dim=256, num_attention_heads=4, layer_type="decoder",
               self_attn_mask_type="causal", dtype=jnp.float32, backend="unfused", hidden_dropout=0.0,
               attention_dropout=0.0, name=f"layer_{i}")(x)
     return x
@@ -451,7 +458,7 @@ def test_gpu_fp8_layer_runs_fused_kernels_and_matches_cpu(gpu):
   compiled program; its loss and gradients against the CPU path (the same FP8 numerics, the reference GEMM and
   attention) within FP8 rounding flips."""
   cpu = jax.devices("cpu")[0]
-  kw = dict(hidden_size=256, mlp_hidden_size=1024, num_attention_heads=4, layer_type="decoder", dtype=jnp.bfloat16)
+  kw = dict(hidden_size=256, intermediate_dim=1024, num_attention_heads=4, layer_type="decoder", dtype=jnp.bfloat16)
   layer = te_flax.TransformerLayer(**kw)
   # "auto" picks the attention backend from jax's default backend (the GPU here): the CPU copy asks for unfused.
   cpu_layer = te_flax.TransformerLayer(backend="unfused", **kw)
@@ -480,7 +487,7 @@ def test_gpu_fp8_layer_runs_fused_kernels_and_matches_cpu(gpu):
 
 @pytest.mark.gpu
 def test_gpu_bf16_layer_matches_reference(gpu):
-  layer = te_flax.TransformerLayer(hidden_size=256, mlp_hidden_size=512, num_attention_heads=2, num_gqa_groups=1,
+  layer = te_flax.TransformerLayer(hidden_size=256, intermediate_dim=512, num_attention_heads=2, num_gqa_groups=1,
                                    layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16)
   x = jax.device_put(_x((2, 128, 256), 19, jnp.bfloat16), gpu)
   v = layer.init(jax.random.key(20), x, deterministic=True)
@@ -500,9 +507,9 @@ def test_recipe_fp8_dpa_is_validated():
 
 
 def test_recipe_fp8_dpa_routes_attention_where_supported(monkeypatch):
-  """With ``fp8_dpa`` the attention modules take the FP8 path where ``dot_product_attention(fp8=True)`` accepts the
+  """With ``fp8_dpa`` the attention modules take the FP8 path where ``dot_product_attention(fp8_dpa=True)`` accepts the
   configuration, and stay in high precision where it does not (here: no cuDNN FP8 on a CPU)."""
-  import te_jax.attention as attention_mod  # noqa: PLC0415
+  import te_jax.fused.attention as attention_mod  # noqa: PLC0415
 
   mha = te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=2, dtype=jnp.bfloat16)
   x = _x((2, 8, 32), 21, jnp.bfloat16)
@@ -517,11 +524,11 @@ def test_recipe_fp8_dpa_routes_attention_where_supported(monkeypatch):
   calls = []
 
   def fake_fp8(q, k, v, cfg):
-    calls.append(cfg.fp8)
+    calls.append(cfg.fp8_dpa)
     return jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
 
-  monkeypatch.setattr(attention_mod, "_fp8_unsupported", lambda cfg: None)
-  monkeypatch.setattr(attention_mod, "_fp8_attention", fake_fp8)
+  monkeypatch.setattr(attention_mod, "fp8_unsupported", lambda cfg: None)
+  monkeypatch.setattr(attention_mod, "fp8_attention", fake_fp8)
   np.testing.assert_array_equal(apply(Float8CurrentScaling(fp8_dpa=True)), 0.0)  # the FP8 path ran
   assert calls == [True]
   assert np.abs(apply(Float8CurrentScaling())).max() > 0  # without fp8_dpa it does not
@@ -557,7 +564,7 @@ def test_data_parallel_layer_matches_one_device(fp8):
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, layer_type="decoder",
                                    enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused")
   x = _x((8, 16, 32), 24)
   rec = Float8CurrentScaling() if fp8 else None
@@ -593,7 +600,7 @@ def test_tensor_parallel_layer_matches_one_device(fp8, fsdp):
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "model"))
   rules = (("embed", "data" if fsdp else None), ("heads", "model"), ("kv", None), ("qkv", None), ("mlp", "model"),
            ("act", None))
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
                                    enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused",
                                    logical_axes=True)
   x = _x((4, 16, 32), 26)
@@ -631,7 +638,7 @@ def test_sequence_parallel_layer_matches_one_device(fp8):
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "model"))
   rules = (("batch", "data"), ("seq", "model"), ("act_embed", None), ("embed", None), ("heads", "model"),
            ("kv", None), ("qkv", None), ("mlp", "model"), ("act", None))
-  layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, layer_type="decoder",
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
                                    enable_rotary_pos_emb=True, dtype=jnp.float32, backend="unfused",
                                    logical_axes=True)
   x = _x((4, 16, 32), 28)
@@ -657,7 +664,7 @@ class _ScanBody(nn.Module):
 
   @nn.compact
   def __call__(self, x, _):
-    layer = te_flax.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2, layer_type="decoder",
+    layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, layer_type="decoder",
                                      enable_rotary_pos_emb=True, hidden_dropout=0.1, dtype=jnp.bfloat16,
                                      backend="unfused", name="layer")
     return layer(x, deterministic=False), None

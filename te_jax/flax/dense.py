@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -10,32 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.dense import _normalize_axes, dense
-from te_jax.flax._fp8_state import dense_fp8_meta, resolve_recipe
+from te_jax._core.autocast import resolve_recipe
+from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.params import Initializer, features_tuple, logical
+from te_jax.fused.dense import dense, normalize_axes
 from te_jax.recipe import Recipe
 
-Initializer = Callable[..., jax.Array]
-
-
-def _tuple(x) -> tuple:
-  return tuple(x) if isinstance(x, Sequence) and not isinstance(x, str) else (x,)
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _features(features) -> tuple[int, ...]:
-  """``features`` (an int or a sequence of ints) as a tuple of positive ints, or a ValueError that names it."""
-  out = _tuple(features)
-  if not out or not all(_is_int(f) and f > 0 for f in out):
-    raise ValueError(f"features must be a positive int or a non-empty sequence of them, got {features!r}")
-  return tuple(int(f) for f in out)
-
-
-def _logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
-  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any."""
-  return nn.with_logical_partitioning(init, axes) if axes else init
+__all__ = ["DenseGeneral", "Fp8DotGeneral"]
 
 
 class DenseGeneral(nn.Module):
@@ -50,7 +31,7 @@ class DenseGeneral(nn.Module):
   ...   variables = layer.init(jax.random.key(0), jnp.ones((8, 64)))
   >>> jax.tree.map(jnp.shape, variables["params"])
   {'bias': (32,), 'kernel': (64, 32)}
-  >>> sorted(variables[te_flax.FP8_COLLECTION])[:2]
+  >>> sorted(variables[te_jax.FP8_COLLECTION])[:2]
   ['grad_amax_history', 'grad_scale']
 
   Attributes:
@@ -82,8 +63,8 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
-    features = _features(self.features)
-    axis = tuple(sorted(_normalize_axes(self.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
+    features = features_tuple(self.features)
+    axis = tuple(sorted(normalize_axes(self.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
     kernel_shape = tuple(inputs.shape[a] for a in axis) + features
     n_in = len(axis)
 
@@ -91,14 +72,14 @@ class DenseGeneral(nn.Module):
       flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
       return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
 
-    kernel = self.param("kernel", _logical(kernel_init, self.kernel_axes), kernel_shape, self.param_dtype)
+    kernel = self.param("kernel", logical(kernel_init, self.kernel_axes), kernel_shape, self.param_dtype)
     bias = None
     if self.use_bias:
 
       def bias_init(rng, shape, dtype):
         return jnp.reshape(self.bias_init(rng, (int(np.prod(shape)),), dtype), shape)
 
-      bias = self.param("bias", _logical(bias_init, self.bias_axes), features, self.param_dtype)
+      bias = self.param("bias", logical(bias_init, self.bias_axes), features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
     return dense(inputs.astype(dtype), kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax.dense import _logical
-from te_jax.layernorm import layernorm
-from te_jax.ops.norm import NORM_TYPES
+from te_jax.flax.params import Initializer, norm_params
+from te_jax.ops.norm import layernorm
 
-Initializer = Callable[..., jax.Array]
+__all__ = ["LayerNorm"]
 
 
 class LayerNorm(nn.Module):
@@ -25,7 +23,7 @@ class LayerNorm(nn.Module):
   input's and the parameters' dtypes, as Flax's. Logical axis names make the parameters shardable.
 
   >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
-  >>> layer = te_flax.LayerNorm(layernorm_type="rmsnorm", dtype=jnp.bfloat16)
+  >>> layer = te_flax.LayerNorm(norm_type="rmsnorm", dtype=jnp.bfloat16)
   >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
   >>> jax.tree.map(jnp.shape, variables["params"])
   {'scale': (8,)}
@@ -34,7 +32,7 @@ class LayerNorm(nn.Module):
 
   Attributes:
     epsilon: added to the variance before the reciprocal square root.
-    layernorm_type: "layernorm" (``(x - mean) * rsigma * scale + bias``) or "rmsnorm" (``x * rsigma * scale``).
+    norm_type: "layernorm" (``(x - mean) * rsigma * scale + bias``) or "rmsnorm" (``x * rsigma * scale``).
     zero_centered_gamma: store ``scale - 1``: the layer multiplies by ``scale + 1``, so the default initializer
       becomes zeros.
     scale_init: initializer of ``scale`` (default: ones, or zeros under ``zero_centered_gamma``).
@@ -46,7 +44,7 @@ class LayerNorm(nn.Module):
   """
 
   epsilon: float = 1e-6
-  layernorm_type: str = "layernorm"
+  norm_type: str = "layernorm"
   zero_centered_gamma: bool = False
   scale_init: Initializer | None = None
   scale_axes: tuple[str | None, ...] = ()
@@ -65,16 +63,7 @@ class LayerNorm(nn.Module):
     Returns:
       ``x``'s shape, in ``dtype``.
     """
-    if self.layernorm_type not in NORM_TYPES:
-      raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {self.layernorm_type!r}")
-    hidden = (x.shape[-1],)
-    scale_init = self.scale_init
-    if scale_init is None:
-      scale_init = nn.initializers.zeros_init() if self.zero_centered_gamma else nn.initializers.ones_init()
-    scale = self.param("scale", _logical(scale_init, self.scale_axes), hidden, self.param_dtype)
-    bias = None
-    if self.layernorm_type == "layernorm":
-      bias = self.param("bias", _logical(self.bias_init, self.bias_axes), hidden, self.param_dtype)
+    scale, bias = norm_params(self, x.shape[-1])
     dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
-    return layernorm(x, scale, bias, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+    return layernorm(x, scale, bias, norm_type=self.norm_type, epsilon=self.epsilon,
                      zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)

@@ -1,1 +1,27 @@
-"""Primitive families, one per file: each holds the pure-jnp reference, the primitives and their rules."""
+"""Primitives, one op family per module. Each module holds, in this order: the pure-jnp reference ``<op>_ref``, the
+primitives with their abstract evaluation, lowerings (the CUDA and CPU FFI handlers ``te_<op>_<platform>`` where
+they exist, the reference everywhere else), the vmap rule and the sharding rule; ops that are differentiable on their
+own (norm, activation, softmax, rope) end with the ``custom_vjp`` that pairs their forward and backward primitives.
+
+Modules:
+
+- ``quantize``: the saturating FP8 cast with amax, transposed copy and bias gradient fused; ``dequantize``, ``amax``.
+- ``quantize_interleaved``: the same cast of several arrays' column chunks, interleaved.
+- ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues.
+- ``norm``: LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward; ``layernorm``.
+- ``activation``: gelu, relu, silu, quick_gelu, squared_relu and their gated forms; ``activation``.
+- ``softmax``: scaled, masked and causal softmax; ``scaled_softmax`` and its masked and causal forms.
+- ``rope``: rotary position embedding; ``apply_rope``, ``rope_frequencies``.
+- ``scale_update``: the delayed-scaling update of many amax histories and scales in one op.
+"""
+
+from te_jax.ops import activation as activation
+from te_jax.ops import gemm as gemm
+from te_jax.ops import norm as norm
+from te_jax.ops import quantize as quantize
+from te_jax.ops import quantize_interleaved as quantize_interleaved
+from te_jax.ops import rope as rope
+from te_jax.ops import scale_update as scale_update
+from te_jax.ops import softmax as softmax
+
+__all__ = ["activation", "gemm", "norm", "quantize", "quantize_interleaved", "rope", "scale_update", "softmax"]

@@ -34,7 +34,7 @@ same formulas with the C library's ``expf`` and IEEE division, agrees with the r
 squared_relu (plain or gated) and within a few float32 roundings for the others.
 
 Outputs: either the high-precision result (float32, bfloat16 or float16), or its FP8 cast exactly as
-``te_jax.quantize`` makes it from the float32 result: ``data`` (saturating cast of ``y * scale``), ``amax`` (max |y|
+``te_jax.ops.quantize.quantize`` makes it from the float32 result: ``data`` (saturating cast of ``y * scale``), ``amax`` (max |y|
 over the float32 result, on bit patterns), optional ``data_t`` (the transposed copy the next GEMM's weight gradient
 needs) and, in the backward pass, optional ``dbias`` (float32 column sums of ``dx``).
 """
@@ -47,15 +47,16 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
-from te_jax.ops.quantize import FP8_DTYPES, Quantized, _amax_f32
+from te_jax._core import native
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
+from te_jax.ops.quantize import FP8_DTYPES, Quantized, amax_f32, saturating_cast
+import functools
 
-__all__ = ["ACTIVATIONS", "ActivationConfig", "activation_bwd", "activation_bwd_ref", "activation_fwd",
-           "activation_fwd_ref"]
+__all__ = ["activation", "activation_bwd", "activation_bwd_ref", "activation_fwd", "activation_fwd_ref",
+    "ActivationConfig", "ACTIVATIONS", "parse_activation_type"]
 
 #: Activation names, in the order of their integer codes in the FFI handlers.
 ACTIVATIONS = ("gelu", "relu", "silu", "quick_gelu", "squared_relu")
@@ -138,16 +139,15 @@ def _times_dact(gg, x, name: str):
 
 
 def _outputs(y, scale, config: ActivationConfig, feature_ndim: int, dbias: bool) -> list[jax.Array]:
-  """The cast of float32 ``y``: ``te_jax.quantize``'s outputs for an FP8 ``out_dtype``, else ``y`` cast."""
+  """The cast of float32 ``y``: ``te_jax.ops.quantize.quantize``'s outputs for an FP8 ``out_dtype``, else ``y`` cast."""
   if not config.fp8:
     outs = [y.astype(config.out_dtype)]
   else:
-    fp8_max = float(jnp.finfo(config.out_dtype).max)
-    q = jnp.clip(y * scale, -fp8_max, fp8_max).astype(config.out_dtype)
+    q = saturating_cast(y, scale, config.out_dtype)
     outs = [q]
     if config.transpose:
       outs.append(jnp.transpose(q, config.transposed_axes(y.ndim, feature_ndim)))
-    outs.append(_amax_f32(y))
+    outs.append(amax_f32(y))
   if dbias:
     outs.append(jnp.sum(y, axis=tuple(range(y.ndim - feature_ndim))))
   return outs
@@ -177,10 +177,6 @@ def activation_bwd_ref(g: jax.Array, x: jax.Array, scale: jax.Array, *, config: 
 # ---- primitives --------------------------------------------------------------------------------------------------
 
 
-def _feature_shape(x_shape, config: ActivationConfig) -> tuple[int, ...]:
-  return tuple(x_shape[-2:]) if config.gated else tuple(x_shape[-1:])
-
-
 def _cast_avals(like, shape, feature_ndim: int, config: ActivationConfig, dbias: bool):
   def aval(s, dtype):
     return output_aval(like, s, dtype)
@@ -206,10 +202,10 @@ def _bwd_abstract_eval(g, x, scale, *, config: ActivationConfig):
   return _cast_avals(x, x.shape, 2 if config.gated else 1, config, dbias=config.dbias)
 
 
-def _signature(platform: str, config: ActivationConfig, avals_out, *, backward: bool, rows: int) -> NativeSignature:
+def _signature(platform: str, config: ActivationConfig, x, avals_out, *, backward: bool) -> NativeSignature:
   """The handlers return (out, out_t, amax) forward and (dx, dx_t, amax, dbias, [workspace]) backward, the ones not
-  asked for empty; the CUDA backward one also returns its dbias workspace: float32 column partials, one row per
-  128-row tile, then one counter per 128 columns of a half (see ffi/cuda/activation.cuh)."""
+  asked for empty; the CUDA backward one also returns its dbias workspace for the input ``x``: column partials, one
+  row per row tile, then completion counters, sized by the module."""
   out_dtype = config.out_dtype
   empty_out = jax.core.ShapedArray((0,), out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
@@ -224,23 +220,17 @@ def _signature(platform: str, config: ActivationConfig, avals_out, *, backward: 
     results.append(dbias)
     keep += [3] if config.dbias else []
     if platform == "cuda":
-      cols = math.prod(_feature_shape(out.shape, config))
-      batch = math.prod(out.shape[:config.batch_ndim])
-      partial_rows = batch * -(-rows // 128)
-      counters = -(-out.shape[-1] // 128)
-      results.append(jax.core.ShapedArray((partial_rows * cols + counters,), jnp.float32) if config.dbias
+      results.append(native.workspace(platform, "act_bwd", x.shape, config.gated, config.batch_ndim) if config.dbias
                      else empty_f32)
   return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
 
 def _fwd_signature(platform, config, avals_in, avals_out):
-  return _signature(platform, config, avals_out, backward=False, rows=0)
+  return _signature(platform, config, avals_in[0], avals_out, backward=False)
 
 
 def _bwd_signature(platform, config, avals_in, avals_out):
-  x = avals_in[1]
-  lead = x.shape[:-2] if config.gated else x.shape[:-1]
-  return _signature(platform, config, avals_out, backward=True, rows=math.prod(lead[config.batch_ndim:]))
+  return _signature(platform, config, avals_in[1], avals_out, backward=True)
 
 
 def _attributes(config: ActivationConfig) -> dict:
@@ -343,7 +333,7 @@ def _fwd_sharding_rule(config: ActivationConfig, mesh, value_types, result_types
   del mesh, result_types
   dims, out = _gated_dims(len(value_types[0].shape), config.gated)
   rule = f"{' '.join(dims)}, -> {', '.join(_cast_rule(out, 1, config, dbias=False))}"
-  return str_to_sdy_sharding_rule(rule, need_replication_factors=("k",) if config.gated else ())
+  return rule, dict(need_replication_factors=("k",) if config.gated else ())
 
 
 def _bwd_sharding_rule(config: ActivationConfig, mesh, value_types, result_types):
@@ -351,7 +341,7 @@ def _bwd_sharding_rule(config: ActivationConfig, mesh, value_types, result_types
   dims, g = _gated_dims(len(value_types[1].shape), config.gated)
   results = _cast_rule(dims, 2 if config.gated else 1, config, dbias=config.dbias)
   rule = f"{' '.join(g)}, {' '.join(dims)}, -> {', '.join(results)}"
-  return str_to_sdy_sharding_rule(rule, need_replication_factors=("k",) if config.gated else ())
+  return rule, dict(need_replication_factors=("k",) if config.gated else ())
 
 
 # The default vmap rule (one call per batch element) is the right one: amax and dbias are reductions over each
@@ -474,9 +464,9 @@ def activation_fwd(
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-1.0, 0.0, 2.0, 1000.0]], jnp.bfloat16)
-  >>> te_jax.activation_fwd(x, ("relu",)).data.tolist()
+  >>> te_jax.ops.activation.activation_fwd(x, ("relu",)).data.tolist()
   [[0.0, 0.0, 2.0, 1000.0]]
-  >>> out = te_jax.activation_fwd(x, ("relu",), dtype=jnp.float8_e4m3fn, scale=1.0, transpose=True)
+  >>> out = te_jax.ops.activation.activation_fwd(x, ("relu",), dtype=jnp.float8_e4m3fn, scale=1.0, transpose=True)
   >>> out.data.astype(jnp.float32).tolist(), out.data_t.shape, float(out.amax)
   ([[0.0, 0.0, 2.0, 448.0]], (4, 1), 1000.0)
 
@@ -517,7 +507,7 @@ def activation_bwd(
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-1.0, 2.0]], jnp.float32)
-  >>> te_jax.activation_bwd(jnp.full((1, 2), 3.0), x, ("relu",), dbias=True).data.tolist()
+  >>> te_jax.ops.activation.activation_bwd(jnp.full((1, 2), 3.0), x, ("relu",), dbias=True).data.tolist()
   [[0.0, 3.0]]
 
   Args:
@@ -548,3 +538,47 @@ def activation_bwd(
   config, scale = _config(activation_type, dtype, g.dtype, scale, transpose, transpose_batch_dims, lead_ndim,
                           dbias=dbias)
   return _result(_ACT_BWD.bind(g, x, scale, config=config), config, dbias=bool(dbias))
+
+
+# ---- differentiable activation: activation_fwd and activation_bwd as one custom_vjp -----------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _activation(x, activation_type):
+  return activation_fwd(x, activation_type).data
+
+
+def _activation_fwd(x, activation_type):
+  return activation_fwd(x, activation_type).data, x
+
+
+def _activation_bwd(activation_type, x, g):
+  return (activation_bwd(g.astype(x.dtype), x, activation_type).data,)
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
+
+
+def activation(x: jax.Array, activation_type=("gelu",)) -> jax.Array:
+  """``act(x)``, or ``act(x[..., 0, :]) * x[..., 1, :]`` for a gated pair, in ``x``'s dtype (float32 math inside).
+
+  >>> import jax, jax.numpy as jnp, te_jax
+  >>> x = jnp.array([[-2.0, 0.5], [3.0, 4.0]], jnp.float32)
+  >>> te_jax.activation(x, ("relu",)).tolist()
+  [[0.0, 0.5], [3.0, 4.0]]
+  >>> te_jax.activation(x.reshape(1, 2, 2), ("relu", "linear")).tolist()  # ReGLU: relu(x[0]) * x[1]
+  [[0.0, 2.0]]
+  >>> jax.grad(lambda x: te_jax.activation(x, ("relu",)).sum())(x).tolist()
+  [[0.0, 1.0], [1.0, 1.0]]
+
+  Args:
+    x: float32, bfloat16 or float16; ``(..., N)``, or ``(..., 2, N)`` for a gated pair (activated half first).
+    activation_type: ``(act,)`` or ``(act, "linear")`` with ``act`` one of ``te_jax.ops.activation.ACTIVATIONS``:
+      ``("silu", "linear")`` is SwiGLU, ``("gelu", "linear")`` GeGLU, ``("relu", "linear")`` ReGLU.
+
+  Returns:
+    ``(..., N)`` in ``x``'s dtype.
+  """
+  names = parse_activation_type(activation_type)
+  normalized = (names[0], "linear") if names[1] else (names[0],)
+  return _activation(x, normalized)

@@ -6,7 +6,7 @@ operands come with their ``scale_inv`` and are dequantized inside the GEMM. A re
 epilogue (cuBLASLt's C input with beta = 1), so a residual connection costs no pass of its own. bf16/fp16/fp32
 operands may also be
 given transposed (``lhs`` as (K, M...), ``rhs`` as (K, N...)); FP8 operands may not, use the transposed copies
-``te_jax.quantize(..., transpose=True)`` makes.
+``te_jax.ops.quantize.quantize(..., transpose=True)`` makes.
 
 FP8 shapes: cuBLASLt's FP8 kernels need K and N to be multiples of 16 (the leading dims of the stored
 operands); such shapes are rejected with a ValueError, never padded behind the caller's back (``dense`` pads the
@@ -15,8 +15,8 @@ add bias, cast.
 
 ``gemm(lhs, rhs, rhs_parts=True)`` with ``rhs`` (P, N, K) returns the P products ``lhs @ rhs[p]^T`` as separate
 arrays (the q, k and v of a fused QKV projection, each where attention reads it) from one cuBLASLt launch, a
-pointer-array batched GEMM sharing lhs, with no slicing of a stacked output afterwards. At the GPT layer's QKV shape
-on the H200 it is 4% faster than P GEMMs of N columns and 5% slower than one of P * N (benchmarks/NOTES.md).
+pointer-array batched GEMM sharing lhs, with no slicing of a stacked output afterwards (the benchmark ``gemm``
+compares it with P GEMMs of N columns and with one of P * N).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
+from te_jax._core import native
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
@@ -39,7 +40,9 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 # cuBLASLt FP8: K and N (the stored operands' leading dims) multiples of 16. The FP8 layers therefore also pad their
 # tokens to a multiple of it: the weight-gradient GEMM contracts over them.
 FP8_ALIGN = 16
-MAX_PARTS = 4  # kMaxGemmParts in gemm_batch.h
+# The API's limit on rhs_parts, checked on every platform; tests/test_geometry.py checks that the CUDA kernel's capacity
+# (te_jax._te_cuda.gemm_max_parts) covers it.
+MAX_PARTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,7 @@ class GemmConfig:
   """Static parameters of one GEMM.
 
   Attributes:
-    out_dtype: bfloat16, float16 or float32.
+    dtype: the output dtype: bfloat16, float16 or float32.
     transpose_lhs: lhs is stored (K, M) (bf16/fp16/fp32 only).
     transpose_rhs: rhs is stored (K, N) (bf16/fp16/fp32 only).
     has_bias: a (N,) bias in ``out_dtype`` follows the scales, added in float32 before the output cast.
@@ -104,29 +107,16 @@ def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmCo
   return [output_aval(lhs, (m, n), config.out_dtype)] * config.parts
 
 
-# cuBLASLt's workspace, an extra result of the handler (so XLA allocates it with the outputs): 32 MiB is what its
-# Hopper kernels can use; smaller workspaces rule out some split-K algorithms. Must match kWorkspaceBytes in gemm.cc.
-_WORKSPACE_BYTES = 32 << 20
-
-
-def _workspace_bytes(config: GemmConfig) -> int:
-  """cuBLASLt's workspace, then a batched GEMM's three pointer arrays (A, B, D: 8 bytes per part each, rounded up to
-  256 bytes): PointerArrayBytes in gemm.cc."""
-  if config.parts == 1:
-    return _WORKSPACE_BYTES
-  return _WORKSPACE_BYTES + -(-3 * 8 * config.parts // 256) * 256
-
-
 def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) -> NativeSignature:
   """The handler always takes bias and residual operands (empty when there are none), in that order, and returns its
-  workspace first, then the output or its parts."""
-  del platform
+  workspace first (cuBLASLt's, then a batched GEMM's pointer arrays, sized by the module), then the output or its
+  parts."""
   empty = np.zeros((0,), config.out_dtype)
   n = len(avals_in)  # lhs, rhs, the two scales, then the bias and the residual that are there
   bias = n - 1 - config.has_residual if config.has_bias else n  # index in (operands, extras)
   residual = n - 1 if config.has_residual else n + (not config.has_bias)
   extra = (empty,) * ((not config.has_bias) + (not config.has_residual))
-  workspace = jax.core.ShapedArray((_workspace_bytes(config),), jnp.uint8)
+  workspace = native.workspace(platform, "gemm", config.parts)
   return NativeSignature(extra_operands=extra, result_avals=(workspace, *avals_out),
                          keep=tuple(range(1, 1 + len(avals_out))), operand_order=(0, 1, 2, 3, bias, residual))
 
@@ -259,7 +249,7 @@ def gemm(
     rhs_scale_inv: jax.Array | None = None,
     bias: jax.Array | None = None,
     residual: jax.Array | None = None,
-    out_dtype=jnp.bfloat16,
+    dtype=jnp.bfloat16,
     transpose_lhs: bool = False,
     transpose_rhs: bool = False,
     fast_accum: bool = False,
@@ -268,9 +258,9 @@ def gemm(
   """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
 
   >>> import jax.numpy as jnp, te_jax
-  >>> te_jax.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((48, 16), jnp.bfloat16)).shape
+  >>> te_jax.ops.gemm.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((48, 16), jnp.bfloat16)).shape
   (32, 48)
-  >>> q, k, v = te_jax.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((3, 48, 16), jnp.bfloat16), rhs_parts=True)
+  >>> q, k, v = te_jax.ops.gemm.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((3, 48, 16), jnp.bfloat16), rhs_parts=True)
   >>> v.shape
   (32, 48)
 
@@ -278,10 +268,10 @@ def gemm(
     lhs: (..., K), or (K, ...) with ``transpose_lhs``; FP8 or bfloat16/float16/float32.
     rhs: (..., K), or (K, ...) with ``transpose_rhs``; the same kind (FP8 or not) as ``lhs``.
     lhs_scale_inv, rhs_scale_inv: float32 scalars, required for FP8 operands and only for them.
-    bias: optional (N,) bias, cast to ``out_dtype``, fused into the GEMM epilogue.
-    residual: optional, shaped as the output (or (M, N)), cast to ``out_dtype``, added in the epilogue: the output
+    bias: optional (N,) bias, cast to ``dtype``, fused into the GEMM epilogue.
+    residual: optional, shaped as the output (or (M, N)), cast to ``dtype``, added in the epilogue: the output
       is ``lhs @ rhs^T + bias + residual`` rounded once.
-    out_dtype: bfloat16, float16 or float32.
+    dtype: the output dtype: bfloat16, float16 or float32.
     transpose_lhs, transpose_rhs: the operand is stored with K first (not for FP8).
     fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise.
     rhs_parts: ``rhs`` is (P, ..., K) with 1 <= P <= MAX_PARTS, untransposed: returns the P products
@@ -293,15 +283,15 @@ def gemm(
     ``(*lhs_rows, *rhs.shape[1:-1])``.
   """
   if rhs_parts:
-    return _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtype, transpose_lhs,
+    return _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, dtype, transpose_lhs,
                        transpose_rhs, fast_accum)
   lhs_fp8 = _check_operand(lhs, "lhs", lhs_scale_inv)
   rhs_fp8 = _check_operand(rhs, "rhs", rhs_scale_inv)
   if lhs_fp8 != rhs_fp8:
     raise TypeError(f"lhs and rhs must both be FP8 or both not, got {lhs.dtype} and {rhs.dtype}")
-  out_dtype = jnp.dtype(out_dtype)
+  out_dtype = jnp.dtype(dtype)
   if out_dtype not in _OUT_DTYPES:
-    raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
+    raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
   if lhs_fp8 and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
     raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
   if lhs_fp8 and (transpose_lhs or transpose_rhs):
@@ -371,11 +361,11 @@ def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtyp
     raise ValueError(f"with rhs_parts, bias must have shape ({n_parts}, {n}), got {bias.shape}")
   if bias is not None or n_parts == 1:
     return tuple(gemm(lhs, rhs[i], lhs_scale_inv=lhs_scale_inv, rhs_scale_inv=rhs_scale_inv,
-                      bias=None if bias is None else bias[i], out_dtype=out_dtype, transpose_lhs=transpose_lhs,
+                      bias=None if bias is None else bias[i], dtype=out_dtype, transpose_lhs=transpose_lhs,
                       fast_accum=fast_accum)
                  for i in range(n_parts))
   # The checks of one part's GEMM (dtypes, scales, shapes), traced only for its shape.
-  part_out = jax.eval_shape(lambda a, b, sa, sb: gemm(a, b, lhs_scale_inv=sa, rhs_scale_inv=sb, out_dtype=out_dtype,
+  part_out = jax.eval_shape(lambda a, b, sa, sb: gemm(a, b, lhs_scale_inv=sa, rhs_scale_inv=sb, dtype=out_dtype,
                                                       transpose_lhs=transpose_lhs, fast_accum=fast_accum),
                             lhs, rhs[0], lhs_scale_inv, rhs_scale_inv)
   fp8 = jnp.dtype(lhs.dtype) in FP8_DTYPES

@@ -7,7 +7,7 @@ Forward, per row of ``x`` (every dim but the last is a row dim), in float32:
 - the normalized row: ``g = gamma + 1`` under ``zero_centered_gamma`` (gamma stored as gamma - 1; ``norm_fwd`` and
   ``norm_bwd`` add the 1 in float32, and the primitives and references take ``g``), else ``gamma``; LayerNorm
   ``y = fma((x - mean) * rsigma, g, beta)``, RMSNorm ``y = (x * rsigma) * g``;
-- the output: ``y`` rounded to bfloat16/float16/float32, or FP8 exactly as ``te_jax.quantize`` casts ``y``:
+- the output: ``y`` rounded to bfloat16/float16/float32, or FP8 exactly as ``te_jax.ops.quantize.quantize`` casts ``y``:
   ``y * scale`` cast saturating, ``amax = max|y|`` of the float32 ``y`` (not of a rounded copy), and optionally the
   transposed FP8 copy ``(hidden, *rows)`` that the weight-gradient GEMM of a following dense layer reads;
 - ``mean`` (LayerNorm only) and ``rsigma``, float32 per row, for the backward pass.
@@ -30,7 +30,6 @@ which is what XLA compiles ``t * g + beta`` to), its cast, amax and the transpos
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -39,19 +38,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax._core import native
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
+import functools
+from te_jax._core.manual_axes import to_common_varying
 
-__all__ = ["NORM_TYPES", "NormConfig", "NormOutput", "norm_fwd", "norm_bwd", "norm_fwd_ref", "norm_bwd_ref"]
+__all__ = ["check_norm_args", "layernorm", "norm_bwd", "norm_bwd_ref", "norm_fwd", "norm_fwd_ref", "NORM_TYPES",
+    "NormConfig", "NormOutput"]
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 _HP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
-# The CUDA backward kernel's workers: each sums dgamma/dbeta over a block of consecutive rows into its own partial
-# row of the workspace; at least this many, and _BWD_PARTIAL_ELEMS / hidden when more (short rows need more workers
-# to fill the GPU). Mirrored in norm_bwd.cu.
-_BWD_MIN_PARTIALS = 256
-_BWD_PARTIAL_ELEMS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,20 +307,14 @@ def _bwd_abstract_eval(dz, x, rsigma, gamma, *rest, config: NormConfig):
   return outs if config.rms else outs + [output_aval(x, gamma.shape, jnp.float32)]
 
 
-def _bwd_partial_rows(rows: int, hidden: int) -> int:
-  """The workspace rows (per parameter) of the CUDA backward kernel: one per worker (see norm_bwd.cu)."""
-  return min(rows, max(_BWD_MIN_PARTIALS, _BWD_PARTIAL_ELEMS // hidden))
-
-
 def _bwd_native_signature(platform: str, config: NormConfig, avals_in, avals_out) -> NativeSignature:
   """The handlers take (dz, x, rsigma, gamma, mean, dres) and return (dx, dgamma, dbeta), RMSNorm's mean and dbeta
   empty, dres empty when not given; the CUDA one also returns its workspace: the float32 dgamma (and dbeta) partials
-  of each row block."""
+  of each row block (one per worker of the kernel, sized by the module)."""
   x = avals_in[1]
   results = list(avals_out) + ([_empty(jnp.float32)] if config.rms else [])
   if platform == "cuda":
-    per_param = _bwd_partial_rows(math.prod(x.shape[:-1]), x.shape[-1]) * x.shape[-1]
-    results.append(jax.core.ShapedArray((per_param * (1 if config.rms else 2),), jnp.float32))
+    results.append(native.workspace(platform, "norm_bwd", x.shape, config.rms))
   given, order, extra = 4, [0, 1, 2, 3], []  # dz, x, rsigma, gamma, then mean and dres where given
   for present, dtype in ((not config.rms, np.float32), (config.dres, x.dtype)):
     if present:
@@ -430,18 +422,18 @@ def norm_fwd(
     norm_type: str = "layernorm",
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
-    out_dtype=None,
+    dtype=None,
     scale: jax.Array | float | None = None,
     transpose: bool = False,
 ) -> NormOutput:
   """Normalizes each row of ``x`` (its last dim) and returns the output with the statistics for the backward pass.
 
-  With an FP8 ``out_dtype`` the output is cast as ``te_jax.quantize`` would cast the float32 normalized tensor
+  With an FP8 ``dtype`` the output is cast as ``te_jax.ops.quantize.quantize`` would cast the float32 normalized tensor
   ``y`` (``y * scale``, saturating), with ``amax = max|y|``, all in the same pass over ``x``.
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]], jnp.bfloat16)
-  >>> out = te_jax.norm_fwd(x, jnp.ones(4), jnp.zeros(4), out_dtype=jnp.float8_e4m3fn, scale=1.0)
+  >>> out = te_jax.ops.norm.norm_fwd(x, jnp.ones(4), jnp.zeros(4), dtype=jnp.float8_e4m3fn, scale=1.0)
   >>> out.out.astype(jnp.float32).tolist(), float(out.mean[0]), round(float(out.amax), 3)
   ([[-1.125, -0.5625, 0.0, 1.625]], 3.0, 1.604)
 
@@ -452,7 +444,7 @@ def norm_fwd(
     norm_type: "layernorm" or "rmsnorm".
     epsilon: added to the variance before the reciprocal square root.
     zero_centered_gamma: the op multiplies by ``gamma + 1``.
-    out_dtype: float32, bfloat16, float16 (default: ``x``'s dtype), or float8_e4m3fn / float8_e5m2.
+    dtype: the output dtype: float32, bfloat16, float16 (default: ``x``'s), or float8_e4m3fn / float8_e5m2.
     scale: float32 scalar multiplying ``y`` before an FP8 cast; required for FP8 outputs and only for them.
     transpose: also return the transposed FP8 copy ``(hidden, *rows)`` (FP8 outputs, rank >= 2).
 
@@ -464,21 +456,21 @@ def norm_fwd(
   check_norm_args(norm_type, epsilon)
   gamma = _gamma_factor(gamma, hidden, bool(zero_centered_gamma))
   beta = _check_beta(beta, norm_type, hidden)
-  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   fp8 = out_dtype in FP8_DTYPES
   if not fp8 and out_dtype not in _HP_DTYPES:
-    raise ValueError(f"out_dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {out_dtype}")
+    raise ValueError(f"dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {out_dtype}")
   if fp8:
     if scale is None:
-      raise ValueError(f"out_dtype {out_dtype.name} needs scale (the float32 scale of the FP8 cast)")
+      raise ValueError(f"dtype {out_dtype.name} needs scale (the float32 scale of the FP8 cast)")
     if isinstance(scale, float):
       scale = jnp.float32(scale)
     if not hasattr(scale, "dtype") or jnp.dtype(scale.dtype) != _F32 or jnp.shape(scale) != ():
       raise TypeError(f"scale must be a float32 scalar, got {getattr(scale, 'dtype', type(scale).__name__)}")
   elif scale is not None:
-    raise ValueError(f"scale applies to FP8 outputs only; out_dtype is {out_dtype.name}")
+    raise ValueError(f"scale applies to FP8 outputs only; dtype is {out_dtype.name}")
   if transpose and (not fp8 or x.ndim < 2):
-    raise ValueError(f"transpose=True needs an FP8 out_dtype and x of rank >= 2, got {out_dtype.name}, {x.shape}")
+    raise ValueError(f"transpose=True needs an FP8 dtype and x of rank >= 2, got {out_dtype.name}, {x.shape}")
   config = NormConfig(norm_type, float(epsilon), out_dtype, bool(transpose))
   scale = scale if fp8 else jnp.float32(1.0)  # the handlers take a scale operand; only FP8 casts read it
   outs = list(_NORM_FWD.bind(x, gamma, scale, *beta, config=config))
@@ -504,8 +496,8 @@ def norm_bwd(
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]])
-  >>> fwd = te_jax.norm_fwd(x, jnp.ones(4), jnp.zeros(4))
-  >>> dx, dgamma, dbeta = te_jax.norm_bwd(jnp.ones_like(x), x, fwd.mean, fwd.rsigma, jnp.ones(4))
+  >>> fwd = te_jax.ops.norm.norm_fwd(x, jnp.ones(4), jnp.zeros(4))
+  >>> dx, dgamma, dbeta = te_jax.ops.norm.norm_bwd(jnp.ones_like(x), x, fwd.mean, fwd.rsigma, jnp.ones(4))
   >>> [round(float(v), 5) for v in dx[0]], dbeta.tolist()
   ([0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])
 
@@ -545,3 +537,87 @@ def norm_bwd(
   extra += () if dres is None else (dres,)
   outs = list(_NORM_BWD.bind(dz, x, rsigma, gamma, *extra, config=config))
   return outs[0], outs[1], None if config.rms else outs[2]
+
+
+# ---- differentiable layernorm: norm_fwd and norm_bwd as one custom_vjp ------------------------------------------------
+
+
+_OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  norm: NormConfig  # its out_dtype is the output dtype
+  zero_centered_gamma: bool
+  beta_dtype: jnp.dtype | None  # dbeta's dtype; None: RMSNorm, no beta
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layernorm(cfg: _Config, x, gamma, beta):
+  return _layernorm_fwd(cfg, x, gamma, beta)[0]
+
+
+def _layernorm_fwd(cfg: _Config, x, gamma, beta):
+  n = cfg.norm
+  out = norm_fwd(x, gamma, beta, norm_type=n.norm_type, epsilon=n.epsilon, zero_centered_gamma=cfg.zero_centered_gamma,
+                 dtype=n.out_dtype)
+  return out.out, (x, gamma, out.mean, out.rsigma)
+
+
+def _layernorm_bwd(cfg: _Config, residuals, dz):
+  x, gamma, mean, rsigma = residuals
+  # The kernels take dz in x's dtype or float32: a gradient of any other dtype goes in as float32, exactly.
+  dz = dz if dz.dtype in (x.dtype, jnp.float32) else dz.astype(jnp.float32)
+  dx, dgamma, dbeta = norm_bwd(dz, x, mean, rsigma, gamma, norm_type=cfg.norm.norm_type,
+                               zero_centered_gamma=cfg.zero_centered_gamma)
+  return dx, dgamma.astype(gamma.dtype), None if cfg.beta_dtype is None else dbeta.astype(cfg.beta_dtype)
+
+
+_layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
+
+
+def layernorm(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    *,
+    norm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    dtype=None,
+) -> jax.Array:
+  """LayerNorm (``(x - mean) * rsigma * gamma + beta``) or RMSNorm (``x * rsigma * gamma``) over the last dim.
+
+  Statistics and arithmetic in float32 whatever the input and parameter dtypes; gradients come back in the dtype of
+  what they differentiate.
+
+  >>> import jax, jax.numpy as jnp, te_jax
+  >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]])
+  >>> [round(float(v), 4) for v in te_jax.layernorm(x, jnp.ones(4), jnp.zeros(4))[0]]
+  [-1.069, -0.5345, 0.0, 1.6036]
+  >>> jax.grad(lambda g: te_jax.layernorm(x, g, norm_type="rmsnorm").sum())(jnp.ones(4)).shape
+  (4,)
+
+  Args:
+    x: float32, bfloat16 or float16, rank >= 1.
+    gamma: ``(hidden,)`` scale; stored as gamma - 1 under ``zero_centered_gamma``.
+    beta: ``(hidden,)`` bias, required for LayerNorm; None for RMSNorm.
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: added to the variance before the reciprocal square root.
+    zero_centered_gamma: multiply by ``gamma + 1`` (so a zero-initialized gamma is the identity scale).
+    dtype: the output dtype, float32, bfloat16 or float16 (default: ``x``'s). The statistics come from ``x`` as
+      given, not from ``x`` rounded to ``dtype``.
+
+  Returns:
+    The normalized ``x``, in ``dtype``.
+  """
+  x = jnp.asarray(x) if not hasattr(x, "dtype") else x
+  out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  if out_dtype not in _OUT_DTYPES:
+    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
+  check_norm_args(norm_type, epsilon)
+  norm = NormConfig(norm_type, float(epsilon), out_dtype)
+  beta_dtype = None if beta is None else jnp.dtype(jnp.asarray(beta).dtype)
+  # norm_fwd checks the arrays while tracing
+  x, gamma, beta = to_common_varying(x, gamma, beta)  # inside shard_map: as jax's own ops would
+  return _layernorm(_Config(norm, bool(zero_centered_gamma), beta_dtype), x, gamma, beta)

@@ -10,7 +10,7 @@ One pass over ``x`` gives everything an FP8 GEMM and its backward pass need from
   ``x`` is an output gradient.
 
 NaN: a NaN in ``x`` gives a NaN in ``data`` at that position (which NaN bit pattern is not specified) and a NaN
-``amax``, as ``jnp.max`` does; the scaling math then keeps the previous scale (see ``te_jax.scaling``).
+``amax``, as ``jnp.max`` does; the scaling math then keeps the previous scale (see ``te_jax._core.scaling``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax._core import native
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 
-__all__ = ["Quantized", "quantize", "quantize_ref", "dequantize", "amax", "group_parts", "FP8_DTYPES",
-           "MAX_TRANSPOSE_PARTS"]
+__all__ = ["amax", "amax_f32", "check_input", "check_scale", "dequantize", "every_axis_divides", "FP8_DTYPES",
+    "group_parts", "holds_whole_groups", "make_config", "MAX_TRANSPOSE_PARTS", "quantize", "quantize_abstract_eval",
+    "quantize_native_signature", "quantize_ref", "QuantizeConfig", "Quantized", "saturating_cast", "shard_plan",
+    "unpack"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # The most parts ``transpose_parts`` groups the transposed copy into: its consumer, ``gemm(..., rhs_parts=True)``,
@@ -94,7 +97,7 @@ class Quantized(NamedTuple):
 # ---- reference ---------------------------------------------------------------------------------------------------
 
 
-def _amax_f32(xf: jax.Array, axis=None) -> jax.Array:
+def amax_f32(xf: jax.Array, axis=None) -> jax.Array:
   """``max|x|`` of float32 ``xf`` as an unsigned max over the bit patterns of ``|x|``.
 
   Exactly what the kernels compute: integer order equals float order for non-negative floats, every NaN sorts above
@@ -105,16 +108,22 @@ def _amax_f32(xf: jax.Array, axis=None) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis, initial=jnp.uint32(0)), jnp.float32)
 
 
+def saturating_cast(xf: jax.Array, scale, dtype) -> jax.Array:
+  """The FP8 cast every te_jax op makes: float32 ``xf * scale`` clamped to the format's largest finite value, then
+  rounded to ``dtype`` (to nearest, ties to even). Values beyond the range (inf included) saturate; NaN stays NaN."""
+  fp8_max = float(jnp.finfo(dtype).max)
+  return jnp.clip(xf * scale, -fp8_max, fp8_max).astype(dtype)
+
+
 def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> list[jax.Array]:
   """The pure-jnp definition: the CPU fallback, the test oracle and the documentation of the kernels."""
   xf = x.astype(jnp.float32)
-  fp8_max = float(jnp.finfo(config.out_dtype).max)
-  q = jnp.clip(xf * scale, -fp8_max, fp8_max).astype(config.out_dtype)
+  q = saturating_cast(xf, scale, config.out_dtype)
   outs = [q]
   if config.transpose:
     qt = jnp.transpose(q, config.transposed_axes(x.ndim))
     outs.append(config.group_transposed(qt) if config.t_parts > 1 else qt)
-  outs.append(_amax_f32(xf))
+  outs.append(amax_f32(xf))
   if config.dbias:
     outs.append(jnp.sum(xf, axis=tuple(range(x.ndim - 1))))
   return outs
@@ -123,7 +132,7 @@ def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> l
 # ---- primitive ---------------------------------------------------------------------------------------------------
 
 
-def _abstract_eval(x, scale, *, config: QuantizeConfig):
+def quantize_abstract_eval(x, scale, *, config: QuantizeConfig):
   del scale
 
   def aval(shape, dtype):
@@ -138,9 +147,9 @@ def _abstract_eval(x, scale, *, config: QuantizeConfig):
   return outs
 
 
-def _native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out) -> NativeSignature:
+def quantize_native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out) -> NativeSignature:
   """The handlers always return (q, qt, amax, dbias), the ones not asked for empty; the CUDA one also returns the
-  workspace for its dbias partials: float32, one row per 32-row tile (see quantize.cu)."""
+  workspace for its dbias partials: column partials, one row per row tile, sized by the module."""
   x = avals_in[0]
   empty_fp8 = jax.core.ShapedArray((0,), config.out_dtype)
   empty_f32 = jax.core.ShapedArray((0,), jnp.float32)
@@ -151,10 +160,7 @@ def _native_signature(platform: str, config: QuantizeConfig, avals_in, avals_out
   dbias = rest.pop(0) if config.dbias else empty_f32
   results = [q, qt, amax_aval, dbias]
   if platform == "cuda":
-    batch = math.prod(x.shape[:config.batch_ndim])
-    rows = math.prod(x.shape[config.batch_ndim:-1])
-    partial_rows = batch * -(-rows // 32)
-    results.append(jax.core.ShapedArray((partial_rows * x.shape[-1],), jnp.float32) if config.dbias else empty_f32)
+    results.append(native.workspace(platform, "quantize", x.shape, config.batch_ndim) if config.dbias else empty_f32)
   keep = [0] + ([1] if config.transpose else []) + [2] + ([3] if config.dbias else [])
   return NativeSignature(extra_operands=(), result_avals=results, keep=keep)
 
@@ -261,7 +267,7 @@ def _batcher(args, dims, *, config: QuantizeConfig):
   batched = dataclasses.replace(config, batch_ndim=config.batch_ndim + 1, dbias=False)
   outs = list(_QUANTIZE.bind(x, scale, config=batched))
   xf = x.astype(jnp.float32)
-  outs[2 if config.transpose else 1] = _amax_f32(xf, axis=tuple(range(1, x.ndim)))
+  outs[2 if config.transpose else 1] = amax_f32(xf, axis=tuple(range(1, x.ndim)))
   if config.dbias:
     outs.append(jnp.sum(xf, axis=tuple(range(1, x.ndim - 1))))
   return outs, [0] * len(outs)
@@ -274,11 +280,11 @@ def _attributes(config: QuantizeConfig) -> dict:
 
 _QUANTIZE = define_op(
     "quantize",
-    abstract_eval=_abstract_eval,
+    abstract_eval=quantize_abstract_eval,
     reference=quantize_ref,
     native_platforms=("cpu", "cuda"),
     ffi_attributes=_attributes,
-    native_signature=_native_signature,
+    native_signature=quantize_native_signature,
     partition=_partition,
     sharding_rule=_sharding_rule,
     batcher=_batcher,
@@ -288,7 +294,7 @@ _QUANTIZE = define_op(
 # ---- public API --------------------------------------------------------------------------------------------------
 
 
-def _check_input(x, name: str = "x") -> jax.Array:
+def check_input(x, name: str = "x") -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     x = jnp.asarray(x)
   if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
@@ -298,7 +304,7 @@ def _check_input(x, name: str = "x") -> jax.Array:
   return x
 
 
-def _check_scale(scale) -> jax.Array:
+def check_scale(scale) -> jax.Array:
   if isinstance(scale, float):
     return jnp.float32(scale)
   if not hasattr(scale, "dtype") or jnp.dtype(scale.dtype) != jnp.float32:
@@ -331,7 +337,7 @@ def quantize(
   """Casts ``x * scale`` to FP8 (saturating) and returns it with ``amax = max|x|``, in one pass over ``x``.
 
   >>> import jax.numpy as jnp, te_jax
-  >>> out = te_jax.quantize(jnp.array([[1.0, -600.0]], jnp.bfloat16), jnp.float32(1.0), transpose=True)
+  >>> out = te_jax.ops.quantize.quantize(jnp.array([[1.0, -600.0]], jnp.bfloat16), jnp.float32(1.0), transpose=True)
   >>> out.data.astype(jnp.float32).tolist(), out.data_t.shape, float(out.amax)
   ([[1.0, -448.0]], (2, 1), 600.0)
 
@@ -352,12 +358,12 @@ def quantize(
   Returns:
     ``Quantized(data, data_t, amax, dbias)``; ``data_t`` and ``dbias`` are None unless asked for.
   """
-  x = _check_input(x)
+  x = check_input(x)
   config = make_config(x.shape, dtype, transpose, transpose_batch_dims, dbias, "x")
   if transpose_parts is not None:
     config = dataclasses.replace(config, **_check_transpose_parts(transpose_parts, x.shape, transpose,
                                                                   transpose_batch_dims))
-  return unpack(_QUANTIZE.bind(x, _check_scale(scale), config=config), config)
+  return unpack(_QUANTIZE.bind(x, check_scale(scale), config=config), config)
 
 
 def make_config(shape, dtype, transpose: bool, transpose_batch_dims: int | None, dbias: bool,
@@ -414,7 +420,7 @@ def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -
   out = jnp.dtype(dtype)
   if out not in _INPUT_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-  return (q.astype(jnp.float32) * _check_scale(scale_inv)).astype(out)
+  return (q.astype(jnp.float32) * check_scale(scale_inv)).astype(out)
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -423,5 +429,5 @@ def amax(x: jax.Array) -> jax.Array:
   A plain reduction (over the bit patterns of ``|x|``, as the kernels do): XLA reads ``x`` once at full bandwidth
   and inserts the all-reduce itself when ``x`` is sharded, so no custom call is needed.
   """
-  x = _check_input(x)
-  return _amax_f32(x.astype(jnp.float32))
+  x = check_input(x)
+  return amax_f32(x.astype(jnp.float32))

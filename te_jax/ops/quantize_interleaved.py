@@ -24,15 +24,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import define_op, full_spec, sequential_batcher
-from te_jax.ops.quantize import (QuantizeConfig, Quantized, _abstract_eval, _amax_f32, _check_input, _check_scale,
-                                 _native_signature, every_axis_divides, holds_whole_groups, make_config, quantize,
+from te_jax._core.primitive import define_op, full_spec, sequential_batcher
+from te_jax.ops.quantize import (QuantizeConfig, Quantized, quantize_abstract_eval, amax_f32, check_input, check_scale,
+                                 quantize_native_signature, every_axis_divides, holds_whole_groups, make_config, quantize,
                                  quantize_ref, shard_plan, unpack)
 
 __all__ = ["MAX_PARTS", "quantize_interleaved", "interleave"]
 
-MAX_PARTS = 4  # kMaxParts in quantize.cu
-_MAX_COLS = 2**31 - 1  # the kernel's column arithmetic is 32-bit
+# The API's limits, checked on every platform: at most MAX_PARTS parts, whose rows side by side hold at most _MAX_COLS
+# elements (the CUDA kernel's column arithmetic is 32-bit). tests/test_geometry.py checks that the kernel's capacity
+# (te_jax._te_cuda.quantize_interleaved_max_parts and _max_cols) covers them.
+MAX_PARTS = 4
+_MAX_COLS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +63,12 @@ def _reference(scale, *parts, config: InterleavedConfig):
 
 
 def _interleaved_abstract_eval(scale, *parts, config: InterleavedConfig):
-  return _abstract_eval(_x_aval(parts), scale, config=config.base)
+  return quantize_abstract_eval(_x_aval(parts), scale, config=config.base)
 
 
 def _interleaved_signature(platform, config: InterleavedConfig, avals_in, avals_out):
   scale, *parts = avals_in
-  return _native_signature(platform, config.base, [_x_aval(parts), scale], avals_out)
+  return quantize_native_signature(platform, config.base, [_x_aval(parts), scale], avals_out)
 
 
 def _local_spec(config: InterleavedConfig, mesh, arg_shapes) -> tuple:
@@ -128,7 +131,7 @@ def _batcher(args, dims, *, config: InterleavedConfig):
   base = dataclasses.replace(config.base, batch_ndim=config.base.batch_ndim + 1)
   outs = list(_QUANTIZE_INTERLEAVED.bind(scale, *parts, config=dataclasses.replace(config, base=base)))
   axes = tuple(range(1, parts[0].ndim))
-  outs[2 if base.transpose else 1] = jnp.max(jnp.stack([_amax_f32(p.astype(jnp.float32), axis=axes)
+  outs[2 if base.transpose else 1] = jnp.max(jnp.stack([amax_f32(p.astype(jnp.float32), axis=axes)
                                                         for p in parts]), axis=0)
   return outs, [0] * len(outs)
 
@@ -159,13 +162,13 @@ def quantize_interleaved(
   """``quantize(interleave(parts, group), ...)`` in one pass over the parts, never writing the interleave.
 
   >>> import jax.numpy as jnp, te_jax
-  >>> q = te_jax.quantize_interleaved([jnp.ones((2, 4)), -jnp.ones((2, 4))], 1.0, group=2)
+  >>> q = te_jax.ops.quantize_interleaved.quantize_interleaved([jnp.ones((2, 4)), -jnp.ones((2, 4))], 1.0, group=2)
   >>> q.data.astype(jnp.float32)[0].tolist()
   [1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0]
 
   Args:
     parts: 1 to 4 arrays of one shape ``(..., C)`` and dtype (float32, bfloat16 or float16).
-    scale, dtype, transpose, transpose_batch_dims, dbias: as in ``te_jax.quantize``, for x of shape
+    scale, dtype, transpose, transpose_batch_dims, dbias: as in ``te_jax.ops.quantize.quantize``, for x of shape
       ``(..., len(parts) * C)``.
     group: the chunk width; must divide C.
 
@@ -174,7 +177,7 @@ def quantize_interleaved(
   """
   if isinstance(parts, jax.Array) or not isinstance(parts, Sequence) or not 1 <= len(parts) <= MAX_PARTS:
     raise ValueError(f"parts must be a sequence of 1 to {MAX_PARTS} arrays, got {type(parts).__name__}")
-  parts = [_check_input(p, f"parts[{i}]") for i, p in enumerate(parts)]
+  parts = [check_input(p, f"parts[{i}]") for i, p in enumerate(parts)]
   shape, dt = parts[0].shape, jnp.dtype(parts[0].dtype)
   for i, p in enumerate(parts[1:], 1):
     if p.shape != shape or jnp.dtype(p.dtype) != dt:
@@ -189,4 +192,4 @@ def quantize_interleaved(
                     dbias=dbias)
   base = make_config(shape, dtype, transpose, transpose_batch_dims, dbias, "parts")
   config = InterleavedConfig(base, int(group))
-  return unpack(_QUANTIZE_INTERLEAVED.bind(_check_scale(scale), *parts, config=config), base)
+  return unpack(_QUANTIZE_INTERLEAVED.bind(check_scale(scale), *parts, config=config), base)

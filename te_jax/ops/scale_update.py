@@ -1,13 +1,13 @@
 """``scale_update``: the delayed-scaling step of several tensors (amax histories rolled, next scales computed) as one
 op.
 
-``te_jax.scaling`` defines the math; this is its batched form as a primitive. The CUDA handler updates every tensor in
+``te_jax._core.scaling`` defines the math; this is its batched form as a primitive. The CUDA handler updates every tensor in
 one launch and writes each result into its own buffer; the reference (and the lowering wherever the handler is
 missing) stacks the tensors, computes, and unstacks: on a GPU that is a concatenation, a reduction, a select and one
 slice copy per history, each a kernel launch. The handler computes the documented rule in IEEE float32, as the
-reference does on the CPU, bit for bit. XLA:GPU's own float32 division is not correctly rounded (on the H200, 30% of
-the quotients ``448 / a`` differ from IEEE's by one ulp), so where the reference runs on a GPU its scales may be one
-ulp off the handler's; the histories are the same bits.
+reference does on the CPU, bit for bit. XLA:GPU's own float32 division is not correctly rounded (some quotients
+``448 / a`` differ from IEEE's by one ulp), so where the reference runs on a GPU its scales may be one ulp off the
+handler's; the histories are the same bits.
 
 The state is tiny and the same on every device: under a mesh, every operand and result is replicated.
 """
@@ -20,14 +20,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax import scaling
-from te_jax.ops._primitive import define_op, output_aval
+from te_jax._core import scaling
+from te_jax._core.primitive import define_op, output_aval
 
-__all__ = ["ScaleUpdateConfig", "scale_update", "scale_update_ref"]
+__all__ = ["ScaleUpdateConfig", "scale_update", "scale_update_ref", "update_scale_state", "update_scale_states"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +93,7 @@ def _sharding_rule(config: ScaleUpdateConfig, mesh, value_types, result_types):
   n = config.count
   histories = [f"h{i}" for i in range(n)]
   rule = ", ".join(histories + [""] * (2 * n)) + " -> " + ", ".join(histories + [""] * n)
-  return str_to_sdy_sharding_rule(rule, need_replication_factors=tuple(histories))
+  return rule, dict(need_replication_factors=tuple(histories))
 
 
 _SCALE_UPDATE = define_op(
@@ -114,7 +113,7 @@ _SCALE_UPDATE = define_op(
 def scale_update(histories: Sequence[jax.Array], scales: Sequence[jax.Array], amaxes: Sequence[jax.Array],
                  fp8_max: Sequence[float], *, margin: int = 0,
                  most_recent: bool = False) -> tuple[list[jax.Array], list[jax.Array]]:
-  """The next amax histories and scales of ``len(histories)`` tensors (``te_jax.scaling.update_scale_states``).
+  """The next amax histories and scales of ``len(histories)`` tensors (see ``update_scale_states``).
 
   Args:
     histories: float32 ``(L,)`` amax histories, one length for all, element 0 the most recent.
@@ -142,3 +141,32 @@ def scale_update(histories: Sequence[jax.Array], scales: Sequence[jax.Array], am
   config = ScaleUpdateConfig(tuple(float(m) for m in fp8_max), int(margin), bool(most_recent))
   out = _SCALE_UPDATE.bind(*args, config=config)
   return list(out[:n]), list(out[n:])
+
+
+def update_scale_state(
+    state: scaling.ScaleState,
+    amax: jax.Array,
+    fp8_dtype,
+    *,
+    margin: int = 0,
+    algo: scaling.AmaxComputeAlgo = "max",
+) -> scaling.ScaleState:
+  """One delayed-scaling step: roll ``amax`` into the history, then derive the next scale from it."""
+  return update_scale_states([state], [amax], [fp8_dtype], margin=margin, algo=algo)[0]
+
+
+def update_scale_states(
+    states: Sequence[scaling.ScaleState],
+    amaxes: Sequence[jax.Array],
+    fp8_dtypes: Sequence,
+    *,
+    margin: int = 0,
+    algo: scaling.AmaxComputeAlgo = "max",
+) -> list[scaling.ScaleState]:
+  """``update_scale_state`` of several tensors (histories of one length) as one op: the same values, from one
+  kernel launch on a GPU with the CUDA module instead of a few launches per tensor."""
+  if algo not in ("max", "most_recent"):
+    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
+  histories, scales = scale_update([s.amax_history for s in states], [s.scale for s in states], amaxes,
+                                   [scaling.fp8_max(d) for d in fp8_dtypes], margin=margin, most_recent=algo == "most_recent")
+  return [scaling.ScaleState(h, s) for h, s in zip(histories, scales)]

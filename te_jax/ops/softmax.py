@@ -44,18 +44,19 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops._primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+import functools
 
-__all__ = ["SOFTMAX_KINDS", "SoftmaxConfig", "softmax_bwd", "softmax_bwd_ref", "softmax_fwd", "softmax_fwd_ref"]
+__all__ = ['SOFTMAX_KINDS', 'SoftmaxConfig', 'softmax_bwd', 'softmax_bwd_ref', 'softmax_fwd', 'softmax_fwd_ref', 'scaled_masked_softmax', 'scaled_softmax', 'scaled_upper_triang_masked_softmax']
 
 #: The mask kinds, in the order of their integer codes in the FFI handlers.
 SOFTMAX_KINDS = ("plain", "masked", "causal")
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-#: Leading (row) dims the handlers' mask index math takes (ffi/include/te_jax/softmax_view.h, kMaxMaskGroups).
+#: Leading (row) dims a masked softmax takes, checked on every platform; tests/test_geometry.py checks that the
+#: handlers' mask index math covers them (softmax_max_mask_groups() of both native modules).
 MAX_MASK_ROW_DIMS = 8
 
 
@@ -247,13 +248,13 @@ def _fwd_sharding_rule(config: SoftmaxConfig, mesh, value_types, result_types):
     mask_dims = [d if m == n else f"b{i}" for i, (d, m, n) in enumerate(zip(dims, value_types[2].shape, logits_shape))]
     operands.append(" ".join(mask_dims))
   rule = f"{', '.join(operands)} -> {' '.join(dims)}"
-  return str_to_sdy_sharding_rule(rule, need_replication_factors=("k",))
+  return rule, dict(need_replication_factors=("k",))
 
 
 def _bwd_sharding_rule(config: SoftmaxConfig, mesh, value_types, result_types):
   del config, mesh, result_types
   dims = " ".join(_dims(len(value_types[1].shape)))
-  return str_to_sdy_sharding_rule(f"{dims}, {dims}, -> {dims}", need_replication_factors=("k",))
+  return f"{dims}, {dims}, -> {dims}", dict(need_replication_factors=("k",))
 
 
 _SOFTMAX_FWD = define_op(
@@ -366,3 +367,115 @@ def softmax_bwd(dy: jax.Array, y: jax.Array, *, kind: str, scale_factor: float =
                      f"{jnp.dtype(dy.dtype).name}")
   config = SoftmaxConfig(kind=kind, scale=check_scale_factor(scale_factor))
   return _SOFTMAX_BWD.bind(dy, y, jnp.int32(0), config=config)[0]
+
+
+# ---- differentiable softmax: softmax_fwd and softmax_bwd as custom_vjps -----------------------------------------------
+
+
+# ---- plain and causal: logits only ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _softmax(logits, kind, scale_factor):
+  return softmax_fwd(logits, kind=kind, scale_factor=scale_factor)
+
+
+def _softmax_fwd(logits, kind, scale_factor):
+  y = softmax_fwd(logits, kind=kind, scale_factor=scale_factor)
+  return y, y
+
+
+def _softmax_bwd(kind, scale_factor, y, dy):
+  return (softmax_bwd(dy.astype(y.dtype), y, kind=kind, scale_factor=scale_factor),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+# ---- masked: the mask is not differentiable ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _masked_softmax(logits, mask, scale_factor):
+  return softmax_fwd(logits, mask, kind="masked", scale_factor=scale_factor)
+
+
+def _masked_softmax_fwd(logits, mask, scale_factor):
+  y = softmax_fwd(logits, mask, kind="masked", scale_factor=scale_factor)
+  return y, y
+
+
+def _masked_softmax_bwd(scale_factor, y, dy):
+  # y is 0 wherever the mask is True, so the backward needs no mask; the bool mask gets no gradient (None).
+  return softmax_bwd(dy.astype(y.dtype), y, kind="masked", scale_factor=scale_factor), None
+
+
+_masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
+
+
+# ---- public API ------------------------------------------------------------------------------------------------------
+
+
+def scaled_softmax(logits: jax.Array, scale_factor: float = 1.0) -> jax.Array:
+  """``softmax(scale_factor * logits)`` over the last axis.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> y = te_jax.scaled_softmax(jnp.array([[0.0, 0.0], [1.0, -jnp.inf]]), scale_factor=2.0)
+  >>> y.tolist()
+  [[0.5, 0.5], [1.0, 0.0]]
+
+  Args:
+    logits: ``(..., Sq, Sk)``, rank >= 2, float32, bfloat16 or float16.
+    scale_factor: a static Python float multiplying the logits (float32 math).
+
+  Returns:
+    The softmax, logits' shape and dtype. A row of all -inf logits gives zeros.
+  """
+  logits = check_logits(logits)
+  return _softmax(logits, "plain", check_scale_factor(scale_factor))
+
+
+def scaled_masked_softmax(logits: jax.Array, mask: jax.Array, scale_factor: float = 1.0) -> jax.Array:
+  """``softmax(scale_factor * logits)`` over the last axis, with the keys where ``mask`` is True masked out.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> logits = jnp.zeros((1, 1, 2, 3))
+  >>> mask = jnp.array([[[[False, True, False], [True, True, True]]]])  # True = masked out
+  >>> te_jax.scaled_masked_softmax(logits, mask).tolist()
+  [[[[0.5, 0.0, 0.5], [0.0, 0.0, 0.0]]]]
+
+  Args:
+    logits: ``(..., Sq, Sk)``, rank >= 2, float32, bfloat16 or float16, e.g. ``(B, H, Sq, Sk)``.
+    mask: bool, True means masked out (Transformer Engine's convention); broadcastable to ``logits`` along the
+      leading dims, e.g. ``(B, 1, Sq, Sk)``, ``(B, H, Sq, Sk)`` or ``(B, 1, 1, Sk)``: each dim 1 or the logits', the
+      last one equal to ``Sk``. The broadcast is not materialized. It gets no gradient.
+    scale_factor: a static Python float multiplying the logits.
+
+  Returns:
+    The softmax, logits' shape and dtype: 0 at masked positions; a row with every key masked is all 0 (not NaN,
+    not uniform), and so is its gradient.
+  """
+  logits = check_logits(logits)
+  check_mask(mask, logits.shape)
+  return _masked_softmax(logits, mask, check_scale_factor(scale_factor))
+
+
+def scaled_upper_triang_masked_softmax(logits: jax.Array, scale_factor: float = 1.0) -> jax.Array:
+  """Causal ``softmax(scale_factor * logits)`` over the last axis: key ``j > i`` is masked out for query ``i``.
+
+  Top-left aligned: row ``i`` of the ``(..., Sq, Sk)`` logits sees keys ``0..i`` (every row sees key 0, so no row
+  is fully masked).
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> te_jax.scaled_upper_triang_masked_softmax(jnp.zeros((2, 2))).tolist()
+  [[1.0, 0.0], [0.5, 0.5]]
+
+  Args:
+    logits: ``(..., Sq, Sk)``, rank >= 2, float32, bfloat16 or float16.
+    scale_factor: a static Python float multiplying the logits.
+
+  Returns:
+    The softmax, logits' shape and dtype, 0 above the diagonal (and so is the gradient).
+  """
+  logits = check_logits(logits)
+  return _softmax(logits, "causal", check_scale_factor(scale_factor))

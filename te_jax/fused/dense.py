@@ -15,6 +15,7 @@ returned as ``fp8_meta``'s gradient, so a train step that differentiates with re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -23,62 +24,60 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_jax import scaling
-from te_jax._fp8_linear import (Fp8Config, Unstack, check_residual, layer_output, linear_bwd, linear_fwd,
-                                quantize_grad, residual_rows, state_as_float32, state_like)
-from te_jax._manual_axes import to_common_varying
-from te_jax.autocast import get_autocast_state
-from te_jax.ops.gemm import FP8_ALIGN
+from te_jax._core.manual_axes import to_common_varying
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, check_fp8_dims, check_residual,
+                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, pad_rows, quantize_grad,
+                                 residual_rows, state_as_float32, state_like)
 from te_jax.ops.quantize import quantize
-from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["DenseFp8Meta", "dense"]
-
-
-class DenseFp8Meta(NamedTuple):
-  """Delayed-scaling state of one dense layer: input, kernel and output gradient."""
-
-  x: scaling.ScaleState
-  kernel: scaling.ScaleState
-  grad: scaling.ScaleState
-
-  @classmethod
-  def create(cls, history_len: int) -> "DenseFp8Meta":
-    return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
+__all__ = ["dense", "normalize_axes"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _dense_fp8(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual, meta):
-  return _dense_fp8_fwd(cfg, unstack, has_residual, x, kernel, bias, residual, meta)[0]
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  fp8: Fp8Config
+  unstack: Unstack | None
+  has_residual: bool
 
 
-def _dense_fp8_fwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, x, kernel, bias, residual,
-                   meta_in):
-  del has_residual  # (the backward's)
+class _Residuals(NamedTuple):
+  linear: LinearResiduals
+  amax_x: jax.Array
+  meta: DenseFp8Meta | None  # as the caller passed it (its dtype is the update's)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dense_fp8(cfg: _Config, x, kernel, bias, residual, meta):
+  return _dense_fp8_fwd(cfg, x, kernel, bias, residual, meta)[0]
+
+
+def _dense_fp8_fwd(cfg: _Config, x, kernel, bias, residual, meta_in):
+  fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
-  sx = cfg.scale(meta and meta.x, x, cfg.fwd_dtype)
-  qx = quantize(x, sx, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
-  out, res = linear_fwd(cfg, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, unstack)
-  return out, (res, qx.amax, meta_in)
+  sx = fp8.scale(meta and meta.x, x, fp8.fwd_dtype)
+  qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
+  out, res = linear_fwd(fp8, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, cfg.unstack)
+  return out, _Residuals(res, qx.amax, meta_in)
 
 
-def _dense_fp8_bwd(cfg: Fp8Config, unstack: Unstack | None, has_residual: bool, residuals, g):
-  res, amax_x, meta_in = residuals
-  meta = state_as_float32(meta_in)
-  sg = cfg.scale(meta and meta.grad, g, cfg.bwd_dtype)
-  qg = quantize_grad(cfg, g, sg, unstack)  # (M, N) and (N, M)
-  dx, dw = linear_bwd(cfg, res, qg.data, qg.data_t, 1.0 / sg)
-  dbias = qg.dbias.astype(cfg.bias_dtype) if cfg.has_bias else None
+def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
+  fp8 = cfg.fp8
+  meta = state_as_float32(r.meta)
+  sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
+  qg = quantize_grad(fp8, g, sg, cfg.unstack)  # (M, N) and (N, M)
+  dx, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg)
+  dbias = qg.dbias.astype(fp8.bias_dtype) if fp8.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = state_like(cfg.update_metas([(meta, amax_x, res.amax_w, qg.amax)])[0], meta_in)
-  return dx, dw, dbias, (g if has_residual else None), new_meta
+    new_meta = state_like(fp8.update_metas([(meta, r.amax_x, r.linear.amax_w, qg.amax)])[0], r.meta)
+  return dx, dw, dbias, (g if cfg.has_residual else None), new_meta
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
 
 
-def _normalize_axes(axes: int | Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
+def normalize_axes(axes: int | Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
   out = []
   for a in axes:
@@ -126,7 +125,7 @@ def dense(
   Returns:
     ``(*x's other dims, *features)`` in ``x``'s dtype (a tuple of them unstacked, with ``unstack_axis``).
   """
-  axes = _normalize_axes(axis, x.ndim, "x")
+  axes = normalize_axes(axis, x.ndim, "x")
   n_contract = len(axes)
   if kernel.ndim <= n_contract - 1 or kernel.shape[:n_contract] != tuple(x.shape[a] for a in axes):
     raise ValueError(
@@ -139,8 +138,7 @@ def dense(
   if unstack is not None and residual is not None:
     raise ValueError("dense: unstack_axis and residual exclude each other")
   check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
-  if recipe is None:
-    recipe = get_autocast_state().fp8_recipe
+  recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   if recipe is None:
     dims = ((axes, tuple(range(n_contract))), ((), ()))
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
@@ -148,27 +146,18 @@ def dense(
     if residual is not None:
       y = y + residual.astype(y.dtype)
     return y if unstack is None else tuple(jnp.unstack(y, axis=unstack_axis))
-  if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-    raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-  if isinstance(recipe, DelayedScaling) and fp8_meta is None:
-    raise ValueError("DelayedScaling needs fp8_meta (a DenseFp8Meta) with the layer's scaling state")
-
   # Contracting dims last, then fold into 2-D: (M, K) @ (K, N).
   batch_axes = tuple(a for a in range(x.ndim) if a not in axes)
   if axes != tuple(range(x.ndim - n_contract, x.ndim)):
     x = jnp.transpose(x, batch_axes + axes)
   batch_shape = tuple(x.shape[: len(batch_axes)])
   k, n, m = math.prod(kernel.shape[:n_contract]), math.prod(features), math.prod(batch_shape)
-  if k % FP8_ALIGN or n % FP8_ALIGN:
-    raise ValueError(f"FP8 dense needs input and output features to be multiples of {FP8_ALIGN}, got {k} and {n}")
-  x2d = x.reshape(m, k)
-  pad = -m % FP8_ALIGN
-  if pad:  # zero rows leave amax, dbias and the weight gradient unchanged
-    x2d = jnp.pad(x2d, ((0, pad), (0, 0)))
+  check_fp8_dims(input_features=k, features=n)
+  x2d, pad = pad_rows(x.reshape(m, k))
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   r = residual_rows(residual, m, n, pad, x.dtype)
   x2d, k2d, b, r = to_common_varying(x2d, kernel.reshape(k, n), b, r)  # inside shard_map: as jax's dot would
-  y = _dense_fp8(cfg, unstack, r is not None, x2d, k2d, b, r, meta)
+  y = _dense_fp8(_Config(cfg, unstack, r is not None), x2d, k2d, b, r, meta)
   return layer_output(y, m, batch_shape, features, unstack)

@@ -17,20 +17,17 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from te_jax import scaling
-from te_jax.autocast import calibration_pass, get_autocast_state
-from te_jax.dense import DenseFp8Meta
+from te_jax._core import scaling
+from te_jax._core.scaling import FP8_COLLECTION
+from te_jax._core.autocast import calibration_pass
+from te_jax._core.jax_compat import enable_eager_extended_dtype_add
+from te_jax.fused.linear import DenseFp8Meta
 from te_jax.recipe import DelayedScaling, Recipe
 
-#: The Flax variable collection holding FP8 state (Flax's own name for it, so TrainState handles it).
-FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+__all__ = ["accumulate_gradients", "calibrate", "dense_fp8_meta"]
+
 
 _ROLES = ("x", "kernel", "grad")
-
-
-def resolve_recipe(module_recipe: Recipe | None) -> Recipe | None:
-  """The module's own recipe if it has one, else autocast's (None: FP8 off)."""
-  return module_recipe if module_recipe is not None else get_autocast_state().fp8_recipe
 
 
 def dense_fp8_meta(module: nn.Module, recipe: Recipe | None, prefix: str = "") -> DenseFp8Meta | None:
@@ -62,8 +59,8 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
   A fresh state has empty amax histories and scales of 1, so without this the first step casts every tensor with a
   scale of 1, whatever its range: the E5M2 gradients of a loss averaged over many tokens (mostly far below 1)
   underflow, the dgrads computed from them give the layers below amaxes that are too small, and the scales take a few
-  steps to settle, just when the optimizer's moments are set. On the byte-level LM of ``examples/train_lm.py`` that
-  left FP8's held-out loss 3-5% above BF16's after 400 steps; with this call, 1% (the GPU's run-to-run spread).
+  steps to settle, just when the optimizer's moments are set, which leaves FP8's loss behind BF16's for hundreds of
+  steps (the README gives the LM example's figures with and without this call).
 
   Runs ``jax.grad(fn)(variables, *args)`` once with every FP8 tensor cast by its own amax (current scaling, so each
   amax is the one a calibrated step would see), and returns ``variables`` with the FP8 collection updated from it:
@@ -148,16 +145,8 @@ def accumulate_gradients(total, grads):
   return jax.tree_util.tree_map_with_path(combine, total, grads)
 
 
-# Outside jit, autodiff adds cotangents through a per-array-type table that has no entry for extended-dtype arrays
-# (jax 0.11); under jit the dtype's own add (max) is used. The entry below runs that same jitted add eagerly. Private
-# jax internals: without them only the eager differentiation of a module applied twice is lost, never an import.
-try:
-  from jax._src import ad_util as _ad_util
-  from jax._src import earray as _earray
-
-  _ad_util.raw_jaxval_adders.setdefault(_earray.EArray, jax.jit(_ad_util.add_jaxvals))
-except (ImportError, AttributeError):  # pragma: no cover - depends on jax's internals
-  pass
+# Eager (un-jitted) autodiff of a module applied twice adds its state's max-combining cotangents.
+enable_eager_extended_dtype_add()
 
 # Per apply (keyed by the root scope): each FP8 state value converted once to Flax's fp32_max_grad dtype.
 _MAX_GRAD_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -1,5 +1,5 @@
-"""FP8 scaling state math, the one place where scales are computed (``update_scale_states`` runs it as one op,
-``te_jax.ops.scale_update``, whose reference is built from the functions here).
+"""FP8 scaling state math, the one place where scales are computed (``te_jax.ops.scale_update`` runs it for many
+tensors as one op, its reference built from the functions here), and the Flax collection the state lives in.
 
 Conventions (those of Transformer Engine's delayed scaling):
 
@@ -14,22 +14,25 @@ Conventions (those of Transformer Engine's delayed scaling):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "FP8_COLLECTION",
     "AmaxComputeAlgo",
     "ScaleState",
     "fp8_max",
     "compute_scale",
     "roll_amax_history",
     "amax_from_history",
-    "update_scale_state",
-    "update_scale_states",
 ]
+
+#: The Flax variable collection of the modules' FP8 state: Flax's ``_overwrite_with_gradient``
+#: (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``), whose "gradients" ``TrainState.apply_gradients`` writes over the
+#: variables instead of handing them to the optimizer.
+FP8_COLLECTION = "_overwrite_with_gradient"
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
 
@@ -82,34 +85,3 @@ def amax_from_history(history: jax.Array, algo: AmaxComputeAlgo = "max") -> jax.
   if algo == "most_recent":
     return history[0]
   raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
-
-
-def update_scale_state(
-    state: ScaleState,
-    amax: jax.Array,
-    fp8_dtype,
-    *,
-    margin: int = 0,
-    algo: AmaxComputeAlgo = "max",
-) -> ScaleState:
-  """One delayed-scaling step: roll ``amax`` into the history, then derive the next scale from it."""
-  return update_scale_states([state], [amax], [fp8_dtype], margin=margin, algo=algo)[0]
-
-
-def update_scale_states(
-    states: Sequence[ScaleState],
-    amaxes: Sequence[jax.Array],
-    fp8_dtypes: Sequence,
-    *,
-    margin: int = 0,
-    algo: AmaxComputeAlgo = "max",
-) -> list[ScaleState]:
-  """``update_scale_state`` of several tensors (histories of one length) as one op: the same values, from one
-  kernel launch on a GPU with the CUDA module (``te_jax.ops.scale_update``) instead of a few launches per tensor."""
-  from te_jax.ops.scale_update import scale_update  # noqa: PLC0415 - the op's reference uses this module
-
-  if algo not in ("max", "most_recent"):
-    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
-  histories, scales = scale_update([s.amax_history for s in states], [s.scale for s in states], amaxes,
-                                   [fp8_max(d) for d in fp8_dtypes], margin=margin, most_recent=algo == "most_recent")
-  return [ScaleState(h, s) for h, s in zip(histories, scales)]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as _jax_config  # check_vma of the enclosing shard_map: not public
+
+from te_jax._core.jax_compat import check_vma_enabled
 
 __all__ = ["max_over_shards", "to_common_varying", "varying_axes"]
 
@@ -47,7 +48,7 @@ def max_over_shards(amaxes, axes) -> list[jax.Array]:
   over), with one ``pmax`` per distinct set of axes. Without vma tracking (``check_vma=False``), where values carry
   no varying axes, over every manual axis."""
   amaxes = list(amaxes)
-  if _jax_config._check_vma.value:  # noqa: SLF001
+  if check_vma_enabled():
     axes = [tuple(sorted(varying_axes(a) if ax is None else ax)) for a, ax in zip(amaxes, axes, strict=True)]
   else:
     axes = [tuple(jax.sharding.get_abstract_mesh().manual_axes)] * len(amaxes)

@@ -1,5 +1,5 @@
-"""The FP8 GEMM pieces every fused layer shares: scales from the recipe, the forward GEMM with its residuals, and
-the dgrad/wgrad GEMMs of the backward pass.
+"""The FP8 GEMM pieces every fused layer shares: the recipe and its state, scales, the norm that writes a GEMM's
+FP8 input, the forward GEMM with its residuals, and the dgrad/wgrad GEMMs of the backward pass.
 
 A layer's forward produces its FP8 input (and the transposed copy the weight gradient needs) in whatever kernel
 comes before the GEMM (a quantize, a norm, an activation), then calls ``linear_fwd``; its backward produces the FP8
@@ -17,17 +17,67 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_jax import scaling
-from te_jax._manual_axes import max_over_shards, varying_axes
-from te_jax.autocast import get_autocast_state
-from te_jax.ops.gemm import gemm
+from te_jax._core import scaling
+from te_jax._core.autocast import get_autocast_state, resolve_recipe
+from te_jax._core.manual_axes import max_over_shards, varying_axes
+from te_jax.ops.gemm import FP8_ALIGN, gemm
+from te_jax.ops.norm import check_norm_args, layernorm, norm_bwd, norm_fwd
 from te_jax.ops.quantize import Quantized, amax, group_parts, quantize
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
 from te_jax.ops.quantize_interleaved import quantize_interleaved
+from te_jax.ops.scale_update import update_scale_states
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["Fp8Config", "LinearResiduals", "Unstack", "check_residual", "layer_output", "linear_fwd", "linear_bwd",
-           "quantize_grad", "residual_rows", "state_as_float32", "state_like"]
+__all__ = [
+    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "check_fp8_dims",
+    "check_residual", "fp8_recipe", "layer_output", "linear_bwd", "linear_fwd", "norm_to_fp8", "pad_rows",
+    "quantize_grad", "residual_rows", "state_as_float32", "state_like",
+]
+
+
+class DenseFp8Meta(NamedTuple):
+  """Delayed-scaling state of one FP8 GEMM: its input, kernel and output gradient.
+
+  >>> import te_jax
+  >>> meta = te_jax.DenseFp8Meta.create(history_len=16)
+  >>> meta.x.amax_history.shape, float(meta.kernel.scale)
+  ((16,), 1.0)
+  """
+
+  x: scaling.ScaleState
+  kernel: scaling.ScaleState
+  grad: scaling.ScaleState
+
+  @classmethod
+  def create(cls, history_len: int) -> "DenseFp8Meta":
+    return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
+
+
+def fp8_recipe(recipe: Recipe | None, **states) -> Recipe | None:
+  """The recipe an FP8 op runs with (its own ``recipe``, else autocast's; None: high precision), checked to come with
+  the delayed-scaling state it needs: ``states`` are the op's state arguments by name (``fp8_meta=...``)."""
+  recipe = resolve_recipe(recipe)
+  if isinstance(recipe, DelayedScaling):
+    for name, state in states.items():
+      if state is None:
+        raise ValueError(f"DelayedScaling needs {name} (a te_jax.DenseFp8Meta) with the layer's scaling state")
+      if not isinstance(state, DenseFp8Meta):
+        raise TypeError(f"{name} must be a te_jax.DenseFp8Meta, got {type(state).__name__}")
+  return recipe
+
+
+def check_fp8_dims(**dims: int) -> None:
+  """FP8 GEMM dims (named as the caller knows them) must be multiples of ``FP8_ALIGN``."""
+  for name, d in dims.items():
+    if d % FP8_ALIGN:
+      raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FP8_ALIGN}, got {d}")
+
+
+def pad_rows(x2d: jax.Array) -> tuple[jax.Array, int]:
+  """Zero rows up to a multiple of ``FP8_ALIGN`` (the weight-gradient GEMM contracts over rows); zero rows change no
+  amax, bias gradient or weight gradient. Returns the padded array and the number of rows added."""
+  pad = -x2d.shape[0] % FP8_ALIGN
+  return (jnp.pad(x2d, ((0, pad), (0, 0))) if pad else x2d), pad
 
 
 def state_as_float32(tree):
@@ -115,7 +165,7 @@ class Fp8Config:
     amaxes = [a for _, *amaxes in items for a in amaxes]
     amaxes = max_over_shards(amaxes, [varying_axes(a) - varying_axes(s.amax_history) for a, s in zip(amaxes, states)])
     dtypes = [self.fwd_dtype, self.fwd_dtype, self.bwd_dtype] * len(items)
-    new = scaling.update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin,
+    new = update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin,
                                       algo=self.recipe.amax_compute_algo)
     return [type(meta)(*new[3 * i:3 * i + 3]) for i, (meta, *_) in enumerate(items)]
 
@@ -198,7 +248,7 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
   by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
   sw_inv = 1.0 / sw
-  fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, out_dtype=cfg.out_dtype,
+  fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, dtype=cfg.out_dtype,
                                fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
   if unstack is None or unstack.parts == 1:
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
@@ -216,8 +266,61 @@ def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv) -> tuple[
   as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full precision by default). Returns
   ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``."""
   recipe = cfg.recipe
-  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, out_dtype=cfg.out_dtype,
+  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, dtype=cfg.out_dtype,
             fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator)
-  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, out_dtype=cfg.kernel_dtype,
+  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, dtype=cfg.kernel_dtype,
             fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
   return dx, dw
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+  """The static parameters of the norm in front of a GEMM."""
+
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+
+  def __post_init__(self):
+    check_norm_args(self.norm_type, self.epsilon)
+
+  def fwd(self, x, gamma, beta, **kwargs):
+    return norm_fwd(x, gamma, beta, norm_type=self.norm_type, epsilon=self.epsilon,
+                    zero_centered_gamma=self.zero_centered_gamma, **kwargs)
+
+  def bwd(self, dz, x, mean, rsigma, gamma, dres=None):
+    return norm_bwd(dz, x, mean, rsigma, gamma, norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma,
+                    dres=dres)
+
+  def plain(self, x, gamma, beta):
+    """The differentiable high-precision norm (no FP8), in ``x``'s dtype."""
+    return layernorm(x, gamma, beta, norm_type=self.norm_type, epsilon=self.epsilon,
+                     zero_centered_gamma=self.zero_centered_gamma, dtype=x.dtype)
+
+
+class NormFp8(NamedTuple):
+  """The FP8 input of the GEMM after a norm, and what the norm's backward needs."""
+
+  data: jax.Array  # (M, H) FP8
+  data_t: jax.Array  # (H, M) FP8
+  sx_inv: jax.Array
+  amax: jax.Array
+  mean: jax.Array | None
+  rsigma: jax.Array
+  hp: jax.Array | None  # the high-precision normalized tensor, when it was computed
+
+
+def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep_hp: bool) -> NormFp8:
+  """Normalizes ``x2d`` (M, H) into the FP8 GEMM input.
+
+  Delayed scaling knows the scale up front, so the norm kernel casts directly. Current scaling needs the amax of the
+  normalized tensor first (and ``keep_hp`` asks for that tensor itself), so the norm writes it in the compute dtype
+  and a quantize pass follows.
+  """
+  if cfg.delayed and not keep_hp:
+    out = norm.fwd(x2d, gamma, beta, dtype=cfg.fwd_dtype, scale=state.scale, transpose=True)
+    return NormFp8(out.out, out.out_t, 1.0 / state.scale, out.amax, out.mean, out.rsigma, None)
+  out = norm.fwd(x2d, gamma, beta, dtype=x2d.dtype)
+  s = cfg.scale(state, out.out, cfg.fwd_dtype)
+  q = quantize(out.out, s, cfg.fwd_dtype, transpose=True)
+  return NormFp8(q.data, q.data_t, 1.0 / s, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)

@@ -11,27 +11,14 @@ import dataclasses
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
-__all__ = ["MeshResource", "AutocastState", "autocast", "calibration_pass", "get_autocast_state", "check_fp8_support"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshResource:
-  """Which mesh axes play which role, for the modules' logical sharding.
-
-  Attributes:
-    dp_resource: the data-parallel axis (batch).
-    fsdp_resource: the axis parameters are sharded over for FSDP.
-    tp_resource: the tensor-parallel axis (heads, MLP hidden).
-    sp_resource: the sequence-parallel axis (usually the tensor-parallel one).
-  """
-
-  dp_resource: str | None = None
-  fsdp_resource: str | None = None
-  tp_resource: str | None = None
-  sp_resource: str | None = None
+__all__ = [
+    "AutocastState", "autocast", "calibration_pass", "check_fp8_support", "check_recipe", "get_autocast_state",
+    "resolve_recipe",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +27,6 @@ class AutocastState:
 
   enabled: bool = False
   recipe: Recipe | None = None
-  mesh_resource: MeshResource = MeshResource()
   allow_emulation: bool = False
   # Inside ``calibration_pass``: delayed-scaling tensors are cast by their own amax, the state still updated.
   calibrating: bool = False
@@ -57,6 +43,19 @@ _STATE = jax.make_user_context(AutocastState())
 def get_autocast_state() -> AutocastState:
   """The innermost ``autocast``'s state (FP8 disabled outside any)."""
   return _STATE.value
+
+
+def check_recipe(recipe) -> Recipe:
+  """``recipe`` if it is one of ``te_jax.recipe``'s recipes, else a ValueError that names it."""
+  if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+  return recipe
+
+
+def resolve_recipe(recipe: Recipe | None) -> Recipe | None:
+  """The recipe an op or module runs with: its own ``recipe=`` when given (checked), else the innermost enabled
+  ``autocast``'s; None means plain high-precision math."""
+  return get_autocast_state().fp8_recipe if recipe is None else check_recipe(recipe)
 
 
 def check_fp8_support(allow_emulation: bool) -> None:
@@ -86,7 +85,6 @@ def check_fp8_support(allow_emulation: bool) -> None:
 def autocast(
     enabled: bool = False,
     recipe: Recipe | None = None,
-    mesh_resource: MeshResource | None = None,
     *,
     allow_emulation: bool = False,
 ) -> Iterator[AutocastState]:
@@ -94,28 +92,23 @@ def autocast(
 
   >>> import te_jax
   >>> from te_jax import recipe
-  >>> with te_jax.autocast(enabled=True, recipe=recipe.DelayedScaling()):
-  ...   te_jax.get_autocast_state().enabled
-  True
+  >>> with te_jax.autocast(enabled=True, recipe=recipe.DelayedScaling(amax_history_len=16)) as state:
+  ...   state.fp8_recipe.amax_history_len
+  16
 
   Args:
     enabled: use FP8. ``False`` runs the same modules in plain high-precision math.
     recipe: the FP8 recipe; ``DelayedScaling()`` when None.
-    mesh_resource: mesh axis roles for the modules' sharding.
     allow_emulation: on a GPU without FP8 tensor cores (compute capability < 8.9), run the FP8 numerics on the
       pure-JAX path instead of raising.
   """
-  if recipe is None:
-    recipe = DelayedScaling()
-  if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-    raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-  if mesh_resource is None:
-    mesh_resource = MeshResource()
-  if not isinstance(mesh_resource, MeshResource):
-    raise ValueError(f"mesh_resource must be a te_jax.MeshResource, got {type(mesh_resource).__name__}")
+  for name, flag in (("enabled", enabled), ("allow_emulation", allow_emulation)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"autocast: {name} must be a bool, got {flag!r}")
+  recipe = check_recipe(DelayedScaling() if recipe is None else recipe)
   if enabled:
     check_fp8_support(allow_emulation)
-  state = AutocastState(bool(enabled), recipe, mesh_resource, bool(allow_emulation))
+  state = AutocastState(bool(enabled), recipe, bool(allow_emulation))
   with _STATE(state):
     yield state
 

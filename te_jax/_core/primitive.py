@@ -15,19 +15,18 @@ Static parameters travel as one frozen, hashable config dataclass in the primiti
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax._src import dispatch  # prim_requires_devices_during_lowering: needed by custom_partitioning in a lowering
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from te_jax import _native
-from te_jax._manual_axes import to_common_varying
+from te_jax._core import native
+from te_jax._core.jax_compat import apply_primitive, require_devices_during_lowering
+from te_jax._core.manual_axes import to_common_varying
 
 __all__ = ["NativeSignature", "Op", "define_op", "full_spec", "mesh_axes", "output_aval", "sequential_batcher"]
 
@@ -98,7 +97,7 @@ def define_op(
   """
   inner = Primitive(f"te_{name}")
   inner.multiple_results = True
-  inner.def_impl(functools.partial(dispatch.apply_primitive, inner))
+  inner.def_impl(apply_primitive(inner))
   inner.def_abstract_eval(abstract_eval)
   reference_lowering = mlir.lower_fun(reference, multiple_results=True)
   mlir.register_lowering(inner, reference_lowering)
@@ -112,7 +111,7 @@ def define_op(
 
   outer = Primitive(f"te_{name}_outer")
   outer.multiple_results = True
-  outer.def_impl(functools.partial(dispatch.apply_primitive, outer))
+  outer.def_impl(apply_primitive(outer))
   outer.def_abstract_eval(abstract_eval)
 
   def impl(config, *args):
@@ -125,7 +124,7 @@ def define_op(
     return partitioned(config, *args)
 
   mlir.register_lowering(outer, mlir.lower_fun(outer_lowering, multiple_results=True))
-  dispatch.prim_requires_devices_during_lowering.add(outer)
+  require_devices_during_lowering(outer)
   op = Op(inner, outer)
   batching.primitive_batchers[outer] = batcher or sequential_batcher(op)
   return op
@@ -150,8 +149,8 @@ class NativeSignature(NamedTuple):
 
 def _native_lowering(name, platform, target, ffi_attributes, native_signature, reference_lowering):
   def lowering(ctx, *args, config):
-    if not _native.has_target(platform, target):
-      _native.warn_fallback(platform, name)
+    if not native.has_target(platform, target):
+      native.warn_fallback(platform, name)
       return reference_lowering(ctx, *args, config=config)
     call = jax.ffi.ffi_lowering(target)
     if native_signature is None:

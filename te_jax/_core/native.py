@@ -15,6 +15,8 @@ import types
 
 import jax
 
+__all__ = ["REFERENCE_FORCED", "has_target", "load_errors", "modules", "registered", "warn_fallback", "workspace"]
+
 logger = logging.getLogger("te_jax")
 
 #: Platforms with a native module: the jax lowering platform name and the extension module that serves it.
@@ -60,6 +62,17 @@ for _platform, _name in _MODULES.items():
 def has_target(platform: str, target: str) -> bool:
   """Whether ``target`` is registered for ``platform`` ("cpu" or "cuda")."""
   return target in registered.get(platform, ())
+
+
+def workspace(platform: str, target: str, *args) -> jax.core.ShapedArray:
+  """The workspace result that the ``te_<target>_<platform>`` handler needs, as its module computes it.
+
+  The handler checks and carves its workspace with the same C++ function (ffi/include/te_jax/workspace.h), exported
+  as ``<target>_workspace(*args)`` (the handler's input shape and attributes; see ffi/cuda/module.cc), so the kernel
+  geometry is defined only there. Called from native lowerings, where the module is loaded.
+  """
+  count, dtype = getattr(modules[platform], f"{target}_workspace")(*args)
+  return jax.core.ShapedArray((count,), dtype)
 
 
 def warn_fallback(platform: str, op: str) -> None:

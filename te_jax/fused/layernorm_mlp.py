@@ -14,48 +14,60 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from te_jax._fp8_linear import (Fp8Config, check_residual, linear_bwd, linear_fwd, residual_rows, state_as_float32,
-                                state_like)
-from te_jax._manual_axes import to_common_varying
-from te_jax.activation import activation
-from te_jax.dense import DenseFp8Meta, dense
-from te_jax.layernorm_dense import NormSpec, check_fp8_dims, norm_to_fp8, pad_rows, resolve_fp8
-from te_jax.ops.activation import activation_bwd, activation_fwd, parse_activation_type
+from te_jax._core.manual_axes import to_common_varying
+from te_jax.fused.dense import dense
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, check_fp8_dims, check_residual,
+                                 fp8_recipe, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, residual_rows,
+                                 state_as_float32, state_like)
+from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["layernorm_mlp"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _MlpConfig:
-  fc1: Fp8Config
-  fc2: Fp8Config
-  norm: NormSpec
-  activation_type: tuple[str, ...]
-  gated: bool
-  intermediate: int
-
 
 # How the residual reaches fc2's epilogue: none, a given array, or the block's own input (a pre-LN block), whose
 # gradient the backward then adds inside the norm's backward kernel.
 _NO_RESIDUAL, _GIVEN_RESIDUAL, _INPUT_RESIDUAL = "none", "given", "input"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ln_mlp_fp8(cfg: _MlpConfig, residual_kind: str, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual,
-                meta_1, meta_2):
-  return _ln_mlp_fp8_fwd(cfg, residual_kind, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1,
-                         meta_2)[0]
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  fc1: Fp8Config
+  fc2: Fp8Config
+  norm: NormSpec
+  activation_type: tuple[str, ...]
+  gated: bool
+  intermediate: int
+  residual_kind: str  # one of the three above
 
 
-def _ln_mlp_fp8_fwd(cfg: _MlpConfig, residual_kind: str, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
-                    residual, meta_1_in, meta_2_in):
-  if residual_kind == _INPUT_RESIDUAL:
+class _Residuals(NamedTuple):
+  x: jax.Array
+  gamma: jax.Array
+  beta: jax.Array | None
+  mean: jax.Array | None
+  rsigma: jax.Array
+  h: jax.Array  # fc1's output: the activation's derivative needs it exactly
+  fc1: LinearResiduals
+  fc2: LinearResiduals
+  amax_z: jax.Array  # of the normalized input
+  amax_a: jax.Array  # of the activation's output
+  meta_1: DenseFp8Meta | None  # as the caller passed them (their dtype is the update's)
+  meta_2: DenseFp8Meta | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ln_mlp_fp8(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1, meta_2):
+  return _ln_mlp_fp8_fwd(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1, meta_2)[0]
+
+
+def _ln_mlp_fp8_fwd(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1_in,
+                    meta_2_in):
+  if cfg.residual_kind == _INPUT_RESIDUAL:
     residual = x
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
@@ -71,13 +83,12 @@ def _ln_mlp_fp8_fwd(cfg: _MlpConfig, residual_kind: str, x, gamma, beta, kernel_
     s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
     a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
   y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual)
-  residuals = (x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
-  return y, residuals
+  return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
 
-def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residual_kind: str, residuals, g):
-  x, gamma, beta, mean, rsigma, h, res_1, res_2, amax_z, amax_a, meta_1_in, meta_2_in = residuals
-  meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
+def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
+  x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
+  meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
   sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
   qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, dbias=fc2.has_bias)
@@ -93,17 +104,18 @@ def _ln_mlp_fp8_bwd(cfg: _MlpConfig, residual_kind: str, residuals, g):
   m = h.shape[0]
   dh_q, dh_t = dh.data.reshape(m, -1), dh.data_t.reshape(-1, m)  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
   dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1)
-  dx, dgamma, dbeta = cfg.norm.bwd(dz, x, mean, rsigma, gamma, dres=g if residual_kind == _INPUT_RESIDUAL else None)
+  dres = g if cfg.residual_kind == _INPUT_RESIDUAL else None
+  dx, dgamma, dbeta = cfg.norm.bwd(dz, x, r.mean, r.rsigma, r.gamma, dres=dres)
   db1 = dh.dbias.reshape(-1).astype(fc1.bias_dtype) if fc1.has_bias else None
   db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
   new_1 = new_2 = None
   if meta_1 is not None:
     # One batched update for both GEMMs (fc1 and fc2 share the recipe).
-    new = fc1.update_metas([(meta_1, amax_z, res_1.amax_w, dh.amax), (meta_2, amax_a, res_2.amax_w, qg.amax)])
-    new_1, new_2 = state_like(tuple(new), (meta_1_in, meta_2_in))
-  dbeta = None if dbeta is None else dbeta.astype(beta.dtype)
-  dres = g if residual_kind == _GIVEN_RESIDUAL else None
-  return dx, dgamma.astype(gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
+    new = fc1.update_metas([(meta_1, r.amax_z, res_1.amax_w, dh.amax), (meta_2, r.amax_a, res_2.amax_w, qg.amax)])
+    new_1, new_2 = state_like(tuple(new), (r.meta_1, r.meta_2))
+  dbeta = None if dbeta is None else dbeta.astype(r.beta.dtype)
+  dres = g if cfg.residual_kind == _GIVEN_RESIDUAL else None
+  return dx, dgamma.astype(r.gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
 
 
 _ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd)
@@ -168,9 +180,7 @@ def layernorm_mlp(
   if bias_2 is not None and bias_2.shape != (h_dim,):
     raise ValueError(f"bias_2 must be ({h_dim},), got {bias_2.shape}")
   check_residual(residual, x.shape)
-  recipe = resolve_fp8(recipe, fp8_meta_1, "fp8_meta_1")
-  if isinstance(recipe, DelayedScaling) and fp8_meta_2 is None:
-    raise ValueError("DelayedScaling needs fp8_meta_2 (a DenseFp8Meta) with fc2's scaling state")
+  recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
   k1 = kernel_1.reshape(h_dim, n_act * f_dim)
   b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
   if recipe is None:
@@ -182,15 +192,15 @@ def layernorm_mlp(
   check_fp8_dims(hidden=h_dim, intermediate=f_dim)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
-  cfg = _MlpConfig(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
-                   gated, f_dim)
   delayed = isinstance(recipe, DelayedScaling)
   if residual is x:
     kind, r = _INPUT_RESIDUAL, None
   else:
     r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
+  cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
+                gated, f_dim, kind)
   x2d, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x2d, gamma, beta, k1, kernel_2, b1, bias_2, r)
-  y = _ln_mlp_fp8(cfg, kind, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
+  y = _ln_mlp_fp8(cfg, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
   return y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -1,0 +1,80 @@
+"""Flax linen ``LayerNormDenseGeneral``: a norm then a dense layer, the norm writing the FP8 GEMM input."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_jax._core.autocast import resolve_recipe
+from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, norm_params
+from te_jax.fused.layernorm_dense import layernorm_dense
+from te_jax.recipe import Recipe
+
+__all__ = ["LayerNormDenseGeneral"]
+
+
+class LayerNormDenseGeneral(nn.Module):
+  """LayerNorm/RMSNorm then a dense layer over the last dim; under FP8 the norm writes the GEMM's FP8 input.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
+  >>> layer = te_flax.LayerNormDenseGeneral(features=48, dtype=jnp.bfloat16)
+  >>> variables = layer.init(jax.random.key(0), jnp.ones((4, 32), jnp.bfloat16))
+  >>> jax.tree.map(jnp.shape, variables["params"])
+  {'bias': (48,), 'kernel': (32, 48), 'ln_bias': (32,), 'ln_scale': (32,)}
+
+  Attributes:
+    features: the output features (int or tuple).
+    norm_type: "layernorm" or "rmsnorm"; epsilon; zero_centered_gamma (store ``ln_scale - 1``).
+    use_bias: add a bias after the GEMM.
+    return_layernorm_output: also return the normalized input (for a post-LN residual).
+    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
+    kernel_init, bias_init: the dense layer's initializers (the kernel's on its 2-D shape, as Flax's DenseGeneral).
+    kernel_axes, bias_axes: the dense layer's logical axis names.
+    ln_scale_init, ln_scale_axes, ln_bias_init, ln_bias_axes: the norm's, as ``LayerNorm``'s ``scale_init``, ...
+    dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
+    recipe: an FP8 recipe for this layer, overriding autocast's.
+  """
+
+  features: int | Sequence[int]
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  use_bias: bool = True
+  return_layernorm_output: bool = False
+  unstack_axis: int | None = None
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  bias_init: Initializer = nn.initializers.zeros_init()
+  kernel_axes: tuple[str | None, ...] = ()
+  bias_axes: tuple[str | None, ...] = ()
+  ln_scale_init: Initializer | None = None
+  ln_scale_axes: tuple[str | None, ...] = ()
+  ln_bias_init: Initializer = nn.initializers.zeros_init()
+  ln_bias_axes: tuple[str | None, ...] = ()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, *, return_input: bool = False):
+    """The layer's output (with ``return_layernorm_output``, also the normalized input); with ``return_input``, also
+    ``inputs`` in the compute dtype, last, whose gradient the FP8 backward adds inside the norm's kernel (use it in
+    place of ``inputs`` afterwards, e.g. as the residual of a pre-LN block)."""
+    features = features_tuple(self.features)
+    hidden = inputs.shape[-1]
+    gamma, beta = norm_params(self, hidden, prefix="ln_")
+    kernel = self.param("kernel", logical(flat_init(self.kernel_init, 1), self.kernel_axes), (hidden, *features),
+                        self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", logical(self.bias_init, self.bias_axes), features, self.param_dtype)
+    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
+    recipe = resolve_recipe(self.recipe)
+    return layernorm_dense(inputs.astype(dtype), gamma, beta, kernel, bias, norm_type=self.norm_type,
+                           epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                           return_layernorm_output=self.return_layernorm_output, return_input=return_input,
+                           unstack_axis=self.unstack_axis, fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)

@@ -1,0 +1,121 @@
+"""Flax linen ``LayerNormMLP``: norm -> fc1 -> activation -> fc2, every GEMM in FP8 with its cast fused into the
+kernel before it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_jax._core.autocast import resolve_recipe
+from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.params import Initializer, flat_init, is_int, logical, norm_params, resolve_deterministic
+from te_jax.fused.dense import dense
+from te_jax.fused.layernorm_dense import layernorm_dense
+from te_jax.fused.layernorm_mlp import layernorm_mlp
+from te_jax.ops.activation import activation, parse_activation_type
+from te_jax.recipe import Recipe
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(nn.Module):
+  """LayerNorm/RMSNorm -> fc1 -> activation -> fc2 over the last dim; under FP8 every GEMM is FP8 and each cast is
+  fused into the kernel before it.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
+  >>> mlp = te_flax.LayerNormMLP(intermediate_dim=64, activation_type=("silu", "linear"), dtype=jnp.bfloat16)
+  >>> variables = mlp.init(jax.random.key(0), jnp.ones((4, 32), jnp.bfloat16))
+  >>> jax.tree.map(jnp.shape, variables["params"])["wi_kernel"], mlp.apply(variables, jnp.ones((4, 32))).shape
+  ((32, 2, 64), (4, 32))
+
+  Attributes:
+    intermediate_dim: fc1's width F.
+    activation_type: ``("gelu",)``, ``("relu",)``, ... or a gated pair ``("silu", "linear")`` (SwiGLU), ``("gelu",
+      "linear")`` (GeGLU), ``("relu", "linear")`` (ReGLU).
+    intermediate_dropout: dropout on the activation output (from the ``dropout_rng_name`` rng stream unless
+      deterministic); when it is active the layer runs as its parts (norm, dense, activation, dropout, dense), each
+      still FP8.
+    dropout_rng_name: the rng stream of the dropout mask.
+    deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
+    return_layernorm_output: also return the normalized input (for a residual taken after the norm); the layer then
+      runs as its parts too.
+    use_bias: biases on fc1 and fc2.
+    norm_type, epsilon, zero_centered_gamma: the norm's, as in LayerNorm.
+    ln_scale_init, ln_scale_axes, ln_bias_init, ln_bias_axes: the norm's parameters, as ``LayerNorm``'s
+      ``scale_init``, ...
+    kernel_init, bias_init: the initializers of both GEMMs' parameters (``wi_kernel`` is (hidden, n_activations,
+      intermediate), ``wo_kernel`` (intermediate, hidden)).
+    wi_kernel_axes, wi_bias_axes, wo_kernel_axes, wo_bias_axes: their logical axis names.
+    dtype, param_dtype, recipe: as in DenseGeneral.
+  """
+
+  intermediate_dim: int = 2048
+  activation_type: Sequence[str] = ("gelu",)
+  intermediate_dropout: float = 0.0
+  dropout_rng_name: str = "dropout"
+  deterministic: bool | None = None
+  use_bias: bool = True
+  return_layernorm_output: bool = False
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  ln_scale_init: Initializer | None = None
+  ln_scale_axes: tuple[str | None, ...] = ()
+  ln_bias_init: Initializer = nn.initializers.zeros_init()
+  ln_bias_axes: tuple[str | None, ...] = ()
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  bias_init: Initializer = nn.initializers.zeros_init()
+  wi_kernel_axes: tuple[str | None, ...] = ()
+  wi_bias_axes: tuple[str | None, ...] = ()
+  wo_kernel_axes: tuple[str | None, ...] = ()
+  wo_bias_axes: tuple[str | None, ...] = ()
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, deterministic: bool | None = None, residual: jax.Array | None = None):
+    """The MLP of ``inputs``, plus ``residual`` (``inputs``' shape) when given: added in fc2's epilogue. With
+    ``return_layernorm_output``, the pair (that, the normalized input)."""
+    name, gated = parse_activation_type(tuple(self.activation_type))
+    if not (is_int(self.intermediate_dim) and self.intermediate_dim > 0):
+      raise ValueError(f"intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
+    deterministic = resolve_deterministic(self, deterministic, intermediate_dropout=self.intermediate_dropout)
+    act = (name, "linear") if gated else (name,)
+    n_act = 2 if gated else 1
+    hidden, f = inputs.shape[-1], self.intermediate_dim
+    gamma, beta = norm_params(self, hidden, prefix="ln_")
+    k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1), self.wi_kernel_axes), (hidden, n_act, f),
+                    self.param_dtype)
+    k2 = self.param("wo_kernel", logical(flat_init(self.kernel_init, 1), self.wo_kernel_axes), (f, hidden),
+                    self.param_dtype)
+    b1 = b2 = None
+    if self.use_bias:
+      b1 = self.param("wi_bias", logical(self.bias_init, self.wi_bias_axes), (n_act, f), self.param_dtype)
+      b2 = self.param("wo_bias", logical(self.bias_init, self.wo_bias_axes), (hidden,), self.param_dtype)
+    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
+    x = inputs.astype(dtype)
+    if residual is inputs and x.dtype == inputs.dtype:
+      residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
+    recipe = resolve_recipe(self.recipe)
+    meta_1 = dense_fp8_meta(self, recipe, prefix="wi_")
+    meta_2 = dense_fp8_meta(self, recipe, prefix="wo_")
+    norm_args = dict(norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+    dropout = self.intermediate_dropout > 0.0 and not deterministic
+    if not dropout and not self.return_layernorm_output:
+      return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
+                           fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args)
+    # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
+    h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
+                        return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
+                        **norm_args)
+    h, z = h if self.return_layernorm_output else (h, None)
+    a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
+    if dropout:
+      a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=False)
+    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
+    return (y, z) if self.return_layernorm_output else y

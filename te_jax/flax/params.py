@@ -1,0 +1,102 @@
+"""What the modules share: parameter declaration (feature checks, logical axis names, initializers on a kernel's
+2-D shape, the norm's parameters) and the logical axis names of the parameters and activations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.ops.norm import check_norm_args
+
+__all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV", "SEQ",
+           "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "resolve_deterministic",
+           "seq_first_to_batch_first"]
+
+Initializer = Callable[..., jax.Array]
+
+# Logical axis names of the parameters (with ``logical_axes=True``): the hidden size, attention heads, the head dim,
+# the q/k/v (or k/v) packing axis, the MLP's intermediate size and its gated-pair axis.
+EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT = "embed", "heads", "kv", "qkv", "mlp", "act"
+# ... and of the activations between the blocks (the residual stream): batch, sequence, hidden. Mapping "seq" to the
+# tensor-parallel mesh axis gives sequence parallelism (norms, dropout and residual adds on sequence shards).
+BATCH, SEQ, ACT_EMBED = "batch", "seq", "act_embed"
+LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
+
+
+def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
+  """The logical axis names of a parameter, or () (no names) when the module does not name its axes."""
+  return names if enabled else ()
+
+
+def seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:
+  return x if x is None or not transposed else jnp.swapaxes(x, 0, 1)
+
+
+def _as_tuple(x) -> tuple:
+  return tuple(x) if isinstance(x, Sequence) and not isinstance(x, str) else (x,)
+
+
+def is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def features_tuple(features) -> tuple[int, ...]:
+  """``features`` (an int or a sequence of ints) as a tuple of positive ints, or a ValueError that names it."""
+  out = _as_tuple(features)
+  if not out or not all(is_int(f) and f > 0 for f in out):
+    raise ValueError(f"features must be a positive int or a non-empty sequence of them, got {features!r}")
+  return tuple(int(f) for f in out)
+
+
+def logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
+  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any."""
+  return nn.with_logical_partitioning(init, axes) if axes else init
+
+
+def norm_params(module: nn.Module, hidden: int, prefix: str = ""):
+  """The ``(hidden,)`` parameters of a norm: ``{prefix}scale`` and, for LayerNorm, ``{prefix}bias``, from the
+  module's ``{prefix}scale_init``, ``{prefix}scale_axes``, ``{prefix}bias_init`` and ``{prefix}bias_axes``
+  (``LayerNorm``'s own, or, with ``prefix="ln_"``, those of the norm inside a fused module). The scale's initializer
+  defaults to ones, or zeros under ``zero_centered_gamma`` (the module multiplies by ``scale + 1``)."""
+  check_norm_args(module.norm_type, module.epsilon)
+  attr = lambda name: getattr(module, prefix + name)  # noqa: E731
+  scale_init = attr("scale_init") or (nn.initializers.zeros_init() if module.zero_centered_gamma
+                                      else nn.initializers.ones_init())
+  scale = module.param(f"{prefix}scale", logical(scale_init, attr("scale_axes")), (hidden,), module.param_dtype)
+  bias = None
+  if module.norm_type == "layernorm":
+    bias = module.param(f"{prefix}bias", logical(attr("bias_init"), attr("bias_axes")), (hidden,), module.param_dtype)
+  return scale, bias
+
+
+def flat_init(init: Initializer, n_in: int) -> Initializer:
+  """``init`` on the 2-D (inputs, outputs) shape, reshaped: fan-in and fan-out as for a plain dense kernel."""
+
+  def wrapped(rng, shape, dtype):
+    flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
+    return jnp.reshape(init(rng, flat, dtype), shape)
+
+  return wrapped
+
+
+
+
+def resolve_deterministic(module: nn.Module, deterministic: bool | None, **rates: float) -> bool:
+  """Whether a call runs without dropout, as Flax's own modules decide it: from the module's ``deterministic``
+  attribute or the call's argument (``nn.merge_param``: one of them, not both). With neither, a module whose dropout
+  ``rates`` are all 0 is deterministic; one with dropout raises, so that a train step and an eval step never look the
+  same by accident."""
+  for name, rate in rates.items():
+    if not (isinstance(rate, (int, float, np.floating)) and 0.0 <= rate < 1.0):
+      raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
+  if module.deterministic is None and deterministic is None:
+    if any(rate > 0 for rate in rates.values()):
+      active = ", ".join(f"{name}={rate}" for name, rate in rates.items() if rate > 0)
+      raise ValueError(f"{type(module).__name__} has dropout ({active}): pass deterministic=True (evaluation) or "
+                       "False (training), to the call or to the module")
+    return True
+  return bool(nn.merge_param("deterministic", module.deterministic, deterministic))

@@ -1,0 +1,219 @@
+"""``dot_product_attention``: scaled dot-product attention with masks, bias, dropout, sliding windows and GQA.
+
+The math, per batch ``b`` and query head ``h`` (key/value head ``h // (H // Hk)``, so GQA and MQA share K and V):
+
+    logits[i, j] = scale * <q[i], k[j]> (+ bias[i, j])          scale defaults to 1 / sqrt(D)
+    P[i, :]      = softmax(logits[i, :] over the j not masked)   a fully masked row gives P[i, :] = 0 (output 0)
+    P            = P * keep / (1 - rate)                         dropout, keep ~ Bernoulli(1 - rate)
+    out[i]       = sum_j P[i, j] v[j]
+
+**A mask is True where attention is masked out** (NVIDIA Transformer Engine's convention since 1.7; the opposite of
+``jax.nn.dot_product_attention``'s). What is masked, for query ``i`` of ``T`` and key ``j`` of ``S``:
+
+- ``"padding"`` (and the ``padding_*`` types): the explicit ``mask``, or, from ``segment_ids``, every pair in
+  different segments or touching a token of segment 0 (padding); packed sequences attend within their segment only.
+- ``"causal"``: ``j > i`` (top-left aligned); ``"causal_bottom_right"``: ``j > i + (S - T)`` (the last query sees
+  every key, as in decoding with a KV cache); ``"padding_causal"``, ``"padding_causal_bottom_right"``: both.
+- ``"arbitrary"``: the explicit ``mask`` only (plus ``segment_ids`` when given).
+- ``window_size=(left, right)``: keys outside ``i + a - left <= j <= i + a + right`` (``a = S - T`` for the bottom-right
+  types, else 0; -1 leaves that side unbounded). With a causal type ``right`` must be 0 or -1.
+
+Bias: ``"post_scale_bias"`` adds ``bias`` (broadcastable to ``(B, H, T, S)``) after the scaling, and its gradient
+flows; ``"alibi"`` adds ``-slope_h * |j - i - a|`` with the geometric slopes of Press et al. (ALiBi, 2022),
+``slope_h = 2^(-8 (h + 1) / n)`` for ``n`` a power of two (see ``alibi_slopes``).
+
+Two backends compute the same function:
+
+- ``"unfused"``: plain jnp (two einsums, a float32 softmax written through one function, in ``attention_unfused``, the seam for
+  te_jax's fused softmax kernels). Runs everywhere; the reference for the tests.
+- ``"fused"``: cuDNN flash attention through JAX's cuDNN custom call (``__cudnn$fmha*``): the causal mask and the
+  causal sliding window natively (cuDNN skips the masked blocks), the other masks as an additive bias of large negative
+  values, fully masked rows zeroed after the call. ``attention_backend`` says which backend a configuration gets and
+  why; ``"auto"`` takes the fused one when it can.
+
+FP8: ``fp8_attention_support`` reports what JAX's cuDNN FP8 flash attention offers here; ``fp8_dpa=True`` runs the forward
+pass in FP8 (E4M3, per-tensor current scaling) and the backward pass in the input precision (see
+``te_jax.fused.attention_cudnn``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax._core import native
+from te_jax._core.manual_axes import to_common_varying
+from te_jax.fused.attention_config import (ATTN_BIAS_TYPES, ATTN_MASK_TYPES, BACKENDS, QKV_LAYOUTS, AttentionConfig,
+                                           configure, unpack, unpack_shapes)
+from te_jax.fused.attention_cudnn import (fp8_attention, fp8_attention_support, fp8_unsupported, fused, fused_reason,
+                                          fused_unsupported, native_window)
+from te_jax.fused.attention_masks import band_mask, combine, segment_mask
+from te_jax.fused.attention_unfused import unfused
+
+__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "QKV_LAYOUTS", "attention_backend",
+           "backend_report", "dot_product_attention", "make_attention_mask"]
+
+
+class AttentionBackend(NamedTuple):
+  """Which backend a configuration runs on, and why."""
+
+  name: str  # "fused" or "unfused"
+  reason: str
+
+
+
+def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, attn_mask_type: str = "no_mask",
+                        window_size=None, qkv_layout: str = "BSHD") -> jax.Array | None:
+  """The boolean mask (True = masked out) that ``dot_product_attention`` applies, broadcastable to (B, H, T, S).
+
+  Takes the same arguments as ``dot_product_attention`` (the arrays only for their shapes). None when nothing is
+  masked.
+  """
+  q, k, v = unpack(query, key, value, qkv_layout)
+  cfg = configure(q, k, v, None, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=None,
+                   scale_factor=None, dropout_rate=0.0, window_size=window_size,
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False)
+  seg = None if segment_ids is None else segment_mask(segment_ids, cfg)
+  return combine(mask, seg, band_mask(cfg))
+
+
+def _choose(cfg: AttentionConfig, backend: str) -> AttentionBackend:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if cfg.fp8_dpa:
+    why_not = fp8_unsupported(cfg)
+    if why_not is not None:
+      raise ValueError(f"fp8_dpa=True cannot run this configuration: {why_not}")
+    if backend == "unfused":
+      raise ValueError("fp8_dpa=True runs on cuDNN only: backend must be 'auto' or 'fused'")
+    return AttentionBackend("fused", "cuDNN FP8 flash attention (E4M3 forward, current scaling); backward in "
+                            f"{cfg.dtype}")
+  if backend == "unfused":
+    return AttentionBackend("unfused", "requested")
+  if native.REFERENCE_FORCED:  # everywhere, an explicit "fused" included: the switch exists for A/B runs
+    return AttentionBackend("unfused", "TE_JAX_REFERENCE=1 forces the pure-JAX path")
+  why_not = fused_unsupported(cfg)
+  if why_not is None:
+    return AttentionBackend("fused", fused_reason(cfg))
+  if backend == "fused":
+    raise ValueError(f"backend='fused' cannot run this configuration: {why_not}")
+  return AttentionBackend("unfused", why_not)
+
+
+def _to_bshd(x, tensor_format: str):
+  return jnp.swapaxes(x, 0, 1) if tensor_format == "SBHD" else x
+
+
+
+def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segment_ids=None,
+                      attn_mask_type: str = "no_mask", attn_bias_type: str | None = None,
+                      scale_factor: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
+                      window_size: tuple[int, int] | None = None, qkv_layout: str = "BSHD", backend: str = "auto",
+                      fp8_dpa: bool = False) -> AttentionBackend:
+  """The backend ``dot_product_attention`` runs with these arguments, and why.
+
+  Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read).
+
+  >>> import jax, jax.numpy as jnp, te_jax
+  >>> q = jax.ShapeDtypeStruct((2, 128, 8, 64), jnp.bfloat16)
+  >>> te_jax.attention_backend(q, q, q, attn_mask_type="causal", backend="unfused")
+  AttentionBackend(name='unfused', reason='requested')
+  """
+  del dropout_rng  # accepted for the same signature; it does not change the choice
+  if qkv_layout not in QKV_LAYOUTS:
+    raise ValueError(f"qkv_layout must be one of {tuple(QKV_LAYOUTS)}, got {qkv_layout!r}")
+  if QKV_LAYOUTS[qkv_layout][1] is None:
+    q, k, v = unpack(query, key, value, qkv_layout)
+  else:
+    q, k, v = unpack_shapes(query, key, value, qkv_layout)
+  cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
+                  scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa)
+  return _choose(cfg, backend)
+
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
+                          bias: jax.Array | None = None, mask: jax.Array | None = None, *, segment_ids=None,
+                          attn_mask_type: str = "no_mask", attn_bias_type: str | None = None,
+                          scale_factor: float | None = None, dropout_rate: float = 0.0,
+                          dropout_rng: jax.Array | None = None, window_size: tuple[int, int] | None = None,
+                          qkv_layout: str = "BSHD", backend: str = "auto", fp8_dpa: bool = False) -> jax.Array:
+  """Scaled dot-product attention (see the module docstring for the math and the mask conventions).
+
+  >>> import jax, jax.numpy as jnp, te_jax
+  >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 32))
+  >>> k = v = jax.random.normal(jax.random.key(1), (2, 16, 2, 32))   # GQA: 2 key/value heads for 4 query heads
+  >>> te_jax.dot_product_attention(q, k, v, attn_mask_type="causal").shape
+  (2, 16, 4, 32)
+
+  Args:
+    query: (B, T, H, D) for "BSHD" layouts, (T, B, H, D) for "SBHD" ones; (B, S, 3, H, D) / (S, B, 3, H, D) packed
+      q, k, v for "BS3HD" / "SB3HD" (then key and value are None).
+    key: (B, S, Hk, D) with Hk dividing H (GQA; Hk = 1 is MQA); (B, S, 2, Hk, D) packed k, v for "BSHD_BS2HD" /
+      "SBHD_SB2HD" (then value is None).
+    value: (B, S, Hk, Dv).
+    bias: the "post_scale_bias", broadcastable to (B, H, T, S) (each of B and H full or 1); float.
+    mask: boolean, **True = masked out**, broadcastable to (B, H, T, S) (each of B, H and T full or 1; (B, 1, 1, S)
+      masks padded keys for every query): the padding of a padding mask type, or the mask of "arbitrary".
+    segment_ids: int, (B, S) for self-attention or a pair ``(q_ids (B, T), kv_ids (B, S))``: tokens attend only
+      within their segment; id 0 is padding. An alternative to ``mask`` for the padding mask types (packed sequences),
+      or combined with "arbitrary"'s mask.
+    attn_mask_type: one of ``ATTN_MASK_TYPES``.
+    attn_bias_type: None (from ``bias``), "no_bias", "post_scale_bias" or "alibi".
+    scale_factor: the logits' scale; None is 1 / sqrt(D).
+    dropout_rate: dropout on the attention probabilities (inverted: kept ones scaled by 1 / (1 - rate)).
+    dropout_rng: the PRNG key of the dropout mask (required when dropout_rate > 0); the same key gives the same mask.
+    window_size: sliding window (left, right), -1 = unbounded on that side; None = no window.
+    qkv_layout: one of ``QKV_LAYOUTS``.
+    backend: "auto" (cuDNN when it supports the configuration on this machine, else unfused), "fused" (cuDNN or a
+      ValueError saying why not) or "unfused". ``TE_JAX_REFERENCE=1`` makes every call unfused. The choice is made
+      when the function is traced, from ``jax.default_backend()``: to run a computation on CPU devices of a GPU
+      machine, ask for "unfused" (cuDNN's custom call has no CPU lowering).
+    fp8_dpa: the forward pass in FP8 through cuDNN (see ``fp8_attention_support``); the backward in the input precision.
+
+  Returns:
+    The attention output in the query's layout ((B, T, H, Dv) or (T, B, H, Dv)) and dtype.
+  """
+  q, k, v = unpack(query, key, value, qkv_layout)
+  tensor_format = QKV_LAYOUTS[qkv_layout][0]
+  cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
+                  scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
+                  tensor_format=tensor_format, fp8_dpa=fp8_dpa)
+  if cfg.dropout_rate > 0 and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 needs a dropout_rng (a jax PRNG key)")
+  choice = _choose(cfg, backend)
+  q, k, v = (_to_bshd(x, tensor_format) for x in (q, k, v))
+  seg = None if segment_ids is None else segment_mask(segment_ids, cfg)
+  if cfg.fp8_dpa:
+    out = fp8_attention(*to_common_varying(q, k, v), cfg)
+  elif choice.name == "fused":
+    causal, window = native_window(cfg)
+    band = None if (causal and (window is not None or cfg.lo == -math.inf)) else band_mask(cfg)
+    out = fused(q, k, v, bias, combine(mask, seg, band), cfg)
+  else:
+    out = unfused(q, k, v, bias, combine(mask, seg, band_mask(cfg)), dropout_rng, cfg)
+  return _to_bshd(out, tensor_format)
+
+
+def backend_report() -> dict[str, dict[str, str]]:
+  """What ``python -m te_jax.doctor`` shows: the backend of a few typical configurations here, and FP8 attention."""
+  q = jax.ShapeDtypeStruct((1, 2048, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
+  cases = {
+      "bf16 causal GQA, D=128": dict(query=q, key=kv, value=kv, attn_mask_type="causal"),
+      "bf16 padding_causal + segment ids": dict(query=q, key=kv, value=kv, attn_mask_type="padding_causal",
+                                                segment_ids=jax.ShapeDtypeStruct((1, 2048), jnp.int32)),
+      "bf16 causal + dropout": dict(query=q, key=kv, value=kv, attn_mask_type="causal", dropout_rate=0.1),
+      "float32 causal": dict(query=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                             key=jax.ShapeDtypeStruct(kv.shape, jnp.float32),
+                             value=jax.ShapeDtypeStruct(kv.shape, jnp.float32), attn_mask_type="causal"),
+  }
+  report = {name: attention_backend(**args)._asdict() for name, args in cases.items()}
+  ok, reason = fp8_attention_support(128, 2048, 2048, training=False)
+  report["fp8 forward, D=128"] = {"name": "fused" if ok else "unavailable", "reason": reason}
+  return report
+

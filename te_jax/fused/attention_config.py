@@ -1,0 +1,215 @@
+"""The arguments of one attention call, checked (clear errors before XLA sees anything) and folded into a static,
+hashable ``AttentionConfig``; the mask types, bias types and layouts ``dot_product_attention`` accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionConfig", "BACKENDS", "BOTTOM_RIGHT_TYPES", "CAUSAL_TYPES",
+           "PADDING_TYPES", "QKV_LAYOUTS", "configure", "segment_pair", "unpack", "unpack_shapes"]
+
+ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+                   "padding_causal_bottom_right", "arbitrary")
+ATTN_BIAS_TYPES = ("no_bias", "post_scale_bias", "alibi")
+#: layout -> (tensor format, packing): "qkv" packs (B, S, 3, H, D) in ``query``; "kv" packs (B, S, 2, H, D) in ``key``.
+QKV_LAYOUTS = {
+    "BSHD": ("BSHD", None), "SBHD": ("SBHD", None),
+    "BS3HD": ("BSHD", "qkv"), "SB3HD": ("SBHD", "qkv"),
+    "BSHD_BS2HD": ("BSHD", "kv"), "SBHD_SB2HD": ("SBHD", "kv"),
+}
+BACKENDS = ("auto", "fused", "unfused")
+PADDING_TYPES = ("padding", "padding_causal", "padding_causal_bottom_right")
+CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
+BOTTOM_RIGHT_TYPES = ("causal_bottom_right", "padding_causal_bottom_right")
+_FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """The static, validated description of one attention call (shapes in BSHD terms)."""
+
+  batch: int
+  q_len: int  # T
+  kv_len: int  # S
+  heads: int  # H
+  kv_heads: int  # Hk
+  head_dim: int  # D of q and k
+  v_head_dim: int
+  dtype: Any
+  mask_type: str
+  bias_type: str
+  bias_shape: tuple[int, ...] | None
+  mask_shape: tuple[int, ...] | None
+  has_segment_ids: bool
+  scale: float
+  dropout_rate: float
+  lo: float  # masked unless lo <= j - i <= hi (the causal mask and the window), -inf / inf when unbounded
+  hi: float
+  tensor_format: str
+  fp8_dpa: bool
+
+  @property
+  def align(self) -> int:
+    return self.kv_len - self.q_len if self.mask_type in BOTTOM_RIGHT_TYPES else 0
+
+
+
+def unpack(query, key, value, qkv_layout: str):
+  """Splits packed layouts into (q, k, v), each in its tensor format."""
+  if qkv_layout not in QKV_LAYOUTS:
+    raise ValueError(f"qkv_layout must be one of {tuple(QKV_LAYOUTS)}, got {qkv_layout!r}")
+  _, packing = QKV_LAYOUTS[qkv_layout]
+  if packing == "qkv":
+    if key is not None or value is not None:
+      raise ValueError(f"qkv_layout={qkv_layout!r} packs q, k and v in `query`: key and value must be None")
+    if query.ndim != 5 or query.shape[2] != 3:
+      raise ValueError(f"qkv_layout={qkv_layout!r}: query must be (B, S, 3, H, D) or (S, B, 3, H, D), got "
+                       f"{query.shape}")
+    return query[:, :, 0], query[:, :, 1], query[:, :, 2]
+  if packing == "kv":
+    if key is None or value is not None:
+      raise ValueError(f"qkv_layout={qkv_layout!r} packs k and v in `key`: key is required and value must be None")
+    if key.ndim != 5 or key.shape[2] != 2:
+      raise ValueError(f"qkv_layout={qkv_layout!r}: key must be (B, S, 2, H, D) or (S, B, 2, H, D), got {key.shape}")
+    return query, key[:, :, 0], key[:, :, 1]
+  if key is None or value is None:
+    raise ValueError(f"qkv_layout={qkv_layout!r} takes separate query, key and value")
+  return query, key, value
+
+
+def _check_window(window_size, mask_type: str) -> tuple[int, int] | None:
+  if window_size is None:
+    return None
+  if (not isinstance(window_size, Sequence) or len(window_size) != 2
+      or not all(isinstance(w, (int, np.integer)) and w >= -1 for w in window_size)):
+    raise ValueError(f"window_size must be None or (left, right) with ints >= -1 (-1: unbounded), got {window_size!r}")
+  left, right = int(window_size[0]), int(window_size[1])
+  if mask_type in CAUSAL_TYPES and right not in (0, -1):
+    raise ValueError(f"window_size={window_size!r} with attn_mask_type={mask_type!r}: a causal mask allows no key "
+                     "right of the diagonal, so window_size[1] must be 0 or -1")
+  return left, right
+
+
+def _check_broadcastable(name: str, shape, full: tuple[int, int, int, int], query_broadcast: bool = False):
+  """``shape`` must be 4-D with each of B and H either full or 1, S full, and T full (or 1 with
+  ``query_broadcast``: a mask over the keys only, such as a padding mask (B, 1, 1, S))."""
+  b, h, t, s = full
+  queries = (t, 1) if query_broadcast else (t,)
+  if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or shape[2] not in queries or shape[3] != s:
+    t_name, t_value = ("T or 1", f"{t} or 1") if query_broadcast else ("T", f"{t}")
+    raise ValueError(f"{name} must have shape (B or 1, H or 1, {t_name}, S) = ({b} or 1, {h} or 1, {t_value}, {s}), "
+                     f"got {tuple(shape)}")
+
+
+def segment_pair(segment_ids, batch: int, q_len: int, kv_len: int):
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be one (B, S) array (self-attention) or a pair (q_ids (B, T), kv_ids (B, S))")
+    q_ids, kv_ids = segment_ids
+  else:
+    q_ids = kv_ids = segment_ids
+  for name, ids, n in (("query segment_ids", q_ids, q_len), ("key/value segment_ids", kv_ids, kv_len)):
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array (0 = padding), got {ids.dtype}")
+    if tuple(ids.shape) != (batch, n):
+      raise ValueError(f"{name} must have shape (B, {'T' if name[0] == 'q' else 'S'}) = ({batch}, {n}), got "
+                       f"{tuple(ids.shape)}")
+  return q_ids, kv_ids
+
+
+def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_type, scale_factor, dropout_rate,
+               window_size, tensor_format, fp8_dpa) -> AttentionConfig:
+  """Checks every argument (clear errors before XLA sees anything) and returns the static configuration."""
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be 4-D ({tensor_format}) after unpacking, got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"query, key and value must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if tensor_format == "SBHD":
+    (t, b, h, d), (s, bk, hk, dk), (sv, bv, hv, dv) = q.shape, k.shape, v.shape
+  else:
+    (b, t, h, d), (bk, s, hk, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
+  if not b == bk == bv:
+    raise ValueError(f"query, key and value must have one batch size, got {b}, {bk}, {bv}")
+  if s != sv or hk != hv:
+    raise ValueError(f"key and value must have the same sequence length and heads, got key {tuple(k.shape)} and "
+                     f"value {tuple(v.shape)}")
+  if d != dk:
+    raise ValueError(f"query and key head dims must match, got {d} and {dk}")
+  if hk == 0 or h % hk:
+    raise ValueError(f"the key/value heads ({hk}) must divide the query heads ({h}) (GQA/MQA)")
+  if attn_mask_type not in ATTN_MASK_TYPES:
+    raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
+  if attn_bias_type is None:
+    attn_bias_type = "post_scale_bias" if bias is not None else "no_bias"
+  if attn_bias_type not in ATTN_BIAS_TYPES:
+    raise ValueError(f"attn_bias_type must be None or one of {ATTN_BIAS_TYPES}, got {attn_bias_type!r}")
+  if attn_bias_type == "post_scale_bias":
+    if bias is None:
+      raise ValueError("attn_bias_type='post_scale_bias' needs a bias")
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"bias must be a floating-point array, got {bias.dtype}")
+    _check_broadcastable("bias", bias.shape, (b, h, t, s))
+  elif bias is not None:
+    raise ValueError(f"attn_bias_type={attn_bias_type!r} takes no bias array (alibi computes its own)")
+  if mask is not None:
+    if attn_mask_type not in PADDING_TYPES + ("arbitrary",):
+      raise ValueError(f"a mask was given with attn_mask_type={attn_mask_type!r}, which takes none: use 'arbitrary' "
+                       "or a padding type")
+    if mask.dtype != jnp.bool_:
+      raise TypeError(f"mask must be boolean (True = masked out), got {mask.dtype}")
+    _check_broadcastable("mask", mask.shape, (b, h, t, s), query_broadcast=True)
+  if segment_ids is not None:
+    if attn_mask_type not in PADDING_TYPES + ("arbitrary",):
+      raise ValueError(f"segment_ids were given with attn_mask_type={attn_mask_type!r}: use a padding type "
+                       "('padding', 'padding_causal', 'padding_causal_bottom_right') or 'arbitrary'")
+    if mask is not None and attn_mask_type != "arbitrary":
+      raise ValueError("give the padding as `mask` or as `segment_ids`, not both")
+    segment_pair(segment_ids, b, t, s)
+  if attn_mask_type in PADDING_TYPES and mask is None and segment_ids is None:
+    raise ValueError(f"attn_mask_type={attn_mask_type!r} needs the padding: a `mask` or `segment_ids`")
+  if attn_mask_type == "arbitrary" and mask is None:
+    raise ValueError("attn_mask_type='arbitrary' needs a boolean `mask` (True = masked out)")
+  if not 0.0 <= float(dropout_rate) < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  window = _check_window(window_size, attn_mask_type)
+  align = s - t if attn_mask_type in BOTTOM_RIGHT_TYPES else 0
+  lo, hi = -math.inf, math.inf
+  if attn_mask_type in CAUSAL_TYPES:
+    hi = align
+  if window is not None:
+    if window[0] >= 0:
+      lo = align - window[0]
+    if window[1] >= 0:
+      hi = min(hi, align + window[1])
+  scale = 1.0 / math.sqrt(d) if scale_factor is None else float(scale_factor)
+  return AttentionConfig(batch=b, q_len=t, kv_len=s, heads=h, kv_heads=hk, head_dim=d, v_head_dim=dv, dtype=jnp.dtype(q.dtype),
+                 mask_type=attn_mask_type, bias_type=attn_bias_type,
+                 bias_shape=None if bias is None else tuple(bias.shape),
+                 mask_shape=None if mask is None else tuple(mask.shape), has_segment_ids=segment_ids is not None,
+                 scale=scale, dropout_rate=float(dropout_rate), lo=lo, hi=hi, tensor_format=tensor_format,
+                 fp8_dpa=bool(fp8_dpa))
+
+
+
+def unpack_shapes(query, key, value, qkv_layout):
+  """``unpack`` for shape-only arguments (ShapeDtypeStruct cannot be indexed)."""
+  _, packing = QKV_LAYOUTS[qkv_layout]
+  if value is not None or (packing == "qkv" and key is not None):
+    where = "q, k and v in `query`" if packing == "qkv" else "k and v in `key`"
+    raise ValueError(f"qkv_layout={qkv_layout!r} packs {where}: pass None for the packed-away arrays")
+  packed = query if packing == "qkv" else key
+  if packed is None or len(packed.shape) != 5 or packed.shape[2] != (3 if packing == "qkv" else 2):
+    raise ValueError(f"qkv_layout={qkv_layout!r}: the packed tensor must be 5-D with {3 if packing == 'qkv' else 2} "
+                     f"in dim 2, got {None if packed is None else tuple(packed.shape)}")
+  part = jax.ShapeDtypeStruct(packed.shape[:2] + packed.shape[3:], packed.dtype)
+  return (part if packing == "qkv" else query), part, part

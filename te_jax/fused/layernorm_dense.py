@@ -1,0 +1,159 @@
+"""``layernorm_dense``: LayerNorm/RMSNorm then a dense layer, with the norm writing the GEMM's FP8 input directly.
+
+Under delayed scaling the norm kernel produces the FP8 normalized tensor, its transposed copy (for the weight
+gradient) and its amax in one pass over ``x``; the high-precision normalized tensor is never written. Backward: the
+output gradient's FP8 cast (with the bias gradient), the dgrad and wgrad FP8 GEMMs, then the norm's backward kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax._core.manual_axes import to_common_varying
+from te_jax.fused.dense import dense
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, check_fp8_dims,
+                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows,
+                                 quantize_grad, state_as_float32, state_like)
+from te_jax.recipe import DelayedScaling, Recipe
+
+__all__ = ["layernorm_dense"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """The static facts of one call: the GEMM's, the norm's, and which extra outputs it returns."""
+
+  fp8: Fp8Config
+  norm: NormSpec
+  keep_hp: bool  # also return the normalized tensor
+  pass_input: bool  # also return x, whose gradient the norm's backward kernel adds
+  unstack: Unstack | None
+
+
+class _Residuals(NamedTuple):
+  x: jax.Array
+  gamma: jax.Array
+  beta: jax.Array | None
+  mean: jax.Array | None
+  rsigma: jax.Array
+  linear: LinearResiduals
+  amax_z: jax.Array
+  meta: DenseFp8Meta | None  # as the caller passed it (its dtype is the update's)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ln_dense_fp8(cfg: _Config, x, gamma, beta, kernel, bias, meta):
+  return _ln_dense_fp8_fwd(cfg, x, gamma, beta, kernel, bias, meta)[0]
+
+
+def _ln_dense_fp8_fwd(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
+  meta = state_as_float32(meta_in)
+  z = norm_to_fp8(cfg.fp8, cfg.norm, meta and meta.x, x, gamma, beta, keep_hp=cfg.keep_hp)
+  out, res = linear_fwd(cfg.fp8, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias, unstack=cfg.unstack)
+  outputs = (out, z.hp, x if cfg.pass_input else None)
+  return outputs, _Residuals(x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
+
+
+def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
+  fp8 = cfg.fp8
+  meta = state_as_float32(r.meta)
+  g, g_hp, g_x = cotangents
+  sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
+  qg = quantize_grad(fp8, g, sg, cfg.unstack)
+  dz, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg)
+  if cfg.keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
+    dz = (dz.astype(jnp.float32) + g_hp.astype(jnp.float32)).astype(dz.dtype)
+  # The passed-through input's gradient is added to dx inside the norm's backward kernel.
+  dres = g_x.astype(r.x.dtype) if cfg.pass_input else None
+  dx, dgamma, dbeta = cfg.norm.bwd(dz, r.x, r.mean, r.rsigma, r.gamma, dres=dres)
+  dbias = qg.dbias.astype(fp8.bias_dtype) if fp8.has_bias else None
+  new_meta = None
+  if meta is not None:
+    new_meta = state_like(fp8.update_metas([(meta, r.amax_z, r.linear.amax_w, qg.amax)])[0], r.meta)
+  dbeta = None if dbeta is None else dbeta.astype(r.beta.dtype)
+  return dx, dgamma.astype(r.gamma.dtype), dbeta, dw, dbias, new_meta
+
+
+_ln_dense_fp8.defvjp(_ln_dense_fp8_fwd, _ln_dense_fp8_bwd)
+
+
+def layernorm_dense(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    norm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    return_layernorm_output: bool = False,
+    return_input: bool = False,
+    unstack_axis: int | None = None,
+    fp8_meta: DenseFp8Meta | None = None,
+    recipe: Recipe | None = None,
+):
+  """``norm(x) @ kernel + bias`` over ``x``'s last dim, the norm writing the FP8 GEMM input under ``autocast``.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> x = jnp.ones((4, 32), jnp.bfloat16)
+  >>> te_jax.layernorm_dense(x, jnp.ones(32), jnp.zeros(32), jnp.ones((32, 16))).shape
+  (4, 16)
+
+  Args:
+    x: ``(..., H)`` in the compute dtype (the output has it too).
+    gamma, beta: the norm's ``(H,)`` parameters (no beta for RMSNorm).
+    kernel: ``(H, *features)``; bias: optional ``features``-shaped.
+    norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
+    return_layernorm_output: also return the normalized tensor (in ``x``'s dtype); under FP8 this costs an extra
+      pass, since the fused kernel writes only FP8.
+    return_input: also return ``x`` itself, last: used in place of ``x`` afterwards (the residual connection around
+      a pre-LN block), its gradient is added to ``x``'s inside the norm's backward kernel under FP8, instead of by a
+      separate pass over memory.
+    unstack_axis: a feature axis of the output to return it unstacked along, as in ``te_jax.dense`` (q, k and v of
+      an (H, 3, D) QKV projection with ``unstack_axis=-2``).
+    fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``.
+    recipe: overrides the autocast recipe.
+
+  Returns:
+    ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
+    ``return_layernorm_output``, then ``x`` when ``return_input``.
+  """
+  norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
+  h = x.shape[-1]
+  if kernel.ndim < 1 or kernel.shape[0] != h:
+    raise ValueError(f"kernel must start with x's last dim {h}, got {kernel.shape}")
+  features = kernel.shape[1:]
+  if bias is not None and bias.shape != features:
+    raise ValueError(f"bias must have shape {features}, got {bias.shape}")
+  unstack = Unstack.of(unstack_axis, x.ndim - 1 + len(features), features)
+  recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
+  if recipe is None:
+    z = norm.plain(x, gamma, beta)
+    y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
+    return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
+  n = math.prod(features)
+  check_fp8_dims(hidden=h, features=n)
+  x2d, pad = pad_rows(x.reshape(-1, h))
+  fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
+  meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
+  b = None if bias is None else bias.reshape(n)
+  x2d, gamma, beta, k2d, b = to_common_varying(x2d, gamma, beta, kernel.reshape(h, n), b)  # inside shard_map
+  cfg = _Config(fp8_cfg, norm, bool(return_layernorm_output), bool(return_input), unstack)
+  y, z, x_out = _ln_dense_fp8(cfg, x2d, gamma, beta, k2d, b, meta)
+  m = x2d.shape[0] - pad
+  y = layer_output(y, m, x.shape[:-1], features, unstack)
+  unpad = lambda v: None if v is None else v[:m].reshape(x.shape)  # noqa: E731
+  return _outputs(y, unpad(z), unpad(x_out))
+
+
+def _outputs(y, z, x):
+  """``y``, or the tuple of ``y`` and those of the normalized tensor ``z`` and the input ``x`` that are not None."""
+  extra = tuple(v for v in (z, x) if v is not None)
+  return (y, *extra) if extra else y
