@@ -3,11 +3,11 @@
 For a few tensors shaped like what a Transformer layer sees (Gaussian activations, heavy-tailed activations with
 outliers, a Xavier-initialised weight, small gradients), and for each FP8 format (E4M3, E5M2), this prints:
 
-- the amax and the scale ``fp8_max / amax`` (``te_jax._core.scaling.compute_scale``);
+- the amax and the scale ``fp8_max / amax`` (``compute_scale``);
 - the relative quantization error ``||dequant(quant(x)) - x|| / ||x||``;
 - the fraction of elements saturated (``|x * scale| > fp8_max``, clamped to +-max) and the fraction flushed to zero
   (non-zero in ``x``, zero after the cast);
-- whether ``te_jax.ops.quantize.quantize`` (the native handler, when one is registered) is bitwise equal to the pure-JAX reference,
+- whether ``quantize`` (the native handler, when one is registered) is bitwise equal to the pure-JAX reference,
   and which handler ran.
 
 Each tensor is quantized twice: with *current* scaling (the scale from the tensor's own amax) and with *delayed*
@@ -28,6 +28,8 @@ import numpy as np
 import te_jax
 from te_jax._core import native
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
+from te_jax._core.scaling import compute_scale
+from te_jax.ops.quantize import dequantize, quantize
 
 FORMATS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 ROWS, COLS = 2048, 1024
@@ -75,7 +77,7 @@ def _handler(fn, *args) -> str:
 
 def analyse(x: jax.Array, scale: jax.Array, fmt: jnp.dtype) -> dict:
   """Quantizes ``x`` with ``scale`` on the native and the reference path; returns the error statistics."""
-  native = jax.jit(lambda x, s: te_jax.ops.quantize.quantize(x, s, fmt, transpose=True))
+  native = jax.jit(lambda x, s: quantize(x, s, fmt, transpose=True))
   config = QuantizeConfig(out_dtype=fmt, transpose=True)
   reference = jax.jit(lambda x, s: quantize_ref(x, s, config=config))
   q = native(x, scale)
@@ -83,7 +85,7 @@ def analyse(x: jax.Array, scale: jax.Array, fmt: jnp.dtype) -> dict:
   same = all(np.array_equal(_bits(a), _bits(b)) for a, b in zip((q.data, q.data_t, q.amax), ref, strict=True))
 
   x64 = np.asarray(x.astype(jnp.float32), np.float64)
-  deq = np.asarray(te_jax.ops.quantize.dequantize(q.data, 1.0 / scale, jnp.float32), np.float64)
+  deq = np.asarray(dequantize(q.data, 1.0 / scale, jnp.float32), np.float64)
   fp8_max = te_jax._core.scaling.fp8_max(fmt)
   scaled = np.abs(np.asarray(x.astype(jnp.float32)) * np.float32(scale))
   return {
@@ -106,7 +108,7 @@ def main() -> None:
     for fmt in FORMATS:
       fmax = te_jax._core.scaling.fp8_max(fmt)
       for scaling, amax in (("current", te_jax.ops.quantize.amax(x)), ("delayed", te_jax.ops.quantize.amax(previous))):
-        scale = te_jax._core.scaling.compute_scale(amax, jnp.float32(1.0), fmax)
+        scale = compute_scale(amax, jnp.float32(1.0), fmax)
         r = analyse(x, scale, fmt)
         fmt_name = "E4M3" if fmt == FORMATS[0] else "E5M2"
         lines.append(f"{name:<26} {fmt_name:<6} {scaling:<8} {float(amax):>9.3g} {float(scale):>9.3g} "

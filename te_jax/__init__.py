@@ -18,9 +18,9 @@ from te_jax.fused.attention import attention_backend as attention_backend
 from te_jax.fused.attention import dot_product_attention as dot_product_attention
 from te_jax.fused.attention import make_attention_mask as make_attention_mask
 from te_jax.fused.dense import dense as dense
-from te_jax.fused.linear import DenseFp8Meta as DenseFp8Meta
 from te_jax.fused.layernorm_dense import layernorm_dense as layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp as layernorm_mlp
+from te_jax.fused.linear import DenseFp8Meta as DenseFp8Meta
 from te_jax.ops.activation import activation as activation
 from te_jax.ops.norm import layernorm as layernorm
 from te_jax.ops.rope import apply_rope as apply_rope

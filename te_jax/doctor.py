@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax
-from te_jax._core import native
 from te_jax import recipe as recipe_module
+from te_jax._core import native
 
 __all__ = ["RECIPES", "collect", "format_report", "main"]
 

@@ -39,7 +39,8 @@ class MMParams:
   Attributes:
     use_split_accumulator: accumulate in full float32 precision. False selects Hopper's FP8 fast accumulation
       (cuBLASLt's ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``): the tensor cores' partial sums are promoted to float32 less
-      often, which is a few percent faster and less accurate over long contractions (the benchmarks report both). Transformer Engine's default, kept here: fast for the forward GEMM, full for dgrad and wgrad.
+      often, which is a few percent faster and less accurate over long contractions (the benchmarks report both).
+      Transformer Engine's default, kept here: fast for the forward GEMM, full for dgrad and wgrad.
   """
 
   use_split_accumulator: bool = True

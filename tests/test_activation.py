@@ -1,11 +1,11 @@
-"""te_jax.ops.activation.activation_fwd / activation_bwd / activation.
+"""activation_fwd / activation_bwd / activation.
 
 - The CPU handler against the pure-jnp reference: bitwise (FP8 bytes, transposed copy, amax, high-precision values)
   for relu and squared_relu, plain and gated. The other activations use ``exp``, which XLA:CPU computes with its own
   approximation and with multiply-adds contracted into FMAs, while the handler uses the C library's expf and rounds
   every operation: there the handler's float32 values are checked against the reference within a bound of a few
   float32 roundings (2^-17 of the terms' magnitude; a wrong formula or constant is off by 1e-3 or more), and its FP8
-  outputs bitwise against ``te_jax.ops.quantize.quantize`` of its own float32 values (the same cast, amax and transpose).
+  outputs bitwise against ``quantize`` of its own float32 values (the same cast, amax and transpose).
 - The reference itself against jax.nn (gelu with approximate=True, silu, relu) and jax.grad, so that the oracle is
   anchored independently.
 - jit, vmap, grad (check_grads), argument checks, and sharding on 8 CPU devices.
@@ -31,6 +31,8 @@ from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equa
 from test_sharding import all_reduces
 from te_jax._core import native
 from te_jax.ops.activation import ActivationConfig, activation_bwd_ref, activation_fwd_ref
+from te_jax.ops.activation import activation_bwd, activation_fwd
+from te_jax.ops.quantize import Quantized, quantize
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -78,7 +80,7 @@ def reference_fwd(x, act, *, dtype, scale=None, transpose=False):
                             batch_ndim=x.ndim - (3 if len(act) == 2 else 2) if transpose else 0)
   outs = list(activation_fwd_ref(x, jnp.float32(1.0 if scale is None else scale), config=config))
   fp8 = config.fp8
-  return te_jax.ops.quantize.Quantized(outs[0], outs[1] if fp8 and transpose else None, outs[-1] if fp8 else None, None)
+  return Quantized(outs[0], outs[1] if fp8 and transpose else None, outs[-1] if fp8 else None, None)
 
 
 def reference_bwd(g, x, act, *, dtype, scale=None, transpose=False, dbias=False):
@@ -89,7 +91,7 @@ def reference_bwd(g, x, act, *, dtype, scale=None, transpose=False, dbias=False)
   data = outs.pop(0)
   data_t = outs.pop(0) if config.fp8 and transpose else None
   amax = outs.pop(0) if config.fp8 else None
-  return te_jax.ops.quantize.Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+  return Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
 
 
 def t_axes(ndim: int, feature_ndim: int) -> tuple:
@@ -119,8 +121,8 @@ def assert_close_to_reference(h, r, scale_terms, what):
 
 
 def assert_fp8_consistent(out, hp, scale):
-  """``out`` (FP8 outputs) is exactly te_jax.ops.quantize.quantize of the float32 values ``hp`` the same handler computed."""
-  want = te_jax.ops.quantize.quantize(jnp.asarray(hp), jnp.float32(scale), out.data.dtype)
+  """``out`` (FP8 outputs) is exactly quantize of the float32 values ``hp`` the same handler computed."""
+  want = quantize(jnp.asarray(hp), jnp.float32(scale), out.data.dtype)
   assert_fp8_equal(out.data, want.data)
   assert_f32_equal(out.amax, want.amax)
 
@@ -146,11 +148,11 @@ def _cpu_case(act, dtype, seed):
 def test_cpu_forward(act, dtype):
   xs, _ = _cpu_case(act, dtype, seed=1)
   feature_ndim = 1
-  fp8 = run_many(lambda x: te_jax.ops.activation.activation_fwd(x, act, dtype=E4M3, scale=0.75, transpose=True), [(x,) for x in xs],
+  fp8 = run_many(lambda x: activation_fwd(x, act, dtype=E4M3, scale=0.75, transpose=True), [(x,) for x in xs],
                  CPU, "te_act_fwd_cpu")
-  f32 = run_many(lambda x: te_jax.ops.activation.activation_fwd(x, act, dtype=jnp.float32), [(x,) for x in xs], CPU,
+  f32 = run_many(lambda x: activation_fwd(x, act, dtype=jnp.float32), [(x,) for x in xs], CPU,
                  "te_act_fwd_cpu")
-  same = run_many(lambda x: te_jax.ops.activation.activation_fwd(x, act), [(x,) for x in xs], CPU, "te_act_fwd_cpu")
+  same = run_many(lambda x: activation_fwd(x, act), [(x,) for x in xs], CPU, "te_act_fwd_cpu")
   ref_fp8 = run_many(lambda x: reference_fwd(x, act, dtype=E4M3, scale=0.75, transpose=True), [(x,) for x in xs], CPU)
   ref_f32 = run_many(lambda x: reference_fwd(x, act, dtype=jnp.float32), [(x,) for x in xs], CPU)
   ref_same = run_many(lambda x: reference_fwd(x, act, dtype=dtype), [(x,) for x in xs], CPU)
@@ -180,8 +182,8 @@ def test_cpu_backward(act, dtype):
   feature_ndim = 2 if gated else 1
   args = [(g, x) for g, x in zip(gs, xs)]
   kw = {"dtype": E5M2, "scale": 2.0, "transpose": True, "dbias": True}
-  fp8 = run_many(lambda g, x: te_jax.ops.activation.activation_bwd(g, x, act, **kw), args, CPU, "te_act_bwd_cpu")
-  f32 = run_many(lambda g, x: te_jax.ops.activation.activation_bwd(g, x, act, dtype=jnp.float32, dbias=True), args, CPU,
+  fp8 = run_many(lambda g, x: activation_bwd(g, x, act, **kw), args, CPU, "te_act_bwd_cpu")
+  f32 = run_many(lambda g, x: activation_bwd(g, x, act, dtype=jnp.float32, dbias=True), args, CPU,
                  "te_act_bwd_cpu")
   ref_fp8 = run_many(lambda g, x: reference_bwd(g, x, act, **kw), args, CPU)
   ref_f32 = run_many(lambda g, x: reference_bwd(g, x, act, dtype=jnp.float32), args, CPU)
@@ -219,9 +221,9 @@ def test_cpu_special_values(act):
   n = len(v)
   x = np.stack([v, v[::-1]], axis=-2)[None] if len(act) == 2 else v[None]  # gated: every value meets every other
   g = np.resize(np.array([1.0, -2.0, 0.5, np.inf], np.float32), (1, n))
-  out = run_many(lambda x: te_jax.ops.activation.activation_fwd(x, act, dtype=jnp.float32), [(x,)], CPU, "te_act_fwd_cpu")[0]
+  out = run_many(lambda x: activation_fwd(x, act, dtype=jnp.float32), [(x,)], CPU, "te_act_fwd_cpu")[0]
   ref = run_many(lambda x: reference_fwd(x, act, dtype=jnp.float32), [(x,)], CPU)[0]
-  dx = run_many(lambda g, x: te_jax.ops.activation.activation_bwd(g, x, act, dtype=jnp.float32), [(g, x)], CPU, "te_act_bwd_cpu")[0]
+  dx = run_many(lambda g, x: activation_bwd(g, x, act, dtype=jnp.float32), [(g, x)], CPU, "te_act_bwd_cpu")[0]
   rdx = run_many(lambda g, x: reference_bwd(g, x, act, dtype=jnp.float32), [(g, x)], CPU)[0]
   with np.errstate(invalid="ignore", over="ignore"):
     if act[0] in EXACT_ON_CPU:
@@ -239,14 +241,14 @@ def test_cpu_special_values(act):
 def test_cpu_fp8_amax_propagates_nan():
   x = np.ones((64, 64), np.float32)
   x[63, 63] = np.nan
-  out = te_jax.ops.activation.activation_fwd(jax.device_put(x, CPU), ("silu",), dtype=E4M3, scale=1.0)
+  out = activation_fwd(jax.device_put(x, CPU), ("silu",), dtype=E4M3, scale=1.0)
   assert np.isnan(np.asarray(out.amax))
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0)], ids=str)
 def test_cpu_empty(shape):
   x = np.zeros(shape, np.float32)
-  out = te_jax.ops.activation.activation_bwd(jnp.asarray(x), jnp.asarray(x), ("gelu",), dtype=E4M3, scale=1.0, transpose=True,
+  out = activation_bwd(jnp.asarray(x), jnp.asarray(x), ("gelu",), dtype=E4M3, scale=1.0, transpose=True,
                               dbias=True)
   assert out.data.shape == shape and float(out.amax) == 0.0
   np.testing.assert_array_equal(np.asarray(out.dbias), np.zeros(shape[-1:], np.float32))
@@ -295,13 +297,13 @@ def test_activation_grad_is_the_bwd_op():
   act = ("silu", "linear")
   y, vjp = jax.vjp(lambda x: te_jax.activation(x, act), x)
   assert y.dtype == jnp.bfloat16 and y.shape == (2, 4, 16)
-  assert_hp_equal(vjp(g)[0], te_jax.ops.activation.activation_bwd(g, x, act).data, what="grad")
+  assert_hp_equal(vjp(g)[0], activation_bwd(g, x, act).data, what="grad")
   assert_hp_equal(jax.jit(lambda x: te_jax.activation(x, act))(x), y, what="jit == eager")
 
 
 def test_vmap_is_per_element():
   x = random_input((3, 5, 2, 24), np.float32, seed=7)
-  f = jax.jit(jax.vmap(lambda x: te_jax.ops.activation.activation_fwd(x, ("relu", "linear"), dtype=E4M3, scale=0.5,
+  f = jax.jit(jax.vmap(lambda x: activation_fwd(x, ("relu", "linear"), dtype=E4M3, scale=0.5,
                                                         transpose=True)))
   out = f(jax.device_put(x, CPU))
   for i in range(3):
@@ -315,7 +317,7 @@ def test_transpose_batch_dims():
   x = random_input((2, 3, 5, 2, 8), np.float32, seed=8)
   g = random_input((2, 3, 5, 8), np.float32, seed=9)
   for b in (0, 1, 2):
-    out = te_jax.ops.activation.activation_bwd(jnp.asarray(g), jnp.asarray(x), ("relu", "linear"), dtype=E4M3, scale=1.0,
+    out = activation_bwd(jnp.asarray(g), jnp.asarray(x), ("relu", "linear"), dtype=E4M3, scale=1.0,
                                 transpose=True, transpose_batch_dims=b)
     axes = tuple(range(b)) + (3, 4) + tuple(range(b, 3))
     assert_fp8_equal(out.data_t, np.transpose(np.asarray(out.data), axes), what=f"batch dims {b}")
@@ -325,20 +327,20 @@ def test_transpose_batch_dims():
 
 
 @pytest.mark.parametrize("call,error,match", [
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), ("tanh",)), ValueError, "^activation_type must be"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), ("gelu", "relu")), ValueError, "^activation_type must be"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((3, 4)), ("gelu", "linear")), ValueError, "^x of a gated activation"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3), jnp.int32)), TypeError, "^x must be float32"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), dtype=E4M3), ValueError, "^scale is required"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), scale=1.0), ValueError, "^scale and transpose need an FP8"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), dtype=jnp.int8), ValueError, "^dtype must be"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3)), dtype=E4M3, scale=np.array(1.0)), TypeError, "^scale must be"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((3,)), dtype=E4M3, scale=1.0, transpose=True), ValueError,
+    (lambda: activation_fwd(jnp.ones((2, 3)), ("tanh",)), ValueError, "^activation_type must be"),
+    (lambda: activation_fwd(jnp.ones((2, 3)), ("gelu", "relu")), ValueError, "^activation_type must be"),
+    (lambda: activation_fwd(jnp.ones((3, 4)), ("gelu", "linear")), ValueError, "^x of a gated activation"),
+    (lambda: activation_fwd(jnp.ones((2, 3), jnp.int32)), TypeError, "^x must be float32"),
+    (lambda: activation_fwd(jnp.ones((2, 3)), dtype=E4M3), ValueError, "^scale is required"),
+    (lambda: activation_fwd(jnp.ones((2, 3)), scale=1.0), ValueError, "^scale and transpose need an FP8"),
+    (lambda: activation_fwd(jnp.ones((2, 3)), dtype=jnp.int8), ValueError, "^dtype must be"),
+    (lambda: activation_fwd(jnp.ones((2, 3)), dtype=E4M3, scale=np.array(1.0)), TypeError, "^scale must be"),
+    (lambda: activation_fwd(jnp.ones((3,)), dtype=E4M3, scale=1.0, transpose=True), ValueError,
      "^transpose=True needs"),
-    (lambda: te_jax.ops.activation.activation_fwd(jnp.ones((2, 3, 4)), dtype=E4M3, scale=1.0, transpose=True,
+    (lambda: activation_fwd(jnp.ones((2, 3, 4)), dtype=E4M3, scale=1.0, transpose=True,
                                    transpose_batch_dims=2), ValueError, r"^transpose_batch_dims must be in \[0, 1\]"),
-    (lambda: te_jax.ops.activation.activation_bwd(jnp.ones((2, 4)), jnp.ones((2, 3))), ValueError, "^g must have the activation"),
-    (lambda: te_jax.ops.activation.activation_bwd(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((2, 3))), TypeError, "^g must have x's"),
+    (lambda: activation_bwd(jnp.ones((2, 4)), jnp.ones((2, 3))), ValueError, "^g must have the activation"),
+    (lambda: activation_bwd(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((2, 3))), TypeError, "^g must have x's"),
     (lambda: te_jax.activation(jnp.ones((2, 3)), "swiglu"), ValueError, "^activation_type must be"),
 ], ids=["unknown", "second-not-linear", "gated-shape", "int-x", "fp8-no-scale", "hp-scale", "int8-out", "f64-scale",
         "t-rank1", "batch-too-big", "g-shape", "g-dtype", "activation-name"])
@@ -370,8 +372,8 @@ def test_sharded_equals_unsharded(x_shape, spec, act):
   g_spec = P(*(tuple(spec)[:-2] + tuple(spec)[-1:])) if gated else spec
 
   def f(g, x):
-    y = te_jax.ops.activation.activation_fwd(x, act, dtype=E4M3, scale=0.5, transpose=True)
-    dx = te_jax.ops.activation.activation_bwd(g, x, act, dtype=E5M2, scale=1.0, transpose=True, dbias=True)
+    y = activation_fwd(x, act, dtype=E4M3, scale=0.5, transpose=True)
+    dx = activation_bwd(g, x, act, dtype=E5M2, scale=1.0, transpose=True, dbias=True)
     return y, dx
 
   args = (jax.device_put(g, NamedSharding(mesh, g_spec)), jax.device_put(x, NamedSharding(mesh, spec)))
@@ -383,7 +385,7 @@ def test_sharded_equals_unsharded(x_shape, spec, act):
     assert_fp8_equal(a, b, what=what)
   assert_f32_equal(y.amax, ry.amax)
   assert_f32_equal(dx.amax, rdx.amax)
-  dx32 = te_jax.ops.activation.activation_bwd(jnp.asarray(g), jnp.asarray(x), act, dtype=jnp.float32).data
+  dx32 = activation_bwd(jnp.asarray(g), jnp.asarray(x), act, dtype=jnp.float32).data
   feature_ndim = 2 if gated else 1
   assert_column_sums_close(dx.dbias.reshape(-1), np.asarray(dx32).reshape(-1, int(np.prod(x_shape[-feature_ndim:]))))
   hlo = compiled.as_text()
@@ -414,10 +416,10 @@ def _gpu_check(act, dtype, shapes, gpu, fwd_fp8=E4M3, bwd_fp8=E5M2):
   args = list(zip(gs, xs))
 
   def ours(g, x):
-    return (te_jax.ops.activation.activation_fwd(x, act, dtype=fwd_fp8, scale=0.75, transpose=True),
-            te_jax.ops.activation.activation_fwd(x, act, dtype=dtype),
-            te_jax.ops.activation.activation_bwd(g, x, act, dtype=bwd_fp8, scale=2.0, transpose=True, dbias=True),
-            te_jax.ops.activation.activation_bwd(g, x, act, dtype=jnp.float32))
+    return (activation_fwd(x, act, dtype=fwd_fp8, scale=0.75, transpose=True),
+            activation_fwd(x, act, dtype=dtype),
+            activation_bwd(g, x, act, dtype=bwd_fp8, scale=2.0, transpose=True, dbias=True),
+            activation_bwd(g, x, act, dtype=jnp.float32))
 
   def ref(g, x):
     return (reference_fwd(x, act, dtype=fwd_fp8, scale=0.75, transpose=True), reference_fwd(x, act, dtype=dtype),
@@ -465,7 +467,7 @@ def test_gpu_other_fp8_format(act, gpu):
 def test_gpu_dbias_is_deterministic(gpu):
   x = jax.device_put(random_input((4096, 2, 1024), np.float32, seed=12), gpu)
   g = jax.device_put(random_input((4096, 1024), np.float32, seed=13), gpu)
-  f = jax.jit(lambda g, x: te_jax.ops.activation.activation_bwd(g, x, ("gelu", "linear"), dtype=E5M2, scale=1.0, dbias=True).dbias)
+  f = jax.jit(lambda g, x: activation_bwd(g, x, ("gelu", "linear"), dtype=E5M2, scale=1.0, dbias=True).dbias)
   first = np.asarray(f(g, x))
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(f(g, x)).view(np.uint32), first.view(np.uint32))
@@ -485,9 +487,9 @@ def test_gpu_denormal_sigmoid(gpu):
       xa = np.stack([x, np.flip(x, axis=-1)], axis=-2) if len(act) == 2 else x
 
       def ours(g, x, act=act):
-        return (te_jax.ops.activation.activation_fwd(x, act, dtype=jnp.float32), te_jax.ops.activation.activation_bwd(g, x, act, dtype=jnp.float32),
-                te_jax.ops.activation.activation_fwd(x, act, dtype=E4M3, scale=2.0**120),
-                te_jax.ops.activation.activation_bwd(g, x, act, dtype=E5M2, scale=2.0**120))
+        return (activation_fwd(x, act, dtype=jnp.float32), activation_bwd(g, x, act, dtype=jnp.float32),
+                activation_fwd(x, act, dtype=E4M3, scale=2.0**120),
+                activation_bwd(g, x, act, dtype=E5M2, scale=2.0**120))
 
       def ref(g, x, act=act):
         return (reference_fwd(x, act, dtype=jnp.float32), reference_bwd(g, x, act, dtype=jnp.float32),
@@ -511,7 +513,7 @@ def test_gpu_special_values(gpu):
   v = special_values()
   for act in ACT_TYPES:
     x = np.stack([v, v[::-1]], axis=-2)[None] if len(act) == 2 else v[None]
-    out = run_many(lambda x: te_jax.ops.activation.activation_fwd(x, act, dtype=jnp.float32), [(x,)], gpu, "te_act_fwd_cuda")[0]
+    out = run_many(lambda x: activation_fwd(x, act, dtype=jnp.float32), [(x,)], gpu, "te_act_fwd_cuda")[0]
     ref = run_many(lambda x: reference_fwd(x, act, dtype=jnp.float32), [(x,)], gpu)[0]
     assert_hp_equal(out.data, ref.data, what=str(act))
 

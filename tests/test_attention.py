@@ -19,6 +19,7 @@ import pytest
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.fused import attention, attention_cudnn, attention_masks
+from te_jax.fused.attention import AttentionBackend, fp8_attention_support
 
 HIGHEST = jax.lax.Precision.HIGHEST
 B, H, D = 2, 4, 8
@@ -388,7 +389,7 @@ def test_fused_without_gpu_says_why():
 def test_attention_backend_takes_shapes_and_packed_layouts():
   packed = jax.ShapeDtypeStruct((B, 16, 3, H, D), jnp.bfloat16)
   choice = te_jax.attention_backend(packed, qkv_layout="BS3HD", attn_mask_type="causal", backend="unfused")
-  assert choice == te_jax.fused.attention.AttentionBackend("unfused", "requested")
+  assert choice == AttentionBackend("unfused", "requested")
   with pytest.raises(ValueError, match="packs q, k and v"):
     te_jax.attention_backend(packed, packed, qkv_layout="BS3HD")
   kv = jax.ShapeDtypeStruct((B, 16, 2, H, D), jnp.bfloat16)
@@ -439,18 +440,17 @@ def test_module_matches_function(layout, transpose):
   elif layout == "BSHD_BS2HD":
     args = (args[0], jnp.stack(args[1:], 2), None)
   rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-  variables = module.init(rngs, *args, segment_ids=ids)
+  variables = module.init(rngs, *args, segment_ids=ids, deterministic=True)
   assert variables == {}
   for deterministic in (True, False):
     got = module.apply({}, *args, segment_ids=ids, deterministic=deterministic, rngs={"dropout": jax.random.key(5)})
-    rng = None if deterministic else jax.random.fold_in(jax.random.key(5), 0)
     # Flax derives the module's dropout key from the stream; recompute it the same way.
     rng = None if deterministic else _module_rng(module, args, ids)
     want = te_jax.dot_product_attention(*args, segment_ids=ids, attn_mask_type="padding_causal", window_size=(4, 0),
                                         qkv_layout=fmt, dropout_rate=0.0 if deterministic else 0.2, dropout_rng=rng,
                                         backend="unfused")
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-  assert module.backend_for(*args, segment_ids=ids).name == "unfused"
+  assert module.backend_for(*args, segment_ids=ids, deterministic=True).name == "unfused"
 
 
 def _module_rng(module, args, ids):
@@ -748,7 +748,7 @@ def test_fp8_forward(mask_type):
   E4M3 keeps 3 mantissa bits: each of q, k, v, P and O is rounded to within 2^-4 of itself. Measured on an H200
   (cuDNN 9.19, this shape): max error 12% (no mask) and 8% (causal) of max|out|, mean error 0.6%; the bounds below
   are 25% and 2%. A wrong scale or descale factor is off by a factor, far outside them."""
-  ok, reason = te_jax.fused.attention.fp8_attention_support(128, 256, 256, training=False)
+  ok, reason = fp8_attention_support(128, 256, 256, training=False)
   assert ok, reason
   q, k, v = qkv(256, 256, dtype=jnp.bfloat16, d=128)
   f8 = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type=mask_type, fp8_dpa=True))

@@ -452,9 +452,9 @@ def test_amax_and_scale_recurrence_over_5_steps(margin, algo):
 
 
 @pytest.mark.parametrize("x_shape,kernel_shape,match", [
-    ((16, 40), (40, 16), r"multiples of 16, got 40 and 16"),
-    ((16, 32), (32, 24), r"multiples of 16, got 32 and 24"),
-    ((16, 3, 8), (3, 8, 16), r"multiples of 16, got 24 and 16"),
+    ((16, 40), (40, 16), r"FP8 GEMMs need input_features to be a multiple of 16, got 40"),
+    ((16, 32), (32, 24), r"FP8 GEMMs need features to be a multiple of 16, got 24"),
+    ((16, 3, 8), (3, 8, 16), r"FP8 GEMMs need input_features to be a multiple of 16, got 24"),
 ])
 def test_fp8_feature_dims_not_multiple_of_16(x_shape, kernel_shape, match):
   axis = -1 if len(kernel_shape) == 2 else (-2, -1)

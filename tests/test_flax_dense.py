@@ -22,6 +22,7 @@ import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format
 from conftest import rel_error
+from te_jax._core.scaling import ScaleState
 from test_dense import current_scale, dense_reference, fp8_max, quantization_bounds
 
 FP8 = te_jax.FP8_COLLECTION
@@ -357,7 +358,7 @@ def test_scan_keeps_one_fp8_state_per_layer():
     for layer in range(layers):
       inputs.append(np.asarray(h))
       p = jax.tree.map(lambda a: a[layer], {"params": variables["params"][name], FP8: variables[FP8][name]})
-      meta = te_jax.DenseFp8Meta(*(te_jax._core.scaling.ScaleState(p[FP8][f"{role}_amax_history"], p[FP8][f"{role}_scale"])
+      meta = te_jax.DenseFp8Meta(*(ScaleState(p[FP8][f"{role}_amax_history"], p[FP8][f"{role}_scale"])
                                    for role in ROLES))
       h = jax.nn.relu(te_jax.dense(h, p["params"]["kernel"], p["params"]["bias"], fp8_meta=meta))
     state = step(state)

@@ -15,6 +15,7 @@ import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
 from conftest import rel_error
+from te_jax.ops.norm import norm_fwd
 
 RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
 ACTS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
@@ -80,7 +81,7 @@ def test_mlp_fp8_close_to_high_precision_and_updates_state(act, rec):
     amaxes = [float(s.amax_history[0]) for m in new_metas for s in m]
     assert all(a > 0 for a in amaxes), amaxes
     x_amax = float(new_metas[0].x.amax_history[0])
-    ln = te_jax.ops.norm.norm_fwd(args[0], args[1], args[2], dtype=jnp.float32)
+    ln = norm_fwd(args[0], args[1], args[2], dtype=jnp.float32)
     np.testing.assert_allclose(x_amax, float(jnp.max(jnp.abs(ln.out))), rtol=1e-6)  # fc1's input: the norm output
     loss, grads = grad(*args, *new_metas, r)
   # FP8 E4M3 forward / E5M2 backward over a 64/128-wide block: a few percent (a wrong scale or layout is >> 10%).
@@ -140,7 +141,7 @@ def test_argument_errors():
 @pytest.mark.parametrize("make, match", [
     (lambda: te_flax.LayerNormMLP(intermediate_dim=0), "intermediate_dim"),
     (lambda: te_flax.LayerNormMLP(intermediate_dim=64.0), "intermediate_dim"),
-    (lambda: te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout=1.5), "intermediate_dropout_rate"),
+    (lambda: te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout=1.5), "intermediate_dropout"),
     (lambda: te_flax.LayerNormDenseGeneral(features="64"), "features"),
     (lambda: te_flax.LayerNormDenseGeneral(features=(4, 0)), "features"),
     (lambda: te_flax.DenseGeneral(features=()), "features"),
@@ -178,7 +179,7 @@ def test_layernorm_mlp_intermediate_dropout():
   rate = 0.5
   model = te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout=rate, dtype=jnp.float32)
   x = jax.random.normal(jax.random.key(0), (8, 32))
-  v = model.init(jax.random.key(1), x)
+  v = model.init(jax.random.key(1), x, deterministic=True)
   y, state = model.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)}, capture_intermediates=True)
   p = v["params"]
   a = jax.nn.gelu(te_jax.layernorm(x, p["ln_scale"], p["ln_bias"]) @ p["wi_kernel"][:, 0] + p["wi_bias"][0],

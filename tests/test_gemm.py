@@ -1,10 +1,10 @@
-"""te_jax.ops.gemm.gemm: ``out = lhs @ rhs^T`` (K-major operands), FP8 or bfloat16/float16/float32, with a bias epilogue.
+"""gemm: ``out = lhs @ rhs^T`` (K-major operands), FP8 or bfloat16/float16/float32, with a bias epilogue.
 
 - Values against a float64 numpy reference, with flash-attention's rule (DESIGN.md, "Tests"):
   ``err(ours, f64) <= 2 * err(baseline, f64) + noise``, errors as the max absolute error over the output. The
   baseline is the same math at our precision (operands in their dtype, float32 accumulation, bias in float32, one
   cast to the output dtype): an independent jnp einsum on CPU, ``gemm_ref`` jitted on the same GPU on a GPU. FP8
-  operands are made by ``te_jax.ops.quantize.quantize`` and their float64 values are the dequantized FP8 bytes, so the comparison
+  operands are made by ``quantize`` and their float64 values are the dequantized FP8 bytes, so the comparison
   measures the GEMM, not the quantization.
 - ``rhs_parts``: equal to one GEMM per part, on CPU bitwise and on a GPU (one cuBLASLt pointer-array batched GEMM)
   within the same bounds as the single GEMM.
@@ -32,10 +32,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import te_jax
 from conftest import F32_U
 from te_jax._core import native
 from te_jax.ops.gemm import GemmConfig, gemm_ref
+from te_jax.ops.gemm import gemm
+from te_jax.ops.quantize import quantize
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -80,12 +81,12 @@ def hp_operand(rows: tuple, k: int, dtype, transposed: bool, seed: int) -> Opera
 
 
 def fp8_operand(rows: tuple, k: int, fp8, seed: int) -> Operand:
-  """FP8 bytes from ``te_jax.ops.quantize.quantize`` at a scale that is not a power of two (so scale_inv != 1 is exercised),
+  """FP8 bytes from ``quantize`` at a scale that is not a power of two (so scale_inv != 1 is exercised),
   with their exact float64 values ``data * scale_inv``."""
   rng = np.random.default_rng(seed)
   x = (rng.standard_normal((*rows, k)) * 3.0).astype(np.float32)
   scale = np.float32(0.8 * float(ml_dtypes.finfo(fp8).max) / np.abs(x).max())
-  data = te_jax.ops.quantize.quantize(jax.device_put(x, CPU), jax.device_put(scale, CPU), fp8).data
+  data = quantize(jax.device_put(x, CPU), jax.device_put(scale, CPU), fp8).data
   scale_inv = np.float32(1.0) / scale
   assert scale_inv != 1.0
   data = np.asarray(data)
@@ -154,7 +155,7 @@ def bias64_of(bias, out_dtype):
 
 
 def run_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, device=CPU, **kwargs):
-  """te_jax.ops.gemm.gemm, jitted, on ``device``; returns (out, compiled HLO text)."""
+  """gemm, jitted, on ``device``; returns (out, compiled HLO text)."""
   put = functools.partial(jax.device_put, device=device)
   args = [put(lhs.array), put(rhs.array)]
   scales = {}
@@ -163,7 +164,7 @@ def run_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, device=CPU, **kwargs):
   b = None if bias is None else put(bias)
 
   def f(a, r, s, b):
-    return te_jax.ops.gemm.gemm(a, r, bias=b, dtype=out_dtype, **s, **kwargs)
+    return gemm(a, r, bias=b, dtype=out_dtype, **s, **kwargs)
 
   compiled = jax.jit(f).lower(*args, scales, b).compile()
   return compiled(*args, scales, b), compiled.as_text()
@@ -263,11 +264,11 @@ def test_residual_values(kind, out, with_bias):
 
 def test_residual_shape_is_checked():
   with pytest.raises(ValueError, match="residual must have the output's shape"):
-    te_jax.ops.gemm.gemm(jnp.ones((4, 16)), jnp.ones((8, 16)), residual=jnp.ones((8, 4)))
+    gemm(jnp.ones((4, 16)), jnp.ones((8, 16)), residual=jnp.ones((8, 4)))
 
 
 def test_zero_k_gives_bias_plus_residual():
-  out = te_jax.ops.gemm.gemm(jnp.ones((4, 0)), jnp.ones((8, 0)), bias=jnp.arange(8.0), residual=jnp.ones((4, 8)),
+  out = gemm(jnp.ones((4, 0)), jnp.ones((8, 0)), bias=jnp.arange(8.0), residual=jnp.ones((4, 8)),
                     dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(np.arange(8.0) + 1, (4, 8)))
 
@@ -324,10 +325,10 @@ def test_eager_and_vmap():
   lhs = hp_operand((8,), 16, np.float32, False, seed=13)
   rhs = hp_operand((4,), 16, np.float32, False, seed=14)
   jitted, _ = run_gemm(lhs, rhs, None, jnp.float32)
-  eager = te_jax.ops.gemm.gemm(jax.device_put(lhs.array, CPU), jax.device_put(rhs.array, CPU), dtype=jnp.float32)
+  eager = gemm(jax.device_put(lhs.array, CPU), jax.device_put(rhs.array, CPU), dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
   stacked = np.stack([lhs.array, 2 * lhs.array])
-  mapped = jax.vmap(lambda a: te_jax.ops.gemm.gemm(a, rhs.array, dtype=jnp.float32))(jax.device_put(stacked, CPU))
+  mapped = jax.vmap(lambda a: gemm(a, rhs.array, dtype=jnp.float32))(jax.device_put(stacked, CPU))
   np.testing.assert_array_equal(np.asarray(mapped[0]), np.asarray(jitted))
   np.testing.assert_array_equal(np.asarray(mapped[1]), 2 * np.asarray(jitted))
 
@@ -342,59 +343,59 @@ def _f8(shape, dtype=E4M3):
 ONE = jnp.float32(1.0)
 BF = functools.partial(jnp.zeros, dtype=jnp.bfloat16)
 ERROR_CASES = {
-    "fp8-without-scale-inv": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((16, 32)), rhs_scale_inv=ONE),
+    "fp8-without-scale-inv": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), rhs_scale_inv=ONE),
                               ValueError, r"lhs is FP8 \(float8_e4m3fn\): pass lhs_scale_inv"),
-    "fp8-rhs-without-scale-inv": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=ONE),
+    "fp8-rhs-without-scale-inv": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=ONE),
                                   ValueError, r"rhs is FP8.*pass rhs_scale_inv"),
-    "scale-inv-for-bf16": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
+    "scale-inv-for-bf16": (lambda: gemm(BF((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
                            ValueError, r"lhs_scale_inv applies to FP8 operands only; lhs is bfloat16"),
-    "scale-inv-not-f32-scalar": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=jnp.ones((1,)),
+    "scale-inv-not-f32-scalar": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=jnp.ones((1,)),
                                                      rhs_scale_inv=ONE),
                                  TypeError, r"lhs_scale_inv must be a float32 scalar"),
-    "mixed-fp8-bf16": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
+    "mixed-fp8-bf16": (lambda: gemm(_f8((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
                        TypeError, r"both be FP8 or both not"),
-    "e5m2xe5m2": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32), E5M2), _f8((16, 32), E5M2), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "e5m2xe5m2": (lambda: gemm(_f8((16, 32), E5M2), _f8((16, 32), E5M2), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
                   TypeError, r"E5M2 x E5M2 has no FP8 GEMM"),
-    "fp8-transpose-lhs": (lambda: te_jax.ops.gemm.gemm(_f8((32, 16)), _f8((16, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+    "fp8-transpose-lhs": (lambda: gemm(_f8((32, 16)), _f8((16, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
                                               transpose_lhs=True),
                           ValueError, r"FP8 operands must be K-major"),
-    "fp8-transpose-rhs": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((32, 16)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+    "fp8-transpose-rhs": (lambda: gemm(_f8((16, 32)), _f8((32, 16)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
                                               transpose_rhs=True),
                           ValueError, r"FP8 operands must be K-major"),
-    "k-mismatch": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((16, 48))),
+    "k-mismatch": (lambda: gemm(BF((16, 32)), BF((16, 48))),
                    ValueError, r"contracting dims differ: lhs \(16, 32\) has K=32, rhs \(16, 48\) has K=48"),
-    "k-mismatch-transposed": (lambda: te_jax.ops.gemm.gemm(BF((32, 16)), BF((16, 48)), transpose_lhs=True),
+    "k-mismatch-transposed": (lambda: gemm(BF((32, 16)), BF((16, 48)), transpose_lhs=True),
                               ValueError, r"contracting dims differ"),
-    "fp8-k-not-16": (lambda: te_jax.ops.gemm.gemm(_f8((16, 40)), _f8((16, 40)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "fp8-k-not-16": (lambda: gemm(_f8((16, 40)), _f8((16, 40)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
                      ValueError, r"multiples of 16, got K=40, N=16"),
-    "fp8-n-not-16": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((24, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "fp8-n-not-16": (lambda: gemm(_f8((16, 32)), _f8((24, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
                      ValueError, r"multiples of 16, got K=32, N=24"),
-    "bad-out-dtype": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((16, 32)), dtype=jnp.int8),
+    "bad-out-dtype": (lambda: gemm(BF((16, 32)), BF((16, 32)), dtype=jnp.int8),
                       ValueError, r"out_dtype must be bfloat16, float16 or float32, got int8"),
-    "fp8-out-dtype": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((16, 32)), dtype=E4M3),
+    "fp8-out-dtype": (lambda: gemm(BF((16, 32)), BF((16, 32)), dtype=E4M3),
                       ValueError, r"out_dtype must be .* got float8_e4m3fn"),
-    "bias-wrong-shape": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((16,))),
+    "bias-wrong-shape": (lambda: gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((16,))),
                          ValueError, r"bias must have shape \(24,\), got \(16,\)"),
-    "bias-2d": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((1, 24))),
+    "bias-2d": (lambda: gemm(BF((16, 32)), BF((24, 32)), bias=jnp.zeros((1, 24))),
                 ValueError, r"bias must have shape \(24,\)"),
-    "rank1-lhs": (lambda: te_jax.ops.gemm.gemm(BF((32,)), BF((16, 32))), ValueError, r"lhs must have rank >= 2"),
-    "rank1-rhs": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((32,))), ValueError, r"rhs must have rank >= 2"),
-    "int-operand": (lambda: te_jax.ops.gemm.gemm(jnp.zeros((16, 32), jnp.int8), BF((16, 32))),
+    "rank1-lhs": (lambda: gemm(BF((32,)), BF((16, 32))), ValueError, r"lhs must have rank >= 2"),
+    "rank1-rhs": (lambda: gemm(BF((16, 32)), BF((32,))), ValueError, r"rhs must have rank >= 2"),
+    "int-operand": (lambda: gemm(jnp.zeros((16, 32), jnp.int8), BF((16, 32))),
                     TypeError, r"lhs must be FP8 \(e4m3fn/e5m2\), bfloat16, float16 or float32, got int8"),
-    "parts-2d-rhs": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((48, 32)), rhs_parts=True),
+    "parts-2d-rhs": (lambda: gemm(BF((16, 32)), BF((48, 32)), rhs_parts=True),
                      ValueError, r"rhs_parts needs rhs of shape \(P, \.\.\., K\) with 1 <= P <= 4, got \(48, 32\)"),
-    "parts-too-many": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((5, 16, 32)), rhs_parts=True),
+    "parts-too-many": (lambda: gemm(BF((16, 32)), BF((5, 16, 32)), rhs_parts=True),
                        ValueError, r"1 <= P <= 4, got \(5, 16, 32\)"),
-    "parts-transposed": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((3, 32, 16)), rhs_parts=True, transpose_rhs=True),
+    "parts-transposed": (lambda: gemm(BF((16, 32)), BF((3, 32, 16)), rhs_parts=True, transpose_rhs=True),
                          ValueError, r"rhs_parts needs an untransposed rhs"),
-    "parts-residual": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((3, 16, 32)), residual=BF((16, 16)), rhs_parts=True),
+    "parts-residual": (lambda: gemm(BF((16, 32)), BF((3, 16, 32)), residual=BF((16, 16)), rhs_parts=True),
                        ValueError, r"rhs_parts and residual exclude each other"),
-    "parts-bias-shape": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((3, 16, 32)), bias=jnp.zeros((48,)), rhs_parts=True),
+    "parts-bias-shape": (lambda: gemm(BF((16, 32)), BF((3, 16, 32)), bias=jnp.zeros((48,)), rhs_parts=True),
                          ValueError, r"with rhs_parts, bias must have shape \(3, 16\), got \(48,\)"),
-    "parts-fp8-n-not-16": (lambda: te_jax.ops.gemm.gemm(_f8((16, 32)), _f8((3, 8, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
+    "parts-fp8-n-not-16": (lambda: gemm(_f8((16, 32)), _f8((3, 8, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
                                                rhs_parts=True),
                            ValueError, r"multiples of 16, got K=32, N=8"),
-    "parts-k-mismatch": (lambda: te_jax.ops.gemm.gemm(BF((16, 32)), BF((3, 16, 48)), rhs_parts=True),
+    "parts-k-mismatch": (lambda: gemm(BF((16, 32)), BF((3, 16, 48)), rhs_parts=True),
                          ValueError, r"contracting dims differ"),
 }
 
@@ -442,7 +443,7 @@ def test_sharded_gemm(case, kind, with_bias):
   scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
 
   def f(a, b, s, bias):
-    return te_jax.ops.gemm.gemm(a, b, bias=bias, dtype=jnp.float32, **s)
+    return gemm(a, b, bias=bias, dtype=jnp.float32, **s)
 
   a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
   b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
@@ -469,7 +470,7 @@ def test_sharded_gemm_adds_the_residual_once(case):
   lhs, rhs = hp_operand((64,), 256, np.float32, False, seed=23), hp_operand((128,), 256, np.float32, False, seed=24)
   residual = np.full((64, 128), 1000.0, np.float32)
   out_sharding = None if out_spec is None else NamedSharding(mesh, out_spec)
-  f = jax.jit(lambda a, b, r: te_jax.ops.gemm.gemm(a, b, residual=r, dtype=jnp.float32), out_shardings=out_sharding)
+  f = jax.jit(lambda a, b, r: gemm(a, b, residual=r, dtype=jnp.float32), out_shardings=out_sharding)
   compiled = f.lower(jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)),
                      jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)), residual).compile()
   out = compiled(jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)),
@@ -503,7 +504,7 @@ def test_sharded_parts_gemm(case):
   scales = {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
 
   def f(a, b, s):
-    return te_jax.ops.gemm.gemm(a, b, dtype=jnp.float32, rhs_parts=True, **s)
+    return gemm(a, b, dtype=jnp.float32, rhs_parts=True, **s)
 
   a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
   b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
@@ -533,7 +534,7 @@ def assert_calls_cublas(hlo: str):
 
 
 def cuda_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, gpu, **kwargs):
-  """te_jax.ops.gemm.gemm on the GPU, asserting that it runs the cuBLASLt handler once."""
+  """gemm on the GPU, asserting that it runs the cuBLASLt handler once."""
   out, hlo = run_gemm(lhs, rhs, bias, out_dtype, device=gpu, **kwargs)
   assert_calls_cublas(hlo)
   return out
@@ -707,7 +708,7 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
   bias = random_bias(n, seed=40)
   put = functools.partial(jax.device_put, device=gpu)
   scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": put(lhs.scale_inv), "rhs_scale_inv": put(rhs.scale_inv)}
-  f = jax.jit(lambda a, b, s, bias: te_jax.ops.gemm.gemm(a, b, bias=bias, dtype=jnp.bfloat16, fast_accum=fast_accum, **s))
+  f = jax.jit(lambda a, b, s, bias: gemm(a, b, bias=bias, dtype=jnp.bfloat16, fast_accum=fast_accum, **s))
   args = (put(lhs.array), put(rhs.array), scales, put(bias))
   compiled = f.lower(*args).compile()
   assert_calls_cublas(compiled.as_text())
@@ -727,14 +728,16 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 import te_jax
 from te_jax import _te_cuda
+from te_jax.ops.gemm import gemm
+from te_jax.ops.quantize import quantize
 
 a = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32)
 b = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
 def f(a, b):
-  y = te_jax.ops.gemm.gemm(jnp.sin(a), jnp.cos(b), dtype=jnp.float32)
-  p, q = te_jax.ops.gemm.gemm(jnp.cos(a), jnp.sin(b).reshape(2, 192, 256), dtype=jnp.float32, rhs_parts=True)  # batched
+  y = gemm(jnp.sin(a), jnp.cos(b), dtype=jnp.float32)
+  p, q = gemm(jnp.cos(a), jnp.sin(b).reshape(2, 192, 256), dtype=jnp.float32, rhs_parts=True)  # batched
   y = y + jnp.concatenate([p, q], axis=1)
-  return jnp.tanh(te_jax.ops.gemm.gemm(y, jnp.cos(b).T * 0.01, dtype=jnp.float32) + 1.0)
+  return jnp.tanh(gemm(y, jnp.cos(b).T * 0.01, dtype=jnp.float32) + 1.0)
 def ref(a, b):
   hi = jax.lax.Precision.HIGHEST
   y = jnp.dot(jnp.sin(a), jnp.cos(b).T, precision=hi)

@@ -1,4 +1,4 @@
-"""te_jax.ops.norm.norm_fwd / norm_bwd (LayerNorm and RMSNorm, te_jax.ops.norm) and the differentiable te_jax.layernorm.
+"""norm_fwd / norm_bwd (LayerNorm and RMSNorm, te_jax.ops.norm) and the differentiable te_jax.layernorm.
 
 - The statistics (mean, rsigma) and dx are sums: against float64 under DESIGN.md's rule, ``err(ours, f64) <=
   2 * err(the jnp reference in float32, f64) + noise``. dgamma/dbeta, sums over rows whose order the kernels choose,
@@ -32,6 +32,7 @@ from conftest import F32_U, assert_f32_equal, assert_fp8_equal
 from te_jax._core import native
 from te_jax.ops.norm import NormConfig, norm_apply_ref, norm_bwd_ref, norm_fwd_ref, norm_stats_ref
 from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
+from te_jax.ops.norm import NormOutput, norm_bwd, norm_fwd
 from test_sharding import _BAD_COLLECTIVES, all_reduces
 
 CPU = jax.devices("cpu")[0]
@@ -137,7 +138,7 @@ def fwd_kwargs(norm_type, out_dtype, transpose=False, **extra):
               scale=np.float32(FP8_SCALE[out_dtype]) if fp8 else None, **extra)
 
 
-def native_fwd_many(cases, *, device=CPU) -> list[te_jax.ops.norm.NormOutput]:
+def native_fwd_many(cases, *, device=CPU) -> list[NormOutput]:
   """norm_fwd on each ``(x, gamma, beta, kwargs)``, in one jitted program on ``device`` (one compile for many
   shapes); asserts that the compiled program calls the native handler once per case."""
   args = [tuple(jax.device_put(a, device) for a in c[:3]) for c in cases]
@@ -147,7 +148,7 @@ def native_fwd_many(cases, *, device=CPU) -> list[te_jax.ops.norm.NormOutput]:
     for (x, g, b), (*_, kw) in zip(args, cases):
       kw = dict(kw)
       scale = kw.pop("scale")
-      outs.append(te_jax.ops.norm.norm_fwd(x, g, b if kw["norm_type"] == "layernorm" else None,
+      outs.append(norm_fwd(x, g, b if kw["norm_type"] == "layernorm" else None,
                                   scale=None if scale is None else jnp.float32(scale), **kw))
     return outs
 
@@ -231,7 +232,7 @@ def bwd_case(shape, dtype, norm_type, seed, zero_centered=False, dz_dtype=None, 
   ``dz_dtype`` (default x's); with ``dres``, kwargs hold a gradient to add to dx (x's dtype)."""
   x, gamma, beta = make_case(shape, dtype, seed)
   g = gamma - 1 if zero_centered else gamma
-  fwd = te_jax.ops.norm.norm_fwd(jax.device_put(x, CPU), g, beta if norm_type == "layernorm" else None, norm_type=norm_type,
+  fwd = norm_fwd(jax.device_put(x, CPU), g, beta if norm_type == "layernorm" else None, norm_type=norm_type,
                         epsilon=EPS, zero_centered_gamma=zero_centered)
   dz = np.random.default_rng(seed + 1).standard_normal(shape).astype(dz_dtype or dtype)
   mean = None if fwd.mean is None else np.asarray(fwd.mean)
@@ -264,7 +265,7 @@ def native_bwd_many(cases, *, device=CPU):
   args = [tuple(None if a is None else jax.device_put(a, device) for a in c[:5]) for c in cases]
 
   def run(args):
-    return [te_jax.ops.norm.norm_bwd(*a, **c[5]) for a, c in zip(args, cases)]
+    return [norm_bwd(*a, **c[5]) for a, c in zip(args, cases)]
 
   compiled = jax.jit(run).lower(args).compile()
   target = {"cpu": "te_norm_bwd_cpu", "gpu": "te_norm_bwd_cuda"}[device.platform]
@@ -341,7 +342,7 @@ def test_cpu_zero_centered_gamma_and_epsilon(norm_type):
            (x, g - 1, b, fwd_kwargs(norm_type, BF16, zero_centered_gamma=True)),
            (x, g, b, {**fwd_kwargs(norm_type, F32), "epsilon": 10.0})]
   outs = check_fwd_many(cases)
-  plain = te_jax.ops.norm.norm_fwd(jax.device_put(x, CPU), g, b if norm_type == "layernorm" else None, norm_type=norm_type,
+  plain = norm_fwd(jax.device_put(x, CPU), g, b if norm_type == "layernorm" else None, norm_type=norm_type,
                           epsilon=EPS, dtype=BF16)
   assert_same_bits(outs[1].out, plain.out, "gamma - 1 with zero_centered_gamma == gamma")
 
@@ -377,11 +378,11 @@ def test_cpu_special_values(dtype, norm_type):
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 8)], ids=str)
 def test_cpu_no_rows(shape):
   x = np.zeros(shape, BF16)
-  out = te_jax.ops.norm.norm_fwd(jax.device_put(x, CPU), np.ones(shape[-1], F32), np.zeros(shape[-1], F32), dtype=E4M3,
+  out = norm_fwd(jax.device_put(x, CPU), np.ones(shape[-1], F32), np.zeros(shape[-1], F32), dtype=E4M3,
                         scale=1.0, transpose=True)
   assert out.out.shape == shape and out.out_t.shape == (shape[-1], *shape[:-1]) and float(out.amax) == 0.0
   assert out.mean.shape == out.rsigma.shape == shape[:-1]
-  dx, dgamma, dbeta = te_jax.ops.norm.norm_bwd(x, x, out.mean, out.rsigma, np.ones(shape[-1], F32))
+  dx, dgamma, dbeta = norm_bwd(x, x, out.mean, out.rsigma, np.ones(shape[-1], F32))
   assert dx.shape == shape and not np.any(np.asarray(dgamma)) and not np.any(np.asarray(dbeta))
 
 
@@ -406,9 +407,9 @@ def test_cpu_bwd_dres(norm_type, dtype):
 def test_bwd_dres_errors():
   dz, x, mean, rsigma, g, kw = bwd_case((4, 16), BF16, "layernorm", seed=3)
   with pytest.raises(TypeError, match="dres must have x's shape"):
-    te_jax.ops.norm.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 16), np.float32))
+    norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 16), np.float32))
   with pytest.raises(TypeError, match="dres must have x's shape"):
-    te_jax.ops.norm.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 8), BF16))
+    norm_bwd(dz, x, mean, rsigma, g, **kw, dres=np.zeros((4, 8), BF16))
 
 
 # ---- the reference itself ------------------------------------------------------------------------------------------
@@ -467,8 +468,8 @@ def test_eager_equals_jit():
   x, g, b = make_case((5, 48), BF16, seed=2)
   x = jax.device_put(x, CPU)
   kw = dict(dtype=E5M2, scale=jnp.float32(3.0), transpose=True, epsilon=EPS)
-  eager = te_jax.ops.norm.norm_fwd(x, g, b, **kw)
-  jitted = jax.jit(lambda x: te_jax.ops.norm.norm_fwd(x, g, b, **kw))(x)
+  eager = norm_fwd(x, g, b, **kw)
+  jitted = jax.jit(lambda x: norm_fwd(x, g, b, **kw))(x)
   for a, c in zip(eager, jitted):
     assert_same_bits(a, c, "eager vs jit")
 
@@ -477,11 +478,11 @@ def test_eager_equals_jit():
 def test_vmap_high_precision_is_one_call(in_axis):
   """A batched x with shared parameters is just more rows: one handler call, bitwise the per-element results."""
   x, g, b = make_case((3, 4, 40), BF16, seed=6)
-  f = jax.jit(jax.vmap(lambda x: te_jax.ops.norm.norm_fwd(x, g, b, epsilon=EPS), in_axes=in_axis))
+  f = jax.jit(jax.vmap(lambda x: norm_fwd(x, g, b, epsilon=EPS), in_axes=in_axis))
   assert f.lower(x).compile().as_text().count('custom_call_target="te_norm_fwd_cpu"') == 1
   out = f(jax.device_put(x, CPU))
   for i in range(x.shape[in_axis]):
-    ref = te_jax.ops.norm.norm_fwd(jax.device_put(np.take(x, i, axis=in_axis), CPU), g, b, epsilon=EPS)
+    ref = norm_fwd(jax.device_put(np.take(x, i, axis=in_axis), CPU), g, b, epsilon=EPS)
     for a, c in zip(out, ref):
       if c is not None:
         assert_same_bits(a[i], c, "vmapped element")
@@ -491,10 +492,10 @@ def test_vmap_fp8_is_per_element():
   """FP8: amax and the transposed copy are per element (one call per element), with per-element scales too."""
   x, g, _ = make_case((3, 6, 16), F16, seed=7)
   scales = np.array([1.0, 30.0, 300.0], F32)
-  f = jax.vmap(lambda x, s: te_jax.ops.norm.norm_fwd(x, g, norm_type="rmsnorm", dtype=E4M3, scale=s, transpose=True))
+  f = jax.vmap(lambda x, s: norm_fwd(x, g, norm_type="rmsnorm", dtype=E4M3, scale=s, transpose=True))
   out = jax.jit(f)(jax.device_put(x, CPU), scales)
   for i in range(3):
-    ref = te_jax.ops.norm.norm_fwd(jax.device_put(x[i], CPU), g, norm_type="rmsnorm", dtype=E4M3, scale=scales[i],
+    ref = norm_fwd(jax.device_put(x[i], CPU), g, norm_type="rmsnorm", dtype=E4M3, scale=scales[i],
                           transpose=True)
     assert_fp8_equal(out.out[i], ref.out)
     assert_fp8_equal(out.out_t[i], ref.out_t, what="out_t")
@@ -524,7 +525,7 @@ def test_layernorm_forward_is_norm_fwd(norm_type, zero_centered):
   beta = b if norm_type == "layernorm" else None
   y = te_jax.layernorm(x, g, beta, norm_type=norm_type, epsilon=EPS, zero_centered_gamma=zero_centered,
                        dtype=jnp.float32)
-  want = te_jax.ops.norm.norm_fwd(x, g, beta, norm_type=norm_type, epsilon=EPS, zero_centered_gamma=zero_centered,
+  want = norm_fwd(x, g, beta, norm_type=norm_type, epsilon=EPS, zero_centered_gamma=zero_centered,
                          dtype=jnp.float32)
   assert_same_bits(y, want.out, "layernorm")
 
@@ -591,28 +592,28 @@ _G = jnp.ones((8,), jnp.float32)
 
 
 @pytest.mark.parametrize("fn,args,kwargs,error,match", [
-    (te_jax.ops.norm.norm_fwd, (jnp.ones((2, 8), jnp.int32), _G, _G), {}, TypeError, "^x must be float32"),
-    (te_jax.ops.norm.norm_fwd, (jnp.float32(1), _G, _G), {}, ValueError, "^x must have rank >= 1"),
-    (te_jax.ops.norm.norm_fwd, (jnp.ones((2, 0)), _G, _G), {}, ValueError, "^x must have rank >= 1 and a non-empty"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, jnp.ones((7,)), _G), {}, ValueError, r"^gamma must have shape \(8,\)"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, jnp.ones((8,), jnp.int32), _G), {}, TypeError, "^gamma must be a float"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, None), {}, ValueError, "^norm_type='layernorm' needs beta"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"norm_type": "rmsnorm"}, ValueError, "^beta must be None"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"norm_type": "batchnorm"}, ValueError, "^norm_type must be"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"epsilon": -1.0}, ValueError, "^epsilon must be a non-negative"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"epsilon": jnp.float32(1e-5)}, ValueError, "^epsilon must be"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"dtype": E4M3}, ValueError, "^dtype float8_e4m3fn needs scale"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"dtype": E4M3, "scale": 1}, TypeError, "^scale must be a float32"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"scale": 1.0}, ValueError, "^scale applies to FP8 outputs only"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"dtype": jnp.int8}, ValueError, "^dtype must be"),
-    (te_jax.ops.norm.norm_fwd, (_ONES, _G, _G), {"transpose": True}, ValueError, "^transpose=True needs an FP8"),
-    (te_jax.ops.norm.norm_fwd, (_G, _G, _G), {"dtype": E4M3, "scale": 1.0, "transpose": True}, ValueError,
+    (norm_fwd, (jnp.ones((2, 8), jnp.int32), _G, _G), {}, TypeError, "^x must be float32"),
+    (norm_fwd, (jnp.float32(1), _G, _G), {}, ValueError, "^x must have rank >= 1"),
+    (norm_fwd, (jnp.ones((2, 0)), _G, _G), {}, ValueError, "^x must have rank >= 1 and a non-empty"),
+    (norm_fwd, (_ONES, jnp.ones((7,)), _G), {}, ValueError, r"^gamma must have shape \(8,\)"),
+    (norm_fwd, (_ONES, jnp.ones((8,), jnp.int32), _G), {}, TypeError, "^gamma must be a float"),
+    (norm_fwd, (_ONES, _G, None), {}, ValueError, "^norm_type='layernorm' needs beta"),
+    (norm_fwd, (_ONES, _G, _G), {"norm_type": "rmsnorm"}, ValueError, "^beta must be None"),
+    (norm_fwd, (_ONES, _G, _G), {"norm_type": "batchnorm"}, ValueError, "^norm_type must be"),
+    (norm_fwd, (_ONES, _G, _G), {"epsilon": -1.0}, ValueError, "^epsilon must be a non-negative"),
+    (norm_fwd, (_ONES, _G, _G), {"epsilon": jnp.float32(1e-5)}, ValueError, "^epsilon must be"),
+    (norm_fwd, (_ONES, _G, _G), {"dtype": E4M3}, ValueError, "^dtype float8_e4m3fn needs scale"),
+    (norm_fwd, (_ONES, _G, _G), {"dtype": E4M3, "scale": 1}, TypeError, "^scale must be a float32"),
+    (norm_fwd, (_ONES, _G, _G), {"scale": 1.0}, ValueError, "^scale applies to FP8 outputs only"),
+    (norm_fwd, (_ONES, _G, _G), {"dtype": jnp.int8}, ValueError, "^dtype must be"),
+    (norm_fwd, (_ONES, _G, _G), {"transpose": True}, ValueError, "^transpose=True needs an FP8"),
+    (norm_fwd, (_G, _G, _G), {"dtype": E4M3, "scale": 1.0, "transpose": True}, ValueError,
      "^transpose=True needs"),
-    (te_jax.ops.norm.norm_bwd, (_ONES, _ONES, None, jnp.ones((2,)), _G), {}, TypeError, "^mean must be float32 with shape"),
-    (te_jax.ops.norm.norm_bwd, (_ONES, _ONES, jnp.ones((2,)), jnp.ones((3,)), _G), {}, TypeError, "^rsigma must be"),
-    (te_jax.ops.norm.norm_bwd, (_ONES, _ONES, jnp.ones((2,)), jnp.ones((2,)), _G), {"norm_type": "rmsnorm"}, ValueError,
+    (norm_bwd, (_ONES, _ONES, None, jnp.ones((2,)), _G), {}, TypeError, "^mean must be float32 with shape"),
+    (norm_bwd, (_ONES, _ONES, jnp.ones((2,)), jnp.ones((3,)), _G), {}, TypeError, "^rsigma must be"),
+    (norm_bwd, (_ONES, _ONES, jnp.ones((2,)), jnp.ones((2,)), _G), {"norm_type": "rmsnorm"}, ValueError,
      "^mean must be None"),
-    (te_jax.ops.norm.norm_bwd, (_ONES.astype(jnp.bfloat16), _ONES, None, jnp.ones((2,)), _G), {"norm_type": "rmsnorm"},
+    (norm_bwd, (_ONES.astype(jnp.bfloat16), _ONES, None, jnp.ones((2,)), _G), {"norm_type": "rmsnorm"},
      TypeError, "^dz must have x's shape"),
     (te_jax.layernorm, (_ONES, _G, _G), {"dtype": E4M3}, ValueError, "^dtype must be float32, bfloat16 or float16"),
     (te_jax.layernorm, (_ONES, _G, _G), {"norm_type": "rms"}, ValueError, "^norm_type must be"),
@@ -662,12 +663,12 @@ def test_sharded_fwd_equals_unsharded(mesh_shape, names, shape, spec, norm_type,
   kw = dict(norm_type=norm_type, epsilon=EPS, dtype=E4M3 if fp8 else BF16, scale=jnp.float32(50) if fp8 else None,
             transpose=fp8)
   beta = b if norm_type == "layernorm" else None
-  f = jax.jit(lambda x: te_jax.ops.norm.norm_fwd(x, g, beta, **kw))
+  f = jax.jit(lambda x: norm_fwd(x, g, beta, **kw))
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   compiled = f.lower(xs).compile()
   got = compiled(xs)
   want = f(jax.device_put(x, CPU))
-  for name, a, c in zip(te_jax.ops.norm.NormOutput._fields, got, want):
+  for name, a, c in zip(NormOutput._fields, got, want):
     if c is not None:
       assert_same_bits(a, c, name)  # whole rows on every shard: the same bits
   row_axes, full = _row_axes(spec, len(shape))
@@ -692,7 +693,7 @@ def test_sharded_bwd(mesh_shape, names, shape, spec, norm_type, dres):
   mesh = _mesh(mesh_shape, names)
   dz, x, mean, rsigma, g, kw = bwd_case(shape, BF16, norm_type, seed=15, dres=dres)
   r = kw.pop("dres", None)
-  f = jax.jit(lambda dz, x, mean, rsigma, r: te_jax.ops.norm.norm_bwd(dz, x, mean, rsigma, g, **kw, dres=r))
+  f = jax.jit(lambda dz, x, mean, rsigma, r: norm_bwd(dz, x, mean, rsigma, g, **kw, dres=r))
   full_sharding = NamedSharding(mesh, spec)
   row_sharding = NamedSharding(mesh, P(*tuple(spec)[:len(shape) - 1]))
   args = (jax.device_put(dz, full_sharding), jax.device_put(x, full_sharding),
@@ -721,16 +722,16 @@ def test_shard_map_outputs_keep_varying_axes():
   x, g, b = make_case((16, 24), BF16, seed=16)
 
   def local(x):
-    out = te_jax.ops.norm.norm_fwd(x, g, b, dtype=E4M3, scale=jnp.float32(10), transpose=True)
+    out = norm_fwd(x, g, b, dtype=E4M3, scale=jnp.float32(10), transpose=True)
     for v in out:
       assert jax.typeof(v).manual_axis_type.varying == {"x"}, jax.typeof(v)
-    dx, dgamma, dbeta = te_jax.ops.norm.norm_bwd(x, x, out.mean, out.rsigma, g)
+    dx, dgamma, dbeta = norm_bwd(x, x, out.mean, out.rsigma, g)
     for v in (dx, dgamma, dbeta):
       assert jax.typeof(v).manual_axis_type.varying == {"x"}, jax.typeof(v)
     return out.out, jax.lax.pmax(out.amax, "x"), jax.lax.psum(dgamma, "x")
 
   q, amax, _ = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P(), P())))(x)
-  want = te_jax.ops.norm.norm_fwd(jax.device_put(x, CPU), g, b, dtype=E4M3, scale=jnp.float32(10))
+  want = norm_fwd(jax.device_put(x, CPU), g, b, dtype=E4M3, scale=jnp.float32(10))
   assert_fp8_equal(q, want.out)
   assert_f32_equal(amax, want.amax)
 
@@ -841,7 +842,7 @@ def test_gpu_large_and_deterministic(norm_type, gpu):
   case = bwd_case((2048, 8192), BF16, norm_type, seed=18)
   first = check_bwd_many([case], device=gpu)[0]
   args = [None if a is None else jax.device_put(a, gpu) for a in case[:5]]
-  f = jax.jit(lambda *a: te_jax.ops.norm.norm_bwd(*a, **case[5]))
+  f = jax.jit(lambda *a: norm_bwd(*a, **case[5]))
   for _ in range(3):
     again = f(*args)
     for a, c in zip(again, first):

@@ -1,4 +1,4 @@
-"""te_jax.ops.quantize.quantize, dequantize and amax.
+"""quantize, dequantize and amax.
 
 - The CPU FFI handler against the pure-jnp reference ``quantize_ref``: bitwise for the FP8 bytes, the transposed copy
   and amax; dbias within the bound of float32 summation.
@@ -21,6 +21,7 @@ import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal, fp8_bits
 from te_jax._core import native as te_native
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
+from te_jax.ops.quantize import Quantized, dequantize, quantize
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -64,18 +65,18 @@ def t_axes(ndim: int, batch_dims: int) -> tuple:
   return tuple(range(batch_dims)) + (ndim - 1,) + tuple(range(batch_dims, ndim - 1))
 
 
-def native_many(xs, scale, fp8, *, device=CPU, **kwargs) -> list[te_jax.ops.quantize.Quantized]:
-  """te_jax.ops.quantize.quantize on each of ``xs``, in one jitted program on ``device`` (one compile for many shapes); asserts
+def native_many(xs, scale, fp8, *, device=CPU, **kwargs) -> list[Quantized]:
+  """quantize on each of ``xs``, in one jitted program on ``device`` (one compile for many shapes); asserts
   that the compiled program calls the native handler once per input."""
   args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
-  compiled = jax.jit(lambda xs, s: [te_jax.ops.quantize.quantize(x, s, fp8, **kwargs) for x in xs]).lower(*args).compile()
+  compiled = jax.jit(lambda xs, s: [quantize(x, s, fp8, **kwargs) for x in xs]).lower(*args).compile()
   target = {"cpu": "te_quantize_cpu", "gpu": "te_quantize_cuda"}[device.platform]
   assert compiled.as_text().count(f'custom_call_target="{target}"') == len(xs), target
   return compiled(*args)
 
 
-def native(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.ops.quantize.Quantized:
-  """te_jax.ops.quantize.quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
+def native(x, scale, fp8, *, device=CPU, **kwargs) -> Quantized:
+  """quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
   return native_many([x], scale, fp8, device=device, **kwargs)[0]
 
 
@@ -90,13 +91,13 @@ def reference_many(xs, scale, fp8, *, transpose=False, transpose_batch_dims=None
     data = outs.pop(0)
     data_t = outs.pop(0) if transpose else None
     amax = outs.pop(0)
-    return te_jax.ops.quantize.Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+    return Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
 
   args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
   return jax.jit(lambda xs, s: [one(x, s) for x in xs])(*args)
 
 
-def reference(x, scale, fp8, *, device=CPU, **kwargs) -> te_jax.ops.quantize.Quantized:
+def reference(x, scale, fp8, *, device=CPU, **kwargs) -> Quantized:
   """quantize_ref, jitted, on ``device``, returned as a Quantized."""
   return reference_many([x], scale, fp8, device=device, **kwargs)[0]
 
@@ -211,7 +212,7 @@ def test_sharded_transpose_parts(parts, want):
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
   x = random_input((64, 384), np.float32, seed=10)
   x_s = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x")))
-  f = jax.jit(lambda x: te_jax.ops.quantize.quantize(x, np.float32(0.5), E4M3, transpose=True, transpose_parts=parts))
+  f = jax.jit(lambda x: quantize(x, np.float32(0.5), E4M3, transpose=True, transpose_parts=parts))
   compiled = f.lower(x_s).compile()
   out = compiled(x_s)
   found = collections.Counter(re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(",
@@ -385,7 +386,7 @@ def test_hand_computed_values(fp8, x, expected):
 
 def test_eager_equals_jit():
   x = jax.device_put(random_input((9, 11), ml_dtypes.bfloat16, seed=1), CPU)
-  eager = te_jax.ops.quantize.quantize(x, jnp.float32(0.5), E5M2, transpose=True, dbias=True)
+  eager = quantize(x, jnp.float32(0.5), E5M2, transpose=True, dbias=True)
   jitted = native(x, 0.5, E5M2, transpose=True, dbias=True)
   assert_fp8_equal(eager.data, jitted.data)
   assert_fp8_equal(eager.data_t, jitted.data_t, what="data_t")
@@ -398,7 +399,7 @@ def test_eager_equals_jit():
 def test_vmap_is_per_element(in_axis, scale_batched):
   x = random_input((3, 4, 9, 10), ml_dtypes.bfloat16, seed=5)
   scales = np.array([1.0, 0.25, 4.0, 2.0**-6], np.float32)[: x.shape[in_axis]]
-  f = lambda x, s: te_jax.ops.quantize.quantize(x, s, E4M3, transpose=True, dbias=True)  # noqa: E731
+  f = lambda x, s: quantize(x, s, E4M3, transpose=True, dbias=True)  # noqa: E731
   s_axis = 0 if scale_batched else None
   s_arg = scales if scale_batched else np.float32(0.5)
   out = jax.jit(jax.vmap(f, in_axes=(in_axis, s_axis)))(jax.device_put(x, CPU), s_arg)
@@ -413,7 +414,7 @@ def test_vmap_is_per_element(in_axis, scale_batched):
 
 def test_nested_vmap():
   x = random_input((2, 3, 5, 6), np.float32, seed=9)
-  out = jax.vmap(jax.vmap(lambda x: te_jax.ops.quantize.quantize(x, 1.0, E4M3, transpose=True)))(jax.device_put(x, CPU))
+  out = jax.vmap(jax.vmap(lambda x: quantize(x, 1.0, E4M3, transpose=True)))(jax.device_put(x, CPU))
   assert out.amax.shape == (2, 3)
   for i in range(2):
     for j in range(3):
@@ -425,13 +426,13 @@ def test_nested_vmap():
 
 def test_scale_accepts_python_numpy_and_jax_float32():
   x = jax.device_put(random_input((4, 6), np.float32, seed=2), CPU)
-  expected = fp8_bits(te_jax.ops.quantize.quantize(x, jnp.float32(0.5)).data)
+  expected = fp8_bits(quantize(x, jnp.float32(0.5)).data)
   for s in [0.5, np.float32(0.5), jnp.asarray(0.5)]:
-    np.testing.assert_array_equal(fp8_bits(te_jax.ops.quantize.quantize(x, s).data), expected)
+    np.testing.assert_array_equal(fp8_bits(quantize(x, s).data), expected)
 
 
 def test_fields_not_asked_for_are_none():
-  out = te_jax.ops.quantize.quantize(jnp.ones((2, 3), jnp.float32), 1.0)
+  out = quantize(jnp.ones((2, 3), jnp.float32), 1.0)
   assert out.data_t is None and out.dbias is None
   assert out.data.dtype == E4M3 and out.amax.dtype == jnp.float32 and out.amax.shape == ()
 
@@ -475,9 +476,9 @@ def test_transpose_parts_limit_is_the_batched_gemms():
         "parts-five", "parts-not-dividing"])
 def test_bad_arguments_raise_before_xla(args, kwargs, error, match):
   with pytest.raises(error, match=match):
-    te_jax.ops.quantize.quantize(*args, **kwargs)
+    quantize(*args, **kwargs)
   with pytest.raises(error, match=match):  # under jit: at trace time, with the same message
-    jax.jit(lambda: te_jax.ops.quantize.quantize(*args, **kwargs))()
+    jax.jit(lambda: quantize(*args, **kwargs))()
 
 
 # ---- dequantize and amax -------------------------------------------------------------------------------------------
@@ -488,7 +489,7 @@ def test_bad_arguments_raise_before_xla(args, kwargs, error, match):
 def test_dequantize_matches_numpy(fp8, out_dtype):
   q = np.arange(256, dtype=np.uint8).view(fp8).reshape(16, 16)  # every code, NaN included
   for scale_inv in [1.0, 1.0 / 448.0, 3.0]:
-    got = te_jax.ops.quantize.dequantize(jnp.asarray(q), np.float32(scale_inv), out_dtype)
+    got = dequantize(jnp.asarray(q), np.float32(scale_inv), out_dtype)
     with np.errstate(over="ignore"):  # 3 * 57344 is inf in float16, in XLA too
       want = (q.astype(np.float32) * np.float32(scale_inv)).astype(out_dtype)
     assert got.dtype == out_dtype
@@ -500,8 +501,8 @@ def test_dequantize_matches_numpy(fp8, out_dtype):
 
 def test_quantize_dequantize_round_trip():
   x = random_input((8, 8), np.float32, seed=4) / 64  # within E4M3 range at scale 1 after the divide
-  q = te_jax.ops.quantize.quantize(jnp.asarray(x), 4.0)
-  y = np.asarray(te_jax.ops.quantize.dequantize(q.data, np.float32(0.25), jnp.float32))
+  q = quantize(jnp.asarray(x), 4.0)
+  y = np.asarray(dequantize(q.data, np.float32(0.25), jnp.float32))
   np.testing.assert_array_equal(y, numpy_quantize(x, 4.0, E4M3).astype(np.float32) * np.float32(0.25))
 
 
@@ -512,7 +513,7 @@ def test_quantize_dequantize_round_trip():
 ])
 def test_dequantize_bad_arguments(args, error, match):
   with pytest.raises(error, match=match):
-    te_jax.ops.quantize.dequantize(*args)
+    dequantize(*args)
 
 
 @IN_DTYPES
@@ -614,7 +615,7 @@ def test_gpu_special_values(dtype, fp8, cols, gpu):
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 1001)], ids=str)
 def test_gpu_dbias_is_deterministic(shape, gpu):
   x = jax.device_put(random_input(shape, np.float32, seed=6), gpu)
-  f = jax.jit(lambda x: te_jax.ops.quantize.quantize(x, 1.0, E4M3, transpose=True, dbias=True).dbias)
+  f = jax.jit(lambda x: quantize(x, 1.0, E4M3, transpose=True, dbias=True).dbias)
   first = np.asarray(f(x))
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(f(x)).view(np.uint32), first.view(np.uint32))

@@ -1,4 +1,4 @@
-"""te_jax.ops.quantize_interleaved.quantize_interleaved, and the layers' ``unstack_axis`` that uses it.
+"""quantize_interleaved, and the layers' ``unstack_axis`` that uses it.
 
 - ``interleave`` against an explicit numpy construction, so the definition is anchored independently.
 - ``quantize_interleaved`` against ``quantize`` of the interleaved array: bitwise for the FP8 bytes, the transposed
@@ -21,6 +21,8 @@ import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal
 from te_jax._core import native
 from te_jax.ops.quantize_interleaved import interleave
+from te_jax.ops.quantize import quantize
+from te_jax.ops.quantize_interleaved import quantize_interleaved
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -53,10 +55,10 @@ def check_against_quantize(parts, group, fp8, device, **kwargs):
   """quantize_interleaved vs quantize(numpy interleave), both jitted on ``device``; returns the compiled HLO."""
   dev_parts = [jax.device_put(p, device) for p in parts]
   x = jax.device_put(numpy_interleave(parts, group), device)
-  f = jax.jit(lambda ps, s: te_jax.ops.quantize_interleaved.quantize_interleaved(ps, s, fp8, group=group, **kwargs))
+  f = jax.jit(lambda ps, s: quantize_interleaved(ps, s, fp8, group=group, **kwargs))
   compiled = f.lower(dev_parts, jnp.float32(1.5)).compile()
   out = compiled(dev_parts, jnp.float32(1.5))
-  ref = jax.jit(lambda x, s: te_jax.ops.quantize.quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5))
+  ref = jax.jit(lambda x, s: quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5))
   what = f"{len(parts)} x {parts[0].shape}, group {group}"
   assert_fp8_equal(out.data, ref.data, what=f"data, {what}")
   assert_f32_equal(out.amax, ref.amax, what=f"amax, {what}")
@@ -89,10 +91,10 @@ def test_one_part_is_quantize():
 
 def test_vmap_is_per_element():
   parts = [jnp.asarray(p) for p in random_parts(3, (4, 16, 32), np.float32, seed=4)]
-  f = jax.vmap(lambda a, b, c: te_jax.ops.quantize_interleaved.quantize_interleaved([a, b, c], 2.0, group=8, transpose=True))
+  f = jax.vmap(lambda a, b, c: quantize_interleaved([a, b, c], 2.0, group=8, transpose=True))
   out = f(*parts)
   for i in range(4):
-    ref = te_jax.ops.quantize.quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True)
+    ref = quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True)
     assert_fp8_equal(out.data[i], ref.data)
     assert_fp8_equal(out.data_t[i], ref.data_t)
     assert_f32_equal(out.amax[i], ref.amax)
@@ -107,9 +109,9 @@ def test_vmap_is_per_element():
 def test_sharded_equals_unsharded(spec, group, cols):
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("a", "b"))
   parts = random_parts(3, (64, cols), np.float32, seed=5)
-  f = jax.jit(lambda ps: te_jax.ops.quantize_interleaved.quantize_interleaved(ps, 1.0, E4M3, group=group, transpose=True, dbias=True))
+  f = jax.jit(lambda ps: quantize_interleaved(ps, 1.0, E4M3, group=group, transpose=True, dbias=True))
   out = f([jax.device_put(p, NamedSharding(mesh, spec)) for p in parts])
-  ref = te_jax.ops.quantize.quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True)
+  ref = quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True)
   assert_fp8_equal(out.data, ref.data)
   assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
   assert_f32_equal(out.amax, ref.amax)
@@ -135,7 +137,7 @@ Z = np.zeros((4, 8), np.float32)
 ])
 def test_bad_arguments_raise_before_xla(parts, kwargs, error, match):
   with pytest.raises(error, match=match):
-    te_jax.ops.quantize_interleaved.quantize_interleaved(parts, 1.0, **kwargs)
+    quantize_interleaved(parts, 1.0, **kwargs)
 
 
 # ---- CUDA handler --------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import pytest
 import te_jax
 from te_jax import recipe
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format
+from te_jax._core.autocast import AutocastState, get_autocast_state
+from te_jax._core.scaling import ScaleState
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -95,8 +97,8 @@ def test_recipes_are_hashable_and_compare_by_value():
   assert DelayedScaling() != Float8CurrentScaling()
   table = {a: 1, Float8CurrentScaling(): 2}
   assert table[b] == 1 and table[Float8CurrentScaling()] == 2
-  state = te_jax._core.autocast.AutocastState(True, a)
-  assert hash(state) == hash(te_jax._core.autocast.AutocastState(True, b))
+  state = AutocastState(True, a)
+  assert hash(state) == hash(AutocastState(True, b))
 
 
 def test_format_dtypes():
@@ -110,31 +112,31 @@ def test_format_dtypes():
 
 
 def test_state_outside_any_autocast():
-  s = te_jax._core.autocast.get_autocast_state()
+  s = get_autocast_state()
   assert not s.enabled and s.recipe is None and s.fp8_recipe is None
 
 
 def test_state_inside_and_restored():
   r = DelayedScaling(amax_history_len=8)
   with te_jax.autocast(enabled=True, recipe=r) as yielded:
-    s = te_jax._core.autocast.get_autocast_state()
+    s = get_autocast_state()
     assert s is yielded
     assert s.enabled and s.recipe == r and s.fp8_recipe == r
     inner = Float8CurrentScaling(Format.E4M3)
     with te_jax.autocast(enabled=True, recipe=inner):
-      assert te_jax._core.autocast.get_autocast_state().fp8_recipe == inner
-    assert te_jax._core.autocast.get_autocast_state() == s
+      assert get_autocast_state().fp8_recipe == inner
+    assert get_autocast_state() == s
     with te_jax.autocast(enabled=False):
-      assert te_jax._core.autocast.get_autocast_state().fp8_recipe is None
-    assert te_jax._core.autocast.get_autocast_state() == s
-  assert not te_jax._core.autocast.get_autocast_state().enabled
+      assert get_autocast_state().fp8_recipe is None
+    assert get_autocast_state() == s
+  assert not get_autocast_state().enabled
 
 
 def test_state_restored_after_an_exception():
   with pytest.raises(RuntimeError, match="boom"):
     with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
       raise RuntimeError("boom")
-  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
+  assert get_autocast_state() == AutocastState()
 
 
 def test_default_recipe_is_delayed_scaling():
@@ -149,7 +151,7 @@ def test_bad_recipe_type(bad):
   with pytest.raises(ValueError, match=r"recipe must be DelayedScaling or Float8CurrentScaling, got"):
     with te_jax.autocast(enabled=True, recipe=bad):
       pass
-  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
+  assert get_autocast_state() == AutocastState()
 
 
 @pytest.mark.parametrize("name", ["enabled", "allow_emulation"])
@@ -159,7 +161,7 @@ def test_autocast_flags_must_be_bools(name, bad):
   with pytest.raises(TypeError, match=f"autocast: {name} must be a bool, got {bad!r}"):
     with te_jax.autocast(**{name: bad}):
       pass
-  assert te_jax._core.autocast.get_autocast_state() == te_jax._core.autocast.AutocastState()
+  assert get_autocast_state() == AutocastState()
 
 
 def test_fp8_support_check_passes_on_this_machine():
@@ -196,12 +198,12 @@ def test_jit_retraces_when_autocast_changes(first, second):
 
   @jax.jit
   def f(x, kernel, meta):
-    traces.append(te_jax._core.autocast.get_autocast_state())
+    traces.append(get_autocast_state())
     return te_jax.dense(x, kernel, fp8_meta=meta)
 
   x, kernel = _inputs()
   # Used by DelayedScaling only: scales from the inputs' amaxes, as after a step of training.
-  meta = te_jax.DenseFp8Meta(*(te_jax._core.scaling.ScaleState(jnp.zeros(4), 448.0 / jnp.max(jnp.abs(v)))
+  meta = te_jax.DenseFp8Meta(*(ScaleState(jnp.zeros(4), 448.0 / jnp.max(jnp.abs(v)))
                                for v in (x, kernel, x)))
   plain = np.asarray(jax.lax.dot_general(x, kernel, (((1,), (0,)), ((), ()))))
 

@@ -20,6 +20,7 @@ import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
 from conftest import rel_error
+from te_jax.ops.gemm import gemm
 from test_sharding import all_reduces
 
 RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
@@ -226,7 +227,7 @@ def test_primitives_vary_over_every_operands_axes():
   rhs = jnp.ones((16, 64), jnp.bfloat16)
 
   def local(a, b):
-    out = te_jax.ops.gemm.gemm(a, b)
+    out = gemm(a, b)
     assert jax.typeof(out).manual_axis_type.varying == {"data", "model"}, jax.typeof(out)
     return out
 

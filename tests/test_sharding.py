@@ -1,4 +1,4 @@
-"""te_jax.ops.quantize.quantize on 8 CPU devices (forced in conftest.py).
+"""quantize on 8 CPU devices (forced in conftest.py).
 
 Under jax.jit with a sharded input the handler runs on local shards: the results must be bitwise those of the
 unsharded call (dbias within the float32 summation bound), the outputs must keep the shardings the partition rule
@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal
+from te_jax.ops.quantize import quantize
 
 DEVICES = jax.devices("cpu")
 E4M3 = jax.numpy.float8_e4m3fn
@@ -113,7 +113,7 @@ def test_eight_cpu_devices():
 def check_sharded_quantize(mesh, shape, spec, kwargs, dbias, seed=0):
   x = random_input(shape, seed)
   xs = jax.device_put(x, NamedSharding(mesh, spec))
-  f = jax.jit(lambda x: te_jax.ops.quantize.quantize(x, SCALE, E4M3, dbias=dbias, **kwargs))
+  f = jax.jit(lambda x: quantize(x, SCALE, E4M3, dbias=dbias, **kwargs))
   compiled = f.lower(xs).compile()
   out = compiled(xs)
   ref = f(jax.device_put(x, DEVICES[0]))  # unsharded, one device
@@ -173,7 +173,7 @@ def test_shard_map_on_local_shards():
   x = random_input((4 * 5, 2 * 9), seed=1)
 
   def local(x):
-    o = te_jax.ops.quantize.quantize(x, SCALE, E4M3, transpose=True, dbias=True)
+    o = quantize(x, SCALE, E4M3, transpose=True, dbias=True)
     return o.data, o.data_t, o.amax.reshape(1, 1), jax.lax.pmax(o.amax, ("a", "b")), jax.lax.psum(o.dbias, "a")
 
   f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("a", "b"),
@@ -181,7 +181,7 @@ def test_shard_map_on_local_shards():
   xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
   compiled = f.lower(xs).compile()
   data, data_t, local_amax, amax, dbias = compiled(xs)
-  ref = te_jax.ops.quantize.quantize(jax.device_put(x, DEVICES[0]), SCALE, E4M3, transpose=True)
+  ref = quantize(jax.device_put(x, DEVICES[0]), SCALE, E4M3, transpose=True)
 
   assert_fp8_equal(data, ref.data)  # elementwise: local casts tile the global one
   assert_fp8_equal(data_t, ref.data_t, what="data_t")  # local transposes, placed at P("b", "a")
@@ -201,7 +201,7 @@ def test_shard_map_outputs_keep_varying_axes():
   mesh = Mesh(np.array(DEVICES), ("x",))
 
   def local(x):
-    o = te_jax.ops.quantize.quantize(x, SCALE, E4M3, transpose=True, dbias=True)
+    o = quantize(x, SCALE, E4M3, transpose=True, dbias=True)
     assert jax.typeof(x).manual_axis_type.varying == {"x"}
     for v in o:
       assert jax.typeof(v).manual_axis_type.varying == {"x"}, jax.typeof(v)  # float8_e4m3fn[2,8]{V:x} etc.
@@ -217,7 +217,7 @@ def _vmapped_on_sharded_batch():
   mesh = Mesh(np.array(DEVICES), ("x",))
   x = random_input((8, 6, 10), seed=3)
   xs = jax.device_put(x, NamedSharding(mesh, P("x")))
-  f = jax.jit(jax.vmap(lambda x: te_jax.ops.quantize.quantize(x, SCALE, E4M3, transpose=True)))
+  f = jax.jit(jax.vmap(lambda x: quantize(x, SCALE, E4M3, transpose=True)))
   compiled = f.lower(xs).compile()
   return x, compiled(xs), compiled.as_text()
 
@@ -227,7 +227,7 @@ def test_vmap_over_sharded_batch_values():
   # Index on the host: slicing a sharded FP8 array on XLA:CPU may turn -0 into +0, which is no concern here.
   data, data_t, amax = (np.asarray(a) for a in (out.data, out.data_t, out.amax))
   for i in range(x.shape[0]):
-    ref = te_jax.ops.quantize.quantize(jax.device_put(x[i], DEVICES[0]), SCALE, E4M3, transpose=True)
+    ref = quantize(jax.device_put(x[i], DEVICES[0]), SCALE, E4M3, transpose=True)
     assert_fp8_equal(data[i], ref.data)
     assert_fp8_equal(data_t[i], ref.data_t, what="data_t")
     assert_f32_equal(amax[i], ref.amax)

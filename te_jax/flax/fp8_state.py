@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from te_jax._core import scaling
-from te_jax._core.scaling import FP8_COLLECTION
 from te_jax._core.autocast import calibration_pass
 from te_jax._core.jax_compat import enable_eager_extended_dtype_add
+from te_jax._core.scaling import FP8_COLLECTION
 from te_jax.fused.linear import DenseFp8Meta
 from te_jax.recipe import DelayedScaling, Recipe
 

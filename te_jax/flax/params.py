@@ -12,8 +12,8 @@ import numpy as np
 
 from te_jax.ops.norm import check_norm_args
 
-__all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV", "SEQ",
-           "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "resolve_deterministic",
+__all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
+           "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "resolve_deterministic",
            "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]

@@ -24,16 +24,16 @@ flows; ``"alibi"`` adds ``-slope_h * |j - i - a|`` with the geometric slopes of 
 
 Two backends compute the same function:
 
-- ``"unfused"``: plain jnp (two einsums, a float32 softmax written through one function, in ``attention_unfused``, the seam for
-  te_jax's fused softmax kernels). Runs everywhere; the reference for the tests.
+- ``"unfused"``: plain jnp (two einsums and te_jax's fused softmax kernels, ``attention_unfused``). Runs everywhere; the
+  reference for the tests.
 - ``"fused"``: cuDNN flash attention through JAX's cuDNN custom call (``__cudnn$fmha*``): the causal mask and the
   causal sliding window natively (cuDNN skips the masked blocks), the other masks as an additive bias of large negative
   values, fully masked rows zeroed after the call. ``attention_backend`` says which backend a configuration gets and
   why; ``"auto"`` takes the fused one when it can.
 
-FP8: ``fp8_attention_support`` reports what JAX's cuDNN FP8 flash attention offers here; ``fp8_dpa=True`` runs the forward
-pass in FP8 (E4M3, per-tensor current scaling) and the backward pass in the input precision (see
-``te_jax.fused.attention_cudnn``).
+FP8: ``fp8_dpa=True`` runs the forward pass in cuDNN's FP8 flash attention (E4M3, per-tensor current scaling) and the
+backward pass in the input precision, where the configuration allows it (``attention_backend`` says; see
+``te_jax.fused.attention_cudnn.fp8_attention_support``).
 """
 
 from __future__ import annotations

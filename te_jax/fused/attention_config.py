@@ -28,7 +28,6 @@ BACKENDS = ("auto", "fused", "unfused")
 PADDING_TYPES = ("padding", "padding_causal", "padding_causal_bottom_right")
 CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
 BOTTOM_RIGHT_TYPES = ("causal_bottom_right", "padding_causal_bottom_right")
-_FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +191,8 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
     if window[1] >= 0:
       hi = min(hi, align + window[1])
   scale = 1.0 / math.sqrt(d) if scale_factor is None else float(scale_factor)
-  return AttentionConfig(batch=b, q_len=t, kv_len=s, heads=h, kv_heads=hk, head_dim=d, v_head_dim=dv, dtype=jnp.dtype(q.dtype),
+  return AttentionConfig(batch=b, q_len=t, kv_len=s, heads=h, kv_heads=hk, head_dim=d, v_head_dim=dv,
+                         dtype=jnp.dtype(q.dtype),
                  mask_type=attn_mask_type, bias_type=attn_bias_type,
                  bias_shape=None if bias is None else tuple(bias.shape),
                  mask_shape=None if mask is None else tuple(mask.shape), has_segment_ids=segment_ids is not None,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core import native
+from te_jax._core.dtypes import HALF_DTYPES as _FUSED_DTYPES
 from te_jax._core.jax_compat import cudnn_attention
 from te_jax._core.manual_axes import max_over_shards
 from te_jax._core.scaling import compute_scale, fp8_max
@@ -22,7 +23,6 @@ from te_jax.ops.quantize import amax, saturating_cast
 __all__ = ["fp8_attention", "fp8_attention_support", "fp8_unsupported", "fused", "fused_reason", "fused_unsupported",
            "native_window"]
 
-_FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _gpu_compute_capability() -> tuple[int, int] | None:

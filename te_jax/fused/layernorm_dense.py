@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
 from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, check_fp8_dims,
-                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows,
-                                 quantize_grad, state_as_float32, state_like)
+                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, quantize_grad,
+                                 state_as_float32, state_like)
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["layernorm_dense"]

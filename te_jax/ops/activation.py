@@ -22,8 +22,8 @@ Math, in float32 whatever the input dtype (``z`` and ``s`` below are the kernels
 
 with ``C1 = 2 sqrt(2/pi)``, ``C2 = C1 * 0.044715``, and the derivatives ``act'(x) = s + (x * (s * (1 - s))) * z'(x)``
 (``z' = C1 + 3 C2 x^2``, ``1`` for silu, ``1.702`` for quick_gelu), ``relu(x) + relu(x)`` for squared_relu; relu's
-gradient is a select, ``g`` where ``x > 0`` and +0 elsewhere (XLA turns ``g * (x > 0)`` into that select too). gelu is written with the sigmoid rather than tanh: one transcendental (``exp``) for every activation
-and its derivative.
+gradient is a select, ``g`` where ``x > 0`` and +0 elsewhere (XLA turns ``g * (x > 0)`` into that select too). gelu
+is written with the sigmoid rather than tanh: one transcendental (``exp``) for every activation and its derivative.
 
 Bitwise agreement: each formula above is a sequence of float32 operations, each rounded once, in the order written;
 ``activation_fwd_ref`` / ``activation_bwd_ref`` spell them out in jnp. XLA on a GPU computes exactly these
@@ -34,14 +34,15 @@ same formulas with the C library's ``expf`` and IEEE division, agrees with the r
 squared_relu (plain or gated) and within a few float32 roundings for the others.
 
 Outputs: either the high-precision result (float32, bfloat16 or float16), or its FP8 cast exactly as
-``te_jax.ops.quantize.quantize`` makes it from the float32 result: ``data`` (saturating cast of ``y * scale``), ``amax`` (max |y|
-over the float32 result, on bit patterns), optional ``data_t`` (the transposed copy the next GEMM's weight gradient
-needs) and, in the backward pass, optional ``dbias`` (float32 column sums of ``dx``).
+``te_jax.ops.quantize.quantize`` makes it from the float32 result: ``data`` (saturating cast of ``y * scale``),
+``amax`` (max |y| over the float32 result, on bit patterns), optional ``data_t`` (the transposed copy the next GEMM's
+weight gradient needs) and, in the backward pass, optional ``dbias`` (float32 column sums of ``dx``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -51,16 +52,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
+from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax.ops.quantize import FP8_DTYPES, Quantized, amax_f32, saturating_cast
-import functools
 
 __all__ = ["activation", "activation_bwd", "activation_bwd_ref", "activation_fwd", "activation_fwd_ref",
     "ActivationConfig", "ACTIVATIONS", "parse_activation_type"]
 
 #: Activation names, in the order of their integer codes in the FFI handlers.
 ACTIVATIONS = ("gelu", "relu", "silu", "quick_gelu", "squared_relu")
-_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # gelu: z = x * (C1 + C2 * x^2) = 2 * sqrt(2/pi) * (x + 0.044715 x^3); z' = C1 + C3 * x^2. float32 constants, the
 # same bits as in ffi/include/te_jax/activation_math.h.
@@ -395,7 +395,7 @@ def parse_activation_type(activation_type) -> tuple[str, bool]:
 def _check_array(x, name: str, min_ndim: int) -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     x = jnp.asarray(x)
-  if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+  if jnp.dtype(x.dtype) not in HP_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype).name}")
   if x.ndim < min_ndim:
     raise ValueError(f"{name} must have rank >= {min_ndim}, got shape {x.shape}")
@@ -414,7 +414,7 @@ def _config(activation_type, dtype, default_dtype, scale, transpose, transpose_b
     out_dtype = jnp.dtype(default_dtype if dtype is None else dtype)
   except TypeError:
     out_dtype = None
-  if out_dtype not in (*FP8_DTYPES, *_INPUT_DTYPES):
+  if out_dtype not in (*FP8_DTYPES, *HP_DTYPES):
     raise ValueError(f"dtype must be float8_e4m3fn, float8_e5m2, float32, bfloat16 or float16, got {dtype!r}")
   fp8 = out_dtype in FP8_DTYPES
   if fp8:
@@ -540,7 +540,7 @@ def activation_bwd(
   return _result(_ACT_BWD.bind(g, x, scale, config=config), config, dbias=bool(dbias))
 
 
-# ---- differentiable activation: activation_fwd and activation_bwd as one custom_vjp -----------------------------------
+# ---- differentiable activation: activation_fwd and activation_bwd as one custom_vjp ------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -31,12 +31,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
+from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
 
-_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # cuBLASLt FP8: K and N (the stored operands' leading dims) multiples of 16. The FP8 layers therefore also pad their
 # tokens to a multiple of it: the weight-gradient GEMM contracts over them.
 FP8_ALIGN = 16
@@ -220,7 +220,7 @@ def _check_operand(x, name: str, scale_inv):
     if not hasattr(scale_inv, "dtype") or jnp.dtype(scale_inv.dtype) != jnp.float32 or jnp.shape(scale_inv) != ():
       raise TypeError(f"{name}_scale_inv must be a float32 scalar, got {getattr(scale_inv, 'dtype', scale_inv)!r}")
     return True
-  if dt not in _OUT_DTYPES:
+  if dt not in HP_DTYPES:
     raise TypeError(f"{name} must be FP8 (e4m3fn/e5m2), bfloat16, float16 or float32, got {dt.name}")
   if scale_inv is not None:
     raise ValueError(f"{name}_scale_inv applies to FP8 operands only; {name} is {dt.name}")
@@ -260,7 +260,8 @@ def gemm(
   >>> import jax.numpy as jnp, te_jax
   >>> te_jax.ops.gemm.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((48, 16), jnp.bfloat16)).shape
   (32, 48)
-  >>> q, k, v = te_jax.ops.gemm.gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((3, 48, 16), jnp.bfloat16), rhs_parts=True)
+  >>> from te_jax.ops.gemm import gemm
+  >>> q, k, v = gemm(jnp.ones((32, 16), jnp.bfloat16), jnp.ones((3, 48, 16), jnp.bfloat16), rhs_parts=True)
   >>> v.shape
   (32, 48)
 
@@ -290,7 +291,7 @@ def gemm(
   if lhs_fp8 != rhs_fp8:
     raise TypeError(f"lhs and rhs must both be FP8 or both not, got {lhs.dtype} and {rhs.dtype}")
   out_dtype = jnp.dtype(dtype)
-  if out_dtype not in _OUT_DTYPES:
+  if out_dtype not in HP_DTYPES:
     raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
   if lhs_fp8 and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
     raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")

@@ -30,6 +30,7 @@ which is what XLA compiles ``t * g + beta`` to), its cast, amax and the transpos
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -39,16 +40,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
+from te_jax._core.dtypes import HP_DTYPES
+from te_jax._core.manual_axes import to_common_varying
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
-import functools
-from te_jax._core.manual_axes import to_common_varying
 
 __all__ = ["check_norm_args", "layernorm", "norm_bwd", "norm_bwd_ref", "norm_fwd", "norm_fwd_ref", "NORM_TYPES",
     "NormConfig", "NormOutput"]
 
 NORM_TYPES = ("layernorm", "rmsnorm")
-_HP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
 
 
@@ -373,7 +373,7 @@ _NORM_BWD = define_op(
 def _check_x(x, name: str) -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     x = jnp.asarray(x)
-  if jnp.dtype(x.dtype) not in _HP_DTYPES:
+  if jnp.dtype(x.dtype) not in HP_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype).name}")
   if x.ndim == 0 or x.shape[-1] == 0:
     raise ValueError(f"{name} must have rank >= 1 and a non-empty last dim, got shape {x.shape}")
@@ -458,7 +458,7 @@ def norm_fwd(
   beta = _check_beta(beta, norm_type, hidden)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   fp8 = out_dtype in FP8_DTYPES
-  if not fp8 and out_dtype not in _HP_DTYPES:
+  if not fp8 and out_dtype not in HP_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {out_dtype}")
   if fp8:
     if scale is None:
@@ -539,10 +539,9 @@ def norm_bwd(
   return outs[0], outs[1], None if config.rms else outs[2]
 
 
-# ---- differentiable layernorm: norm_fwd and norm_bwd as one custom_vjp ------------------------------------------------
+# ---- differentiable layernorm: norm_fwd and norm_bwd as one custom_vjp -------------------------------------------
 
 
-_OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,7 +612,7 @@ def layernorm(
   """
   x = jnp.asarray(x) if not hasattr(x, "dtype") else x
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-  if out_dtype not in _OUT_DTYPES:
+  if out_dtype not in HP_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
   check_norm_args(norm_type, epsilon)
   norm = NormConfig(norm_type, float(epsilon), out_dtype)

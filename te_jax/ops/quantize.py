@@ -26,18 +26,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
+from te_jax._core.dtypes import FP8_DTYPES, HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 
 __all__ = ["amax", "amax_f32", "check_input", "check_scale", "dequantize", "every_axis_divides", "FP8_DTYPES",
-    "group_parts", "holds_whole_groups", "make_config", "MAX_TRANSPOSE_PARTS", "quantize", "quantize_abstract_eval",
-    "quantize_native_signature", "quantize_ref", "QuantizeConfig", "Quantized", "saturating_cast", "shard_plan",
-    "unpack"]
+           "group_parts", "holds_whole_groups", "make_config", "MAX_TRANSPOSE_PARTS", "quantize",
+           "quantize_abstract_eval", "quantize_native_signature", "quantize_ref", "QuantizeConfig", "Quantized",
+           "saturating_cast", "shard_plan", "unpack"]
 
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # The most parts ``transpose_parts`` groups the transposed copy into: its consumer, ``gemm(..., rhs_parts=True)``,
 # takes at most ``te_jax.ops.gemm.MAX_PARTS`` (the kernel itself has no limit).
 MAX_TRANSPOSE_PARTS = 4
-_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +296,7 @@ _QUANTIZE = define_op(
 def check_input(x, name: str = "x") -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     x = jnp.asarray(x)
-  if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+  if jnp.dtype(x.dtype) not in HP_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(x.dtype).name}")
   if x.ndim == 0:
     raise ValueError(f"{name} must have rank >= 1, got a scalar")
@@ -418,7 +417,7 @@ def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -
   if jnp.dtype(q.dtype) not in FP8_DTYPES:
     raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {jnp.dtype(q.dtype).name}")
   out = jnp.dtype(dtype)
-  if out not in _INPUT_DTYPES:
+  if out not in HP_DTYPES:
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
   return (q.astype(jnp.float32) * check_scale(scale_inv)).astype(out)
 

@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.primitive import define_op, full_spec, sequential_batcher
-from te_jax.ops.quantize import (QuantizeConfig, Quantized, quantize_abstract_eval, amax_f32, check_input, check_scale,
-                                 quantize_native_signature, every_axis_divides, holds_whole_groups, make_config, quantize,
-                                 quantize_ref, shard_plan, unpack)
+from te_jax.ops.quantize import (QuantizeConfig, Quantized, amax_f32, check_input, check_scale, every_axis_divides,
+                                 holds_whole_groups, make_config, quantize, quantize_abstract_eval,
+                                 quantize_native_signature, quantize_ref, shard_plan, unpack)
 
 __all__ = ["MAX_PARTS", "quantize_interleaved", "interleave"]
 

@@ -31,6 +31,8 @@ multiply-add can absorb. On both platforms the reference, the CPU handler and th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +40,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import define_op, full_spec, output_aval
-import functools
-import operator
 
-__all__ = ['LAYOUTS', 'RopeConfig', 'check_rope_shapes', 'rope_bwd', 'rope_bwd_ref', 'rope_fwd', 'rope_fwd_ref', 'apply_rope', 'rope_frequencies']
+__all__ = ["LAYOUTS", "RopeConfig", "check_rope_shapes", "rope_bwd", "rope_bwd_ref", "rope_fwd", "rope_fwd_ref",
+           "apply_rope", "rope_frequencies"]
 
 #: The layouts of ``x``: batch-major (B, S, H, D) and sequence-major (S, B, H, D).
 LAYOUTS = ("BSHD", "SBHD")
-_X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,7 @@ def check_rope_shapes(x, table_shape: tuple[int, ...], layout: str, name: str = 
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be 'BSHD' or 'SBHD', got {layout!r}")
   dtype = getattr(x, "dtype", None)
-  if dtype is None or jnp.dtype(dtype) not in _X_DTYPES:
+  if dtype is None or jnp.dtype(dtype) not in HP_DTYPES:
     got = type(x).__name__ if dtype is None else jnp.dtype(dtype).name
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {got}")
   if len(x.shape) != 4:
@@ -300,7 +301,7 @@ def rope_bwd(g: jax.Array, cos: jax.Array, sin: jax.Array, *, layout: str = "BSH
   return _ROPE_BWD.bind(g, cos, sin, config=config)[0]
 
 
-# ---- differentiable RoPE: rope_fwd and rope_bwd as one custom_vjp -----------------------------------------------------
+# ---- differentiable RoPE: rope_fwd and rope_bwd as one custom_vjp ------------------------------------------------
 
 
 def rope_frequencies(positions_or_seq_len, rotary_dim: int, base: float = 10000.0) -> jax.Array:

@@ -1,7 +1,8 @@
 """``scale_update``: the delayed-scaling step of several tensors (amax histories rolled, next scales computed) as one
 op.
 
-``te_jax._core.scaling`` defines the math; this is its batched form as a primitive. The CUDA handler updates every tensor in
+``te_jax._core.scaling`` defines the math; this is its batched form as a primitive. The CUDA handler updates every
+tensor in
 one launch and writes each result into its own buffer; the reference (and the lowering wherever the handler is
 missing) stacks the tensors, computes, and unstacks: on a GPU that is a concatenation, a reduction, a select and one
 slice copy per history, each a kernel launch. The handler computes the documented rule in IEEE float32, as the
@@ -168,5 +169,6 @@ def update_scale_states(
   if algo not in ("max", "most_recent"):
     raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
   histories, scales = scale_update([s.amax_history for s in states], [s.scale for s in states], amaxes,
-                                   [scaling.fp8_max(d) for d in fp8_dtypes], margin=margin, most_recent=algo == "most_recent")
+                                   [scaling.fp8_max(d) for d in fp8_dtypes], margin=margin,
+                                   most_recent=algo == "most_recent")
   return [scaling.ScaleState(h, s) for h, s in zip(histories, scales)]

@@ -39,6 +39,7 @@ masked positions are exactly 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -47,14 +48,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
-import functools
 
-__all__ = ['SOFTMAX_KINDS', 'SoftmaxConfig', 'softmax_bwd', 'softmax_bwd_ref', 'softmax_fwd', 'softmax_fwd_ref', 'scaled_masked_softmax', 'scaled_softmax', 'scaled_upper_triang_masked_softmax']
+__all__ = ["SOFTMAX_KINDS", "SoftmaxConfig", "softmax_bwd", "softmax_bwd_ref", "softmax_fwd", "softmax_fwd_ref",
+           "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax"]
 
 #: The mask kinds, in the order of their integer codes in the FFI handlers.
 SOFTMAX_KINDS = ("plain", "masked", "causal")
-_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: Leading (row) dims a masked softmax takes, checked on every platform; tests/test_geometry.py checks that the
 #: handlers' mask index math covers them (softmax_max_mask_groups() of both native modules).
 MAX_MASK_ROW_DIMS = 8
@@ -149,7 +150,7 @@ def _bwd_attributes(config: SoftmaxConfig) -> dict:
   return {"causal": np.bool_(config.kind == "causal"), "scale": np.float32(config.scale)}
 
 
-# ---- vmap ----------------------------------------------------------------------------------------------------------
+# ---- vmap --------------------------------------------------------------------------------------------------------
 
 
 def _batched_rows(args, dims, q_offset_index: int):
@@ -297,7 +298,7 @@ def check_scale_factor(scale_factor) -> float:
 def check_logits(logits, name: str = "logits") -> jax.Array:
   if not hasattr(logits, "dtype") or not hasattr(logits, "shape"):
     logits = jnp.asarray(logits)
-  if jnp.dtype(logits.dtype) not in _INPUT_DTYPES:
+  if jnp.dtype(logits.dtype) not in HP_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(logits.dtype).name}")
   if logits.ndim < 2:
     raise ValueError(f"{name} must have rank >= 2 (..., Sq, Sk), got shape {logits.shape}")
@@ -369,10 +370,10 @@ def softmax_bwd(dy: jax.Array, y: jax.Array, *, kind: str, scale_factor: float =
   return _SOFTMAX_BWD.bind(dy, y, jnp.int32(0), config=config)[0]
 
 
-# ---- differentiable softmax: softmax_fwd and softmax_bwd as custom_vjps -----------------------------------------------
+# ---- differentiable softmax: softmax_fwd and softmax_bwd as custom_vjps ------------------------------------------
 
 
-# ---- plain and causal: logits only ---------------------------------------------------------------------------------
+# ---- plain and causal: logits only -------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -392,7 +393,7 @@ def _softmax_bwd(kind, scale_factor, y, dy):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-# ---- masked: the mask is not differentiable ------------------------------------------------------------------------
+# ---- masked: the mask is not differentiable ----------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -413,7 +414,7 @@ def _masked_softmax_bwd(scale_factor, y, dy):
 _masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
-# ---- public API ------------------------------------------------------------------------------------------------------
+# ---- public API --------------------------------------------------------------------------------------------------
 
 
 def scaled_softmax(logits: jax.Array, scale_factor: float = 1.0) -> jax.Array:
