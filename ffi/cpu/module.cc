@@ -1,6 +1,8 @@
-// The CPU extension module: exports the FFI handlers as capsules, keyed by target name.
+// The CPU extension module: exports the FFI handlers as capsules, keyed by target name, and the capacity of the
+// handlers that tests/test_geometry.py checks against the API's limits. The CPU handlers take no workspace.
 #include <nanobind/nanobind.h>
 
+#include "te_jax/softmax_view.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -31,4 +33,6 @@ NB_MODULE(_te_cpu, m) {
     d["te_softmax_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxBwdCpuHandler));
     return d;
   });
+  m.def("softmax_max_mask_groups", []() { return te_jax::kMaxMaskGroups; },
+        "The softmax handlers' most mask groups (runs of leading dims the mask broadcasts or not).");
 }

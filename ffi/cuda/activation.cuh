@@ -359,8 +359,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kGated, kBwd, kFp8
   if constexpr (kFp8) BlockAmax(amax_bits, p.amax, amax_scratch);
 }
 
-// The count of finished tiles per column of tiles (the dbias sums' completion counters): after the partials in the
-// backward's workspace.
+// The backward's workspace (ActBwdWorkspace): the dbias partials, one row per tile row of each batch element...
+inline int64_t DbiasPartialRows(const ActivationView& v) { return v.batch * ((v.rows + kTile - 1) / kTile); }
+
+// ... then the count of finished tiles per column of tiles (the dbias sums' completion counters).
 inline int64_t DbiasCounters(const ActivationView& v) { return (v.cols + kTile - 1) / kTile; }
 
 // Launches the kernel for x's dtype and the output kind (zeroing the dbias counters first, when dbias is asked for).

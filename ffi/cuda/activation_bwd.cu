@@ -2,6 +2,7 @@
 // scale, saturating, amax, optional transposed copy) or float32/bfloat16/float16, with optional dbias. The kernel:
 // activation.cuh.
 #include "activation.cuh"
+#include "te_jax/workspace.h"
 
 namespace te_jax {
 namespace {
@@ -15,11 +16,12 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
   const ActivationView v = *view;
   const int64_t out_cols = v.halves() * v.cols;
   const bool want_dbias = dbias->element_count() > 0;
-  const int64_t partial_rows = v.batch * ((v.rows + kTile - 1) / kTile);
-  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
-                     static_cast<int64_t>(workspace->element_count()) < partial_rows * out_cols + DbiasCounters(v))) {
-    return ffi::Error::InvalidArgument(
-        "activation: the dbias workspace must be f32[batch * ceil(rows / 128) * cols + ceil(N / 128)]");
+  const int64_t partial_rows = DbiasPartialRows(v);
+  const WorkspaceSize need = ActBwdWorkspace(v);
+  if (want_dbias && (workspace->element_type() != need.type ||
+                     static_cast<int64_t>(workspace->element_count()) < need.count)) {
+    return ffi::Error::InvalidArgument("activation: the dbias workspace must be f32[" + std::to_string(need.count) +
+                                       "] (te_jax._te_cuda.act_bwd_workspace)");
   }
   if (auto err = Prologue(stream, amax); err.failure()) return err;
   if (v.in_elements() == 0) {
@@ -46,10 +48,15 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
 
 }  // namespace
 
+// The dbias partials (dx's columns, both halves of a gated pair), then the counters: the handler's Params.
+WorkspaceSize ActBwdWorkspace(const ActivationView& v) {
+  return {DbiasPartialRows(v) * v.halves() * v.cols + DbiasCounters(v), ffi::DataType::F32};
+}
+
 // Allocates nothing (the dbias partials and counters go to a workspace result): XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCudaHandler, ActBwdCuda,
                               ActAttrs(ActBwdOperands(BindWithStream())
-                                           .Ret<ffi::AnyBuffer>()),  // workspace: f32 dbias partials, or empty
+                                           .Ret<ffi::AnyBuffer>()),  // workspace: ActBwdWorkspace, or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -37,6 +37,7 @@
 #include "te_jax/cuda_check.h"
 #include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
+#include "te_jax/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,11 +53,11 @@ constexpr int kTimedRuns = 3;
 // Candidates slower than the first round's best by more than this factor are not timed again.
 constexpr float kSecondRoundSlack = 1.10f;
 
-// 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The Python side
-// allocates the workspace result with this size (_WORKSPACE_BYTES in te_jax/ops/gemm.py), plus the batched GEMM's
-// pointer arrays (3 x 8 bytes per part, rounded up to 256).
+// 32 MiB: what cuBLASLt's Hopper kernels can use; smaller workspaces rule out some split-K algorithms. The workspace
+// result holds this much, then the batched GEMM's pointer arrays (GemmWorkspace).
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
+// The batched GEMM's A, B and D pointer arrays, 8 bytes per part each, rounded up to 256 bytes; none for one part.
 size_t PointerArrayBytes(int batch) { return batch > 1 ? (3 * 8 * batch + 255) / 256 * 256 : 0; }
 
 ffi::Error CublasError(cublasStatus_t status, const char* what) {
@@ -378,10 +379,10 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     return ffi::Error::Success();
   }
 
-  const size_t workspace_bytes = kWorkspaceBytes + PointerArrayBytes(p.parts);
+  const size_t workspace_bytes = static_cast<size_t>(GemmWorkspace(p.parts).count);
   if (workspace->size_bytes() < workspace_bytes || Alignment(workspace->untyped_data()) < 256) {
-    return ffi::Error::InvalidArgument("gemm: the workspace must be a 256-byte aligned buffer of 32 MiB (plus the "
-                                       "batch's pointer arrays)");
+    return ffi::Error::InvalidArgument("gemm: the workspace must be a 256-byte aligned buffer of " +
+                                       std::to_string(workspace_bytes) + " bytes (te_jax._te_cuda.gemm_workspace)");
   }
   Cache& cache = GetCache();
   // Held through the launch: the cached descriptor carries this call's scale and bias pointers.
@@ -468,6 +469,11 @@ const char* TypeName(int t) {
 
 }  // namespace
 
+// cuBLASLt's part, then the pointer arrays: the handler carves them in this order.
+WorkspaceSize GemmWorkspace(int parts) {
+  return {static_cast<int64_t>(kWorkspaceBytes + PointerArrayBytes(parts)), ffi::DataType::U8};
+}
+
 std::vector<GemmPlanInfo> GemmPlans() {
   Cache& cache = GetCache();
   std::lock_guard<std::mutex> lock(cache.mu);
@@ -489,7 +495,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                                   .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
                                   .Arg<ffi::AnyBuffer>()                     // residual: (M, N) in out dtype, or empty
-                                  .Ret<ffi::AnyBuffer>()                     // workspace: u8[32 MiB + pointer arrays]
+                                  .Ret<ffi::AnyBuffer>()                     // workspace: u8[GemmWorkspace(P)]
                                   .RemainingRets()                           // out (M, N), or one per rhs part
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)

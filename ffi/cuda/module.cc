@@ -1,11 +1,24 @@
-// The CUDA extension module: exports the FFI handlers as capsules keyed by target name, and the library versions
-// that `python -m te_jax.doctor` reports.
+// The CUDA extension module: exports the FFI handlers as capsules keyed by target name, the library versions
+// that `python -m te_jax.doctor` reports, and the kernels' geometry: the size of each handler's workspace result
+// (te_jax/workspace.h), which te_jax/ops asks for instead of computing it, and the kernels' capacities (most parts,
+// mask groups), which tests/test_geometry.py checks against the API's limits.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "te_jax/activation_view.h"
+#include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
+#include "te_jax/quantize_view.h"
+#include "te_jax/softmax_view.h"
+#include "te_jax/workspace.h"
 
 #include "xla/ffi/api/ffi.h"
 
@@ -30,6 +43,22 @@ namespace {
 template <typename T>
 nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// A workspace as te_jax._core.native.workspace takes it: (elements, numpy dtype name).
+nb::tuple Workspace(te_jax::WorkspaceSize w) {
+  switch (w.type) {
+    case xla::ffi::DataType::F32: return nb::make_tuple(w.count, "float32");
+    case xla::ffi::DataType::U8: return nb::make_tuple(w.count, "uint8");
+    default: throw std::logic_error("te_jax: a workspace of an unexpected type");
+  }
+}
+
+// The value of a view that a handler would build, or the handler's error as a ValueError.
+template <typename T>
+T OrValueError(xla::ffi::ErrorOr<T> v) {
+  if (v.has_error()) throw nb::value_error(v.error().message().c_str());
+  return *v;
 }
 }  // namespace
 
@@ -80,4 +109,48 @@ NB_MODULE(_te_cuda, m) {
     }
     return plans;
   });
+
+  // ---- workspaces: (elements, dtype) of the result the handler checks and carves, for these operands/attributes ----
+  m.def(
+      "gemm_workspace",
+      [](int parts) {
+        if (parts < 1 || parts > te_jax::kMaxGemmParts) {
+          throw nb::value_error(("gemm_workspace: parts must be in [1, " + std::to_string(te_jax::kMaxGemmParts) +
+                                 "], got " + std::to_string(parts)).c_str());
+        }
+        return Workspace(te_jax::GemmWorkspace(parts));
+      },
+      nb::arg("parts"), "te_gemm_cuda's workspace for `parts` outputs.");
+  m.def(
+      "quantize_workspace",
+      [](const std::vector<int64_t>& x_shape, int64_t batch_ndim) {
+        return Workspace(te_jax::QuantizeWorkspace(OrValueError(te_jax::MakeQuantizeView(x_shape, batch_ndim))));
+      },
+      nb::arg("x_shape"), nb::arg("batch_ndim"),
+      "te_quantize_cuda's dbias workspace (te_quantize_interleaved_cuda's: x_shape with the parts side by side).");
+  m.def(
+      "act_bwd_workspace",
+      [](const std::vector<int64_t>& x_shape, bool gated, int64_t batch_ndim) {
+        return Workspace(te_jax::ActBwdWorkspace(OrValueError(te_jax::MakeActivationView(x_shape, gated, batch_ndim))));
+      },
+      nb::arg("x_shape"), nb::arg("gated"), nb::arg("batch_ndim"), "te_act_bwd_cuda's dbias workspace.");
+  m.def(
+      "norm_bwd_workspace",
+      [](const std::vector<int64_t>& x_shape, bool rmsnorm) {
+        const int64_t cols = x_shape.empty() ? 0 : x_shape.back();  // the handler's view: CheckNormBwd
+        if (cols < 1) throw nb::value_error("norm_bwd_workspace: x's last dim must be >= 1");
+        int64_t rows = 1;
+        for (size_t i = 0; i + 1 < x_shape.size(); ++i) rows *= x_shape[i];
+        return Workspace(te_jax::NormBwdWorkspace(rows, cols, rmsnorm));
+      },
+      nb::arg("x_shape"), nb::arg("rmsnorm"), "te_norm_bwd_cuda's workspace.");
+
+  // ---- capacities: the most the kernels take, at least the API's limits (tests/test_geometry.py) -----------------
+  m.def("gemm_max_parts", []() { return te_jax::kMaxGemmParts; }, "te_gemm_cuda's most outputs (rhs parts).");
+  m.def("quantize_interleaved_max_parts", []() { return te_jax::kMaxInterleavedParts; },
+        "te_quantize_interleaved_cuda's most parts.");
+  m.def("quantize_interleaved_max_cols", []() { return te_jax::kMaxInterleavedCols; },
+        "te_quantize_interleaved_cuda's most columns of x (the parts side by side).");
+  m.def("softmax_max_mask_groups", []() { return te_jax::kMaxMaskGroups; },
+        "The softmax handlers' most mask groups (runs of leading dims the mask broadcasts or not).");
 }

@@ -10,12 +10,13 @@
 #include <cuda_pipeline.h>
 
 #include "norm.cuh"
+#include "te_jax/workspace.h"
 
 namespace te_jax {
 namespace {
 
-// Backward partial rows (te_jax/ops/norm.py's _bwd_partial_rows): at least 256, and 2^20 / cols when more, which
-// gives ~2^17 threads (8 columns each) to fill the GPU when rows are short.
+// Backward partial rows (BwdPartialRows): at least 256, and 2^20 / cols when more, which gives ~2^17 threads (8
+// columns each) to fill the GPU when rows are short.
 constexpr int kBwdMinPartials = 256;
 constexpr int64_t kBwdPartialElems = 1 << 20;
 constexpr int kColSumCols = 32;                // column-sum kernel: columns per block
@@ -391,6 +392,11 @@ ffi::Error LaunchBwd(cudaStream_t stream, BwdArgs a, bool rms, float* dgamma, fl
 
 // ---- handler ------------------------------------------------------------------------------------------------------
 
+// The workspace's rows per parameter: one per worker, at most one per row. cols >= 1.
+int64_t BwdPartialRows(int64_t rows, int64_t cols) {
+  return std::min(rows, std::max<int64_t>(kBwdMinPartials, kBwdPartialElems / cols));
+}
+
 ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer rsigma,
                        ffi::BufferR1<ffi::F32> gamma, ffi::AnyBuffer mean, ffi::AnyBuffer dres,
                        ffi::Result<ffi::AnyBuffer> dx,
@@ -402,10 +408,11 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
   const int64_t rows = shape->rows, cols = shape->cols;
   if (cols > (1 << 30)) return ffi::Error::InvalidArgument("norm_bwd: x's last dim must be in [1, 2^30]");
   const bool dz_f32 = dz.element_type() == ffi::DataType::F32;
-  // The partial rows: te_jax/ops/norm.py's _bwd_partial_rows, which sized the workspace.
-  const int64_t partial_rows = std::min(rows, std::max<int64_t>(kBwdMinPartials, kBwdPartialElems / cols));
-  if (workspace->element_type() != ffi::DataType::F32 || Count(*workspace) != partial_rows * cols * (rmsnorm ? 1 : 2)) {
-    return ffi::Error::InvalidArgument("norm_bwd: the workspace must be f32[partial_rows * cols * (1 or 2)]");
+  const int64_t partial_rows = BwdPartialRows(rows, cols);
+  const WorkspaceSize need = NormBwdWorkspace(rows, cols, rmsnorm);
+  if (workspace->element_type() != need.type || Count(*workspace) != need.count) {
+    return ffi::Error::InvalidArgument("norm_bwd: the workspace must be f32[" + std::to_string(need.count) +
+                                       "] (te_jax._te_cuda.norm_bwd_workspace)");
   }
   if (rows == 0) {
     TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dgamma->typed_data(), 0, cols * sizeof(float), stream), "memset");
@@ -436,10 +443,15 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
 
 }  // namespace
 
+// dgamma's partial rows, then (LayerNorm) as many of dbeta: the handler's BwdArgs::partial.
+WorkspaceSize NormBwdWorkspace(int64_t rows, int64_t cols, bool rmsnorm) {
+  return {BwdPartialRows(rows, cols) * cols * (rmsnorm ? 1 : 2), ffi::DataType::F32};
+}
+
 // Allocates nothing (the partial sums go to a workspace result): XLA may capture it into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCudaHandler, NormBwdCuda,
                               NormBwdAttrs(NormBwdOperands(BindWithStream())
-                                               .Ret<ffi::AnyBuffer>()),  // workspace: f32 per-worker partial sums
+                                               .Ret<ffi::AnyBuffer>()),  // workspace: NormBwdWorkspace
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

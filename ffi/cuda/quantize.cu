@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "te_jax/cuda_check.h"
@@ -28,6 +29,7 @@
 #include "te_jax/fp8_tile.cuh"
 #include "te_jax/launch_utils.h"
 #include "te_jax/quantize_view.h"
+#include "te_jax/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,14 +54,12 @@ constexpr int FastBlocksPerSm() {
 // Generic path geometry.
 constexpr int kSmallTile = 32;
 
-constexpr int kMaxParts = 4;
-
 // Where the kernels read x (batch, rows, cols): one array, or `parts` arrays of (batch, rows, part_cols) whose
 // column chunks of `group` interleave into x's columns: x's column c is column (c / (group * parts)) * group +
 // c % group of part (c / group) % parts.
 template <typename T>
 struct Source {
-  const T* part[kMaxParts];
+  const T* part[kMaxInterleavedParts];
   int parts;
   int64_t group;
   int64_t part_cols;  // cols / parts: the row stride of every part
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads)
 // x as a handler received it: `count` parts of (batch, rows, cols / count) with interleaved column chunks of
 // `group` (one part, group = cols, for te_quantize).
 struct Parts {
-  const void* data[kMaxParts] = {};
+  const void* data[kMaxInterleavedParts] = {};
   int count = 1;
   int64_t group = 1;
 };
@@ -305,11 +305,11 @@ ffi::Error QuantizeParts(cudaStream_t stream, const QuantizeView& view, ffi::Dat
                      static_cast<int64_t>(dbias->element_count()) != view.cols)) {
     return ffi::Error::InvalidArgument("quantize: dbias must be empty or f32[cols]");
   }
-  // One partial row per 32-row tile bounds both kernels' needs (the fast path's tiles are 128 rows).
-  const int64_t partial_rows = view.batch * ((view.rows + kSmallTile - 1) / kSmallTile);
-  if (want_dbias && (workspace->element_type() != ffi::DataType::F32 ||
-                     static_cast<int64_t>(workspace->element_count()) < partial_rows * view.cols)) {
-    return ffi::Error::InvalidArgument("quantize: the dbias workspace must be f32[batch * ceil(rows / 32) * cols]");
+  const WorkspaceSize need = QuantizeWorkspace(view);
+  if (want_dbias && (workspace->element_type() != need.type ||
+                     static_cast<int64_t>(workspace->element_count()) < need.count)) {
+    return ffi::Error::InvalidArgument("quantize: the dbias workspace must be f32[" + std::to_string(need.count) +
+                                       "] (te_jax._te_cuda.quantize_workspace)");
   }
   auto* amax_ptr = reinterpret_cast<unsigned*>(amax->typed_data());
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax_ptr, 0, sizeof(float), stream), "amax memset");
@@ -359,8 +359,9 @@ ffi::Error QuantizeInterleavedCuda(cudaStream_t stream, ffi::BufferR0<ffi::F32> 
                                    ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t batch_ndim, int64_t group) {
   const int count = static_cast<int>(args.size());
-  if (count < 1 || count > kMaxParts) {
-    return ffi::Error::InvalidArgument("quantize_interleaved: takes 1 to 4 parts");
+  if (count < 1 || count > kMaxInterleavedParts) {
+    return ffi::Error::InvalidArgument("quantize_interleaved: takes 1 to " + std::to_string(kMaxInterleavedParts) +
+                                       " parts");
   }
   Parts parts;
   parts.count = count;
@@ -381,7 +382,7 @@ ffi::Error QuantizeInterleavedCuda(cudaStream_t stream, ffi::BufferR0<ffi::F32> 
   if (group < 1 || view->cols % group != 0) {
     return ffi::Error::InvalidArgument("quantize_interleaved: group must divide the parts' last dim");
   }
-  if (view->cols * count > INT32_MAX) {
+  if (view->cols * count > kMaxInterleavedCols) {
     return ffi::Error::InvalidArgument("quantize_interleaved: x's rows must be shorter than 2^31 elements");
   }
   view->cols *= count;
@@ -391,17 +392,22 @@ ffi::Error QuantizeInterleavedCuda(cudaStream_t stream, ffi::BufferR0<ffi::F32> 
 
 }  // namespace
 
+// One partial row per 32-row tile bounds both kernels' needs (the fast path's tiles are 128 rows).
+WorkspaceSize QuantizeWorkspace(const QuantizeView& v) {
+  return {v.batch * ((v.rows + kSmallTile - 1) / kSmallTile) * v.cols, ffi::DataType::F32};
+}
+
 // Allocate nothing (the dbias partials go to a workspace result), so XLA may capture them into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCudaHandler, QuantizeCuda,
                               QuantizeAttrs(QuantizeOperands(BindWithStream())
-                                                .Ret<ffi::AnyBuffer>()),  // workspace: f32 dbias partials, or empty
+                                                .Ret<ffi::AnyBuffer>()),  // workspace: QuantizeWorkspace, or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeInterleavedCudaHandler, QuantizeInterleavedCuda,
                               QuantizeResults(BindWithStream()
                                                   .Arg<ffi::BufferR0<ffi::F32>>()  // scale
                                                   .RemainingArgs())                // the parts of x
-                                  .Ret<ffi::AnyBuffer>()  // workspace: f32 dbias partials, or empty
+                                  .Ret<ffi::AnyBuffer>()  // workspace: QuantizeWorkspace, or empty
                                   .Attr<int64_t>("batch_ndim")
                                   .Attr<int64_t>("group"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -9,7 +9,8 @@
 
 namespace te_jax {
 
-// At most this many parts: MAX_PARTS in te_jax/ops/gemm.py.
+// At most this many parts. Exported as te_jax._te_cuda.gemm_max_parts(); tests/test_geometry.py checks that it
+// covers te_jax.ops.gemm.MAX_PARTS, the limit the API checks on every platform.
 constexpr int kMaxGemmParts = 4;
 
 struct GemmBatchPointers {

@@ -12,6 +12,13 @@
 
 namespace te_jax {
 
+// te_quantize_interleaved (CUDA) takes 1 to this many parts, whose columns side by side number at most
+// kMaxInterleavedCols (the kernels' column arithmetic is 32-bit). Exported as te_jax._te_cuda's
+// quantize_interleaved_max_parts() and quantize_interleaved_max_cols(); tests/test_geometry.py checks that they cover
+// the limits te_jax.ops.quantize_interleaved checks on every platform.
+inline constexpr int kMaxInterleavedParts = 4;
+inline constexpr int64_t kMaxInterleavedCols = INT32_MAX;
+
 struct QuantizeView {
   int64_t batch = 1;
   int64_t rows = 1;

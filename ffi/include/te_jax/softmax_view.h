@@ -24,7 +24,9 @@ namespace te_jax {
 // te_jax.ops.softmax.SOFTMAX_KINDS.
 enum class SoftmaxKind : int64_t { kPlain = 0, kMasked = 1, kCausal = 2 };
 
-// Leading dims alternate at most this often between broadcast and not (te_jax.ops.softmax.MAX_MASK_ROW_DIMS).
+// Leading dims alternate at most this often between broadcast and not. Exported by both modules as
+// softmax_max_mask_groups(); tests/test_geometry.py checks that it covers te_jax.ops.softmax.MAX_MASK_ROW_DIMS, the
+// limit the API checks on every platform.
 inline constexpr int kMaxMaskGroups = 8;
 
 struct SoftmaxView {
