@@ -7,6 +7,7 @@ from te_jax.flax.dense import DenseGeneral as DenseGeneral
 from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
 from te_jax.flax.fp8_state import accumulate_gradients as accumulate_gradients
 from te_jax.flax.fp8_state import calibrate as calibrate
+from te_jax.flax.fp8_state import split_fp8_state as split_fp8_state
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral as LayerNormDenseGeneral
 from te_jax.flax.layernorm_mlp import LayerNormMLP as LayerNormMLP
 from te_jax.flax.normalization import LayerNorm as LayerNorm
@@ -16,5 +17,5 @@ from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 __all__ = [
     "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm", "LayerNormDenseGeneral",
     "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "accumulate_gradients",
-    "calibrate",
+    "calibrate", "split_fp8_state",
 ]

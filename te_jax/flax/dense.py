@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import Initializer, features_tuple, logical
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.recipe import Recipe
@@ -82,8 +82,9 @@ class DenseGeneral(nn.Module):
       bias = self.param("bias", logical(bias_init, self.bias_axes), features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
-    return dense(inputs.astype(dtype), kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,
-                 fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
+    x, (meta,) = fp8_state(self, recipe, inputs.astype(dtype))
+    return dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual, fp8_meta=meta,
+                 recipe=recipe)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -116,5 +117,6 @@ class Fp8DotGeneral(nn.Module):
       raise ValueError(
           f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}"
       )
-    out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
+    lhs, (meta,) = fp8_state(self, recipe, lhs)
+    out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe)
     return out if preferred_element_type is None else out.astype(preferred_element_type)

@@ -18,26 +18,42 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from te_jax._core import scaling
-from te_jax._core.autocast import calibration_pass
+from te_jax._core.autocast import calibration_pass, resolve_recipe
 from te_jax._core.jax_compat import enable_eager_extended_dtype_add
 from te_jax._core.scaling import FP8_COLLECTION
 from te_jax.fused.linear import DenseFp8Meta
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["accumulate_gradients", "calibrate", "dense_fp8_meta"]
+__all__ = ["accumulate_gradients", "calibrate", "fp8_state", "split_fp8_state"]
 
 
 _ROLES = ("x", "kernel", "grad")
 
 
-def dense_fp8_meta(module: nn.Module, recipe: Recipe | None, prefix: str = "") -> DenseFp8Meta | None:
-  """Declares (at init) and reads the delayed-scaling state of one dense GEMM of ``module``.
+def fp8_state(module: nn.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
+  """The delayed-scaling state of each GEMM of ``module`` (one per prefix), declared at init: ``(x, metas)``.
 
-  Returns None for recipes without state. Variables: ``{prefix}{x,kernel,grad}_amax_history`` (float32,
-  ``amax_history_len``) and ``{prefix}{x,kernel,grad}_scale`` (float32 scalar).
+  Variables: ``{prefix}{x,kernel,grad}_amax_history`` (float32, ``amax_history_len``) and
+  ``{prefix}{x,kernel,grad}_scale`` (float32 scalar). Under a recipe without state (current scaling, or FP8 off) the
+  metas are None, and a state the variables hold anyway is tied to the input ``x``, so the step hands it back
+  unchanged as its gradient instead of a zero that ``TrainState.apply_gradients`` would write over it.
   """
   if not isinstance(recipe, DelayedScaling):
-    return None
+    return _keep_state(module, x, prefixes), (None,) * len(prefixes)
+  return x, tuple(_meta(module, recipe, prefix) for prefix in prefixes)
+
+
+def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Meta:
+  names = [f"{prefix}{role}_{kind}" for role in _ROLES for kind in ("amax_history", "scale")]
+  present = [module.has_variable(FP8_COLLECTION, n) for n in names]
+  if not all(present) and not (module.is_initializing() or module.is_mutable_collection(FP8_COLLECTION)):
+    where = "no" if not any(present) else "an incomplete"
+    raise ValueError(
+        f"{module.path or type(module).__name__}: DelayedScaling needs this layer's FP8 state, and the variables have "
+        f"{where} {FP8_COLLECTION!r} collection (te_jax.FP8_COLLECTION). Initialize the model inside "
+        "te_jax.autocast(enabled=True, recipe=DelayedScaling()) and pass the whole variables dict (params and FP8 "
+        "state) to apply; under nn.scan, list the collection in variable_axes. To run without that state, use "
+        "Float8CurrentScaling or autocast(enabled=False).")
   states = []
   for role in _ROLES:
     history = module.variable(FP8_COLLECTION, f"{prefix}{role}_amax_history", jnp.zeros,
@@ -50,6 +66,59 @@ def dense_fp8_meta(module: nn.Module, recipe: Recipe | None, prefix: str = "") -
       )
     states.append(scaling.ScaleState(_max_grad_view(module, history.value), _min_grad_view(module, scale.value)))
   return DenseFp8Meta(*states)
+
+
+def _keep_state(module: nn.Module, x, prefixes):
+  """``x``, tied to the FP8 state ``module``'s variables hold for ``prefixes`` (if any) by ``_tie``."""
+  views = []
+  for prefix in prefixes:
+    for role in _ROLES:
+      for kind, view in (("amax_history", _max_grad_view), ("scale", _min_grad_view)):
+        if module.has_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}"):
+          views.append(view(module, module.get_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}")))
+  return _tie(x, tuple(views)) if views else x
+
+
+@jax.custom_vjp
+def _tie(x, state):
+  """``x``; the gradient of ``state`` is ``state`` itself (an update that keeps it)."""
+  return x
+
+
+def _tie_fwd(x, state):
+  return x, state
+
+
+def _tie_bwd(state, g):
+  return g, state
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
+
+
+def split_fp8_state(tree: Mapping) -> tuple[dict, Mapping | None]:
+  """``(tree without the FP8 collection, the FP8 collection or None)``: for train steps that do not use
+  ``TrainState.apply_gradients``, which splits them itself.
+
+  The gradient of the whole variables dict carries the layers' new FP8 state as the gradient of
+  ``te_jax.FP8_COLLECTION``; the optimizer must see the rest only, and the new state replaces the old:
+
+  >>> import jax, jax.numpy as jnp, optax, te_jax, te_jax.flax as te_flax
+  >>> layer, x, tx = te_flax.DenseGeneral(16), jnp.ones((4, 32)), optax.adam(1e-3)
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=8)):
+  ...   variables = layer.init(jax.random.key(0), x)
+  ...   params, _ = te_flax.split_fp8_state(variables)
+  ...   opt_state = tx.init(params)
+  ...   grads, new_fp8_state = te_flax.split_fp8_state(jax.grad(lambda v: layer.apply(v, x).sum())(variables))
+  ...   updates, opt_state = tx.update(grads, opt_state, params)
+  ...   variables = {**optax.apply_updates(params, updates), te_jax.FP8_COLLECTION: new_fp8_state}
+  >>> float(variables[te_jax.FP8_COLLECTION]["x_amax_history"][0])
+  1.0
+  """
+  if not isinstance(tree, Mapping):
+    raise TypeError(f"split_fp8_state: expected the variables dict or its gradient, got {type(tree).__name__}")
+  rest = {k: v for k, v in tree.items() if k != FP8_COLLECTION}
+  return rest, tree.get(FP8_COLLECTION)
 
 
 def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
@@ -67,8 +136,10 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
   the amaxes rolled into the histories, the scales derived from them. Parameters are returned unchanged, and so is
   the state of every GEMM the pass does not run with delayed scaling (a module ``fn`` does not apply, or one that runs
   without FP8 in this call). Delayed scaling is whatever the modules resolve: autocast's recipe or a module's own
-  ``recipe=``. Without an FP8 collection ``variables`` come back as they are, so the same code runs in BF16. Jitted
-  here (once per ``fn``), or traced into the caller's ``jax.jit``.
+  ``recipe=``. Without an FP8 collection ``variables`` come back as they are, so the same code runs in BF16 (but under
+  an autocast with ``DelayedScaling`` that is a mistake, the params-only dict, and raises); a pass that updates no
+  state at all outside such an autocast raises too (it would leave every scale at 1). Jitted here (once per ``fn``),
+  or traced into the caller's ``jax.jit``.
 
   Args:
     fn: ``fn(variables, *args)``: the scalar loss the train step differentiates (``(loss, aux)`` with ``has_aux``).
@@ -79,10 +150,20 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
     raise TypeError(f"calibrate: fn must be a callable loss function, got {type(fn).__name__}")
   if not isinstance(variables, Mapping):
     raise TypeError(f"calibrate: variables must be the variables dict, got {type(variables).__name__}")
+  delayed = isinstance(resolve_recipe(None), DelayedScaling)
   if FP8_COLLECTION not in variables:
+    if delayed:
+      raise ValueError(f"calibrate: variables has no {FP8_COLLECTION!r} collection (te_jax.FP8_COLLECTION) under an "
+                       "autocast with DelayedScaling: pass the whole variables dict that init returned, not its params")
     return variables
   with calibration_pass():
     state = _calibrated_state(fn, bool(has_aux), variables, args)
+  old = variables[FP8_COLLECTION]
+  unchanged = jax.tree.map(lambda a, b: jnp.array_equal(a, b), state, old)
+  if not delayed and not any(isinstance(u, jax.core.Tracer) for u in jax.tree.leaves(unchanged)) and all(
+      bool(u) for u in jax.tree.leaves(unchanged)):
+    raise ValueError("calibrate: the pass ran no GEMM with delayed scaling, so no FP8 state changed: call it inside "
+                     "te_jax.autocast(enabled=True, recipe=DelayedScaling(...)), as the train step runs")
   return {**variables, FP8_COLLECTION: state}
 
 

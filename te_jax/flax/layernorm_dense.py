@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, norm_params
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.recipe import Recipe
@@ -74,7 +74,8 @@ class LayerNormDenseGeneral(nn.Module):
       bias = self.param("bias", logical(self.bias_init, self.bias_axes), features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
-    return layernorm_dense(inputs.astype(dtype), gamma, beta, kernel, bias, norm_type=self.norm_type,
+    x, (meta,) = fp8_state(self, recipe, inputs.astype(dtype))
+    return layernorm_dense(x, gamma, beta, kernel, bias, norm_type=self.norm_type,
                            epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                            return_layernorm_output=self.return_layernorm_output, return_input=return_input,
-                           unstack_axis=self.unstack_axis, fp8_meta=dense_fp8_meta(self, recipe), recipe=recipe)
+                           unstack_axis=self.unstack_axis, fp8_meta=meta, recipe=recipe)

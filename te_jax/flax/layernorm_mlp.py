@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.fp8_state import dense_fp8_meta
+from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import Initializer, flat_init, is_int, logical, norm_params, resolve_deterministic
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
@@ -98,12 +98,10 @@ class LayerNormMLP(nn.Module):
       b1 = self.param("wi_bias", logical(self.bias_init, self.wi_bias_axes), (n_act, f), self.param_dtype)
       b2 = self.param("wo_bias", logical(self.bias_init, self.wo_bias_axes), (hidden,), self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    x = inputs.astype(dtype)
+    recipe = resolve_recipe(self.recipe)
+    x, (meta_1, meta_2) = fp8_state(self, recipe, inputs.astype(dtype), ("wi_", "wo_"))
     if residual is inputs and x.dtype == inputs.dtype:
       residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
-    recipe = resolve_recipe(self.recipe)
-    meta_1 = dense_fp8_meta(self, recipe, prefix="wi_")
-    meta_2 = dense_fp8_meta(self, recipe, prefix="wo_")
     norm_args = dict(norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
     dropout = self.intermediate_dropout > 0.0 and not deterministic
     if not dropout and not self.return_layernorm_output:

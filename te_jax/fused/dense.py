@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, check_fp8_dims, check_residual,
-                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, pad_rows, quantize_grad,
-                                 residual_rows, state_as_float32, state_like)
+                                 fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, pad_rows,
+                                 primal_values, quantize_grad, residual_rows, state_as_float32, state_like)
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
 
@@ -49,10 +49,14 @@ class _Residuals(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense_fp8(cfg: _Config, x, kernel, bias, residual, meta):
-  return _dense_fp8_fwd(cfg, x, kernel, bias, residual, meta)[0]
+  return _forward(cfg, x, kernel, bias, residual, meta)[0]
 
 
-def _dense_fp8_fwd(cfg: _Config, x, kernel, bias, residual, meta_in):
+def _dense_fp8_fwd(cfg: _Config, *primals):
+  return _forward(cfg, *primal_values(primals, trained=(1,), states=(4,)))
+
+
+def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
   fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
   sx = fp8.scale(meta and meta.x, x, fp8.fwd_dtype)
@@ -62,6 +66,7 @@ def _dense_fp8_fwd(cfg: _Config, x, kernel, bias, residual, meta_in):
 
 
 def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
+  g = tuple(map(instantiate, g)) if isinstance(g, tuple) else instantiate(g)
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
   sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
@@ -74,7 +79,7 @@ def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
   return dx, dw, dbias, (g if cfg.has_residual else None), new_meta
 
 
-_dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
+_dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd, symbolic_zeros=True)
 
 
 def normalize_axes(axes: int | Sequence[int], ndim: int, name: str) -> tuple[int, ...]:

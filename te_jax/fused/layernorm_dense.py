@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
 from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, check_fp8_dims,
-                                 fp8_recipe, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, quantize_grad,
-                                 state_as_float32, state_like)
+                                 fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows,
+                                 primal_values, quantize_grad, state_as_float32, state_like)
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["layernorm_dense"]
@@ -49,10 +49,14 @@ class _Residuals(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ln_dense_fp8(cfg: _Config, x, gamma, beta, kernel, bias, meta):
-  return _ln_dense_fp8_fwd(cfg, x, gamma, beta, kernel, bias, meta)[0]
+  return _forward(cfg, x, gamma, beta, kernel, bias, meta)[0]
 
 
-def _ln_dense_fp8_fwd(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
+def _ln_dense_fp8_fwd(cfg: _Config, *primals):
+  return _forward(cfg, *primal_values(primals, trained=(3,), states=(5,)))
+
+
+def _forward(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   z = norm_to_fp8(cfg.fp8, cfg.norm, meta and meta.x, x, gamma, beta, keep_hp=cfg.keep_hp)
   out, res = linear_fwd(cfg.fp8, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias, unstack=cfg.unstack)
@@ -63,7 +67,7 @@ def _ln_dense_fp8_fwd(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
 def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
-  g, g_hp, g_x = cotangents
+  g, g_hp, g_x = jax.tree.map(instantiate, cotangents, is_leaf=lambda c: c is None)
   sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
   qg = quantize_grad(fp8, g, sg, cfg.unstack)
   dz, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg)
@@ -80,7 +84,7 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dw, dbias, new_meta
 
 
-_ln_dense_fp8.defvjp(_ln_dense_fp8_fwd, _ln_dense_fp8_bwd)
+_ln_dense_fp8.defvjp(_ln_dense_fp8_fwd, _ln_dense_fp8_bwd, symbolic_zeros=True)
 
 
 def layernorm_dense(

@@ -21,8 +21,8 @@ import jax
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
 from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, check_fp8_dims, check_residual,
-                                 fp8_recipe, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, residual_rows,
-                                 state_as_float32, state_like)
+                                 fp8_recipe, instantiate, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, primal_values,
+                                 residual_rows, state_as_float32, state_like)
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
@@ -62,11 +62,14 @@ class _Residuals(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ln_mlp_fp8(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1, meta_2):
-  return _ln_mlp_fp8_fwd(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1, meta_2)[0]
+  return _forward(cfg, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1, meta_2)[0]
 
 
-def _ln_mlp_fp8_fwd(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1_in,
-                    meta_2_in):
+def _ln_mlp_fp8_fwd(cfg: _Config, *primals):
+  return _forward(cfg, *primal_values(primals, trained=(3, 4), states=(8, 9)))
+
+
+def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1_in, meta_2_in):
   if cfg.residual_kind == _INPUT_RESIDUAL:
     residual = x
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
@@ -87,6 +90,7 @@ def _ln_mlp_fp8_fwd(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bi
 
 
 def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
+  g = instantiate(g)
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
   meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
@@ -118,7 +122,7 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
 
 
-_ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd)
+_ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd, symbolic_zeros=True)
 
 
 def layernorm_mlp(

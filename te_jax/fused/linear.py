@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from te_jax._core import scaling
 from te_jax._core.autocast import get_autocast_state, resolve_recipe
@@ -30,8 +31,8 @@ from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = [
     "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "check_fp8_dims",
-    "check_residual", "fp8_recipe", "layer_output", "linear_bwd", "linear_fwd", "norm_to_fp8", "pad_rows",
-    "quantize_grad", "residual_rows", "state_as_float32", "state_like",
+    "check_residual", "fp8_recipe", "instantiate", "layer_output", "linear_bwd", "linear_fwd", "norm_to_fp8",
+    "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32", "state_like",
 ]
 
 
@@ -78,6 +79,33 @@ def pad_rows(x2d: jax.Array) -> tuple[jax.Array, int]:
   amax, bias gradient or weight gradient. Returns the padded array and the number of rows added."""
   pad = -x2d.shape[0] % FP8_ALIGN
   return (jnp.pad(x2d, ((0, pad), (0, 0))) if pad else x2d), pad
+
+
+def primal_values(primals, *, trained: tuple[int, ...], states: tuple[int, ...]) -> list:
+  """The values of a fused op's differentiable arguments, as its forward rule receives them (``symbolic_zeros=True``
+  wraps each leaf with whether it is differentiated), after checking that the step will keep the delayed-scaling state
+  current: when a kernel (``primals[i]`` for ``i`` in ``trained``) is differentiated, its state (``states``) must be
+  too, since the updated state leaves the backward pass as the state's gradient. A step that differentiates only the
+  parameters would run with the scales of its first step forever, so it raises with the fix."""
+  is_primal = lambda v: isinstance(v, CustomVJPPrimal)  # noqa: E731
+  differentiated = lambda i: any(v.perturbed for v in jax.tree.leaves(primals[i], is_leaf=is_primal))  # noqa: E731
+  has_state = any(jax.tree.leaves(primals[i], is_leaf=is_primal) for i in states)
+  if has_state and any(differentiated(i) for i in trained) and not any(differentiated(i) for i in states):
+    raise ValueError(
+        "te_jax: this step differentiates an FP8 layer's kernel but not its delayed-scaling state (the "
+        f"{scaling.FP8_COLLECTION!r} collection, te_jax.FP8_COLLECTION), so the state would never update: the new "
+        "state leaves the backward pass as that collection's gradient. Differentiate the whole variables dict "
+        "(jax.grad(loss)(variables), with TrainState(params=variables) whose apply_gradients writes the state), or "
+        "for a custom optax loop split the gradients with te_jax.flax.split_fp8_state. The collection is not "
+        "updated through mutable=[...].")
+  return [jax.tree.map(lambda v: v.value, p, is_leaf=is_primal) for p in primals]
+
+
+def instantiate(cotangent):
+  """A cotangent as an array: zeros where autodiff passed a symbolic zero (an output nothing used)."""
+  if isinstance(cotangent, SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent
 
 
 def state_as_float32(tree):
