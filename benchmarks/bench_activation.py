@@ -1,4 +1,4 @@
-"""Activations: te_jax.activation_fwd / activation_bwd (one fused kernel each) vs the same math compiled by XLA.
+"""Activations: activation_fwd / activation_bwd (one fused kernel each) vs the same math compiled by XLA.
 
 The baseline is ``te_jax.ops.activation.activation_fwd_ref`` / ``activation_bwd_ref`` under ``jax.jit``: the same
 outputs (FP8 data, transposed FP8 data, amax, dbias), which XLA fuses as well as it can. Both run in one process on
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import harness
-import te_jax
 from te_jax.ops.activation import ActivationConfig, activation_bwd_ref, activation_fwd_ref
+from te_jax.ops.activation import activation_bwd, activation_fwd
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -57,7 +57,6 @@ CASES = (
     Case(("gelu",), (16384, 16384), backward=True, note="acceptance shape"),
     Case(("silu", "linear"), (16384, 8192), backward=True, note="acceptance shape"),
 )
-COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _outputs_agree(got: tuple, want: tuple, dx_f32: jax.Array | None, bitwise: bool) -> bool:
@@ -96,7 +95,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
 
   if case.backward:
     def ours(g, x, s):
-      out = te_jax.activation_bwd(g, x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose, dbias=True)
+      out = activation_bwd(g, x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose, dbias=True)
       return tuple(o for o in out if o is not None)
 
     def xla(g, x, s):
@@ -105,7 +104,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
     args = (g, x, scale)
   else:
     def ours(x, s):
-      out = te_jax.activation_fwd(x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose)
+      out = activation_fwd(x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose)
       return tuple(o for o in out if o is not None)
 
     def xla(x, s):
@@ -118,7 +117,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   expected = f"te_act_{'bwd' if case.backward else 'fwd'}_{ctx.platform}"
   native = expected in targets
   te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
-  dx_f32 = te_jax.activation_bwd(g, x, case.act, dtype=jnp.float32).data if case.backward else None
+  dx_f32 = activation_bwd(g, x, case.act, dtype=jnp.float32).data if case.backward else None
   # On a GPU XLA computes the reference's float32 operations exactly as the kernels do; on a CPU its exp differs from
   # the handler's by an ulp here and there (see te_jax/ops/activation.py), which moves an FP8 rounding now and then.
   bitwise = ctx.gpu or case.act[0] in ("relu", "squared_relu")

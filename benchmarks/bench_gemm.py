@@ -4,12 +4,22 @@ FP8 operands are quantized once, outside the timed function: this measures the G
 2*M*N*K FLOPs. Where PyTorch with CUDA is importable beside JAX (as on the GPU machine), two more rows time
 ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM as PyTorch calls it) on the same FP8 bytes, with and without fast
 accumulation: the same ceiling reached by another caller, timed the same way (10 back-to-back calls, then a sync), in
-a child process.
+one child process for all shapes.
 
 The QKV case times the forward GEMM of a fused (H, 3, D) projection handed out as q, k and v: one GEMM of N = 3HD
 whose output would still have to be split, three GEMMs of N = HD against each part's (pre-sliced) weight rows, and
 ``rhs_parts`` (one batched cuBLASLt launch writing the three arrays) on the weight's rows grouped by part, both
 pre-grouped and grouped in the timed function (as the layer does, from the (H, 3, D)-ordered transposed FP8 kernel).
+
+The accuracy rows (bench ``gemm_accuracy``) back the recipes' default of full-precision accumulation in dgrad and
+wgrad: Hopper's FP8 tensor-core MMA keeps fewer accumulator bits than float32; cuBLASLt's default accumulation promotes
+the partial sums to float32 as it goes, its FAST_ACCUM mode does not, so fast accumulation's error grows with K (the
+token count, for wgrad). They run a backward GEMM's operands (E5M2 gradient x E4M3 operand, float32 out, per-tensor
+scales) both ways through te_jax's GEMM and compare with the exact product of the same FP8 values (a float32 GEMM at
+HIGHEST precision of the dequantized operands: each product is exact in float32, only float32 summation error
+remains); the FP8 quantization's own error is that exact product's distance from the product of the unquantized
+operands. Errors are relative to the RMS of the exact output: ``rel_rms``, ``rel_max`` and ``bias``, the mean of
+error * sign(exact output), negative when the accumulation loses magnitude. On the CPU both accumulations are exact.
 
   python benchmarks/bench_gemm.py
 """
@@ -28,21 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import harness
-import te_jax
+from te_jax.ops.gemm import gemm
+from te_jax.ops.quantize import quantize
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 4096, 16384))  # (M, N, K)
 QKV = (8192, 32, 128, 4096)  # tokens (batch 4 x sequence 2048), heads, head dim, hidden: the GPT layer's
-COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("TFLOP/s", "tflops"),
-    ("vs XLA bf16", "speedup_vs_xla"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
 
 
 def _operands(key, m, n, k):
@@ -52,76 +53,84 @@ def _operands(key, m, n, k):
   return a, b
 
 
-# Run in a child process, so that PyTorch's CUDA state (and a crash of it) stays out of this one: loads the FP8
-# operands, times torch._scaled_mm like harness.time_calls, writes {"fast"|"full": {...}} and the outputs.
+# Run in a child process, so that PyTorch's CUDA state (and a crash of it) stays out of this one; one process for every
+# shape (PyTorch's import and CUDA start-up once): loads each shape's FP8 operands, times torch._scaled_mm like
+# harness.time_calls, prints {shape index: {"fast"|"full": {...}}} and saves the outputs.
 _TORCH_SCRIPT = r"""
 import json, statistics, sys, time
 import numpy as np, torch
-d, runs, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-a = torch.from_numpy(np.load(f"{d}/a.npy")).cuda().view(torch.float8_e4m3fn)
-b = torch.from_numpy(np.load(f"{d}/b.npy")).cuda().view(torch.float8_e4m3fn)
+d, shapes, runs, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 one = torch.ones((), dtype=torch.float32, device="cuda")
 result = {}
-for key, fast in (("fast", True), ("full", False)):
-  call = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
-  for _ in range(3):
-    out = call()
-  torch.cuda.synchronize()
-  samples = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    for _ in range(batch):
+for i in range(shapes):
+  a = torch.from_numpy(np.load(f"{d}/a{i}.npy")).cuda().view(torch.float8_e4m3fn)
+  b = torch.from_numpy(np.load(f"{d}/b{i}.npy")).cuda().view(torch.float8_e4m3fn)
+  result[i] = {}
+  for key, fast in (("fast", True), ("full", False)):
+    call = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+    for _ in range(3):
       out = call()
     torch.cuda.synchronize()
-    samples.append((time.perf_counter() - start) / batch)
-  np.save(f"{d}/out_{key}.npy", out.float().cpu().numpy())
-  result[key] = {"ms": statistics.median(samples) * 1e3, "ms_min": min(samples) * 1e3,
-                 "ms_max": max(samples) * 1e3, "runs": len(samples), "torch": torch.__version__}
+    samples = []
+    for _ in range(runs):
+      start = time.perf_counter()
+      for _ in range(batch):
+        out = call()
+      torch.cuda.synchronize()
+      samples.append((time.perf_counter() - start) / batch)
+    np.save(f"{d}/out{i}_{key}.npy", out.float().cpu().numpy())
+    result[i][key] = {"ms": statistics.median(samples) * 1e3, "ms_min": min(samples) * 1e3,
+                      "ms_max": max(samples) * 1e3, "runs": len(samples), "torch": torch.__version__}
 print(json.dumps(result))
 """
 
 
-def _torch_rows(ctx: harness.Context, qa, qb, ref, flops: float, case: str) -> list[dict]:
-  """``torch._scaled_mm`` (bf16 out, with and without fast accumulation) on the FP8 bytes of ``qa`` (M, K) and ``qb``
-  (N, K), in a child process; no rows without a GPU or without PyTorch."""
-  if not ctx.gpu or importlib.util.find_spec("torch") is None:
-    return []
-  with tempfile.TemporaryDirectory() as d:
-    np.save(f"{d}/a.npy", np.asarray(qa).view(np.uint8))
-    np.save(f"{d}/b.npy", np.asarray(qb).view(np.uint8))
-    proc = subprocess.run([sys.executable, "-c", _TORCH_SCRIPT, d, str(ctx.runs), str(ctx.batch)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    try:
-      result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-      note = "torch._scaled_mm failed: " + " ".join(proc.stderr.split())[-200:]
-      return [{"bench": "gemm", "case": case, "impl": "torch._scaled_mm fp8", "ms": float("nan"),
-               "tflops": float("nan"), "handler": "torch (cuBLASLt)", "ok": False, "note": note}]
-    rows = []
-    for key, label in (("fast", " (fast acc)"), ("full", "")):
-      t = result[key]
-      got = jnp.asarray(np.load(f"{d}/out_{key}.npy"))
-      rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-      problems = [] if rel <= 0.1 else [f"rel err {rel:.3g} > 0.1"]
-      rows.append({"bench": "gemm", "case": case, "impl": f"torch._scaled_mm fp8{label}", "ms": t["ms"],
-                   "timing": {k: t[k] for k in ("ms", "ms_min", "ms_max", "runs")},
-                   "tflops": flops / (t["ms"] * 1e-3) / 1e12, "rel_err_vs_bf16": rel,
-                   "handler": f"torch {t['torch']} (cuBLASLt)", "ok": not problems, "note": "; ".join(problems)})
+def _with_torch(ctx: harness.Context) -> bool:
+  return ctx.gpu and importlib.util.find_spec("torch") is not None
+
+
+def _run_torch(ctx: harness.Context, d: str, shapes: int) -> dict | str:
+  """torch._scaled_mm on the operands saved in ``d`` (``a{i}.npy``, ``b{i}.npy``): its result, or why it failed."""
+  proc = subprocess.run([sys.executable, "-c", _TORCH_SCRIPT, d, str(shapes), str(ctx.runs), str(ctx.batch)],
+                        capture_output=True, text=True, timeout=300, check=False)
+  try:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+  except (IndexError, ValueError):
+    return "torch._scaled_mm failed: " + " ".join(proc.stderr.split())[-200:]
+
+
+def _torch_rows(result: dict | str, i: int, d: str, ref, flops: float, case: str) -> list[dict]:
+  """The two ``torch._scaled_mm`` rows of shape ``i`` (bf16 out, with and without fast accumulation)."""
+  if isinstance(result, str):
+    return [{"bench": "gemm", "case": case, "impl": "torch._scaled_mm fp8", "ms": float("nan"),
+             "tflops": float("nan"), "handler": "torch (cuBLASLt)", "ok": False, "note": result}]
+  rows = []
+  for key, label in (("fast", " (fast acc)"), ("full", "")):
+    t = result[str(i)][key]
+    got = jnp.asarray(np.load(f"{d}/out{i}_{key}.npy"))
+    rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    problems = [] if rel <= 0.1 else [f"rel err {rel:.3g} > 0.1"]
+    rows.append({"bench": "gemm", "case": case, "impl": f"torch._scaled_mm fp8{label}", "ms": t["ms"],
+                 "timing": {k: t[k] for k in ("ms", "ms_min", "ms_max", "runs")},
+                 "tflops": flops / (t["ms"] * 1e-3) / 1e12, "rel_err_vs_bf16": rel,
+                 "handler": f"torch {t['torch']} (cuBLASLt)", "ok": not problems, "note": "; ".join(problems)})
   return rows
 
 
-def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
+def bench_shape(ctx: harness.Context, mnk, key, save: tuple[str, int] | None) -> tuple[list[dict], jax.Array, float]:
+  """The te_jax and XLA rows of one shape, the bf16 reference output and the FLOPs; with ``save = (d, i)``, the FP8
+  operands' bytes are saved as ``d/a{i}.npy`` and ``d/b{i}.npy`` for torch."""
   m, n, k = (d // ctx.shrink for d in mnk)
   a, b = _operands(key, m, n, k)
   one = jnp.float32(1.0)
-  qa, qb = te_jax.quantize(a, one), te_jax.quantize(b, one)
+  qa, qb = quantize(a, one), quantize(b, one)
   inv = jnp.float32(1.0)
   impls = {
-      "te_jax fp8 (fast acc)": (jax.jit(lambda x, y: te_jax.gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv,
-                                                                fast_accum=True)), (qa.data, qb.data)),
-      "te_jax fp8": (jax.jit(lambda x, y: te_jax.gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv)),
-                     (qa.data, qb.data)),
-      "te_jax bf16": (jax.jit(lambda x, y: te_jax.gemm(x, y)), (a, b)),
+      "te_jax fp8 (fast acc)": (jax.jit(lambda x, y: gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv,
+                                                         fast_accum=True)), (qa.data, qb.data)),
+      "te_jax fp8": (jax.jit(lambda x, y: gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv)), (qa.data, qb.data)),
+      "te_jax bf16": (jax.jit(lambda x, y: gemm(x, y)), (a, b)),
       "xla bf16": (jax.jit(lambda x, y: jnp.dot(x, y.T)), (a, b)),
   }
   flops = 2.0 * m * n * k
@@ -148,11 +157,10 @@ def bench_shape(ctx: harness.Context, mnk, key) -> list[dict]:
         "ok": not problems,
         "note": "; ".join(problems),
     })
-  rows += _torch_rows(ctx, qa.data, qb.data, ref, flops, f"{m}x{n}x{k} -> bf16")
-  base = next(r for r in rows if r["impl"] == "xla bf16")["ms"]
-  for r in rows:
-    r["speedup_vs_xla"] = base / r["ms"]
-  return rows
+  if save:
+    np.save(f"{save[0]}/a{save[1]}.npy", np.asarray(qa.data).view(np.uint8))
+    np.save(f"{save[0]}/b{save[1]}.npy", np.asarray(qb.data).view(np.uint8))
+  return rows, ref, flops
 
 
 def bench_qkv(ctx: harness.Context, key) -> list[dict]:
@@ -160,18 +168,18 @@ def bench_qkv(ctx: harness.Context, key) -> list[dict]:
   m, h, d, k = QKV[0] // ctx.shrink, QKV[1], QKV[2], QKV[3] // ctx.shrink
   x, w_t = _operands(key, m, 3 * h * d, k)  # w_t: (H * 3 * D, K), rows head-major as the (hidden, H, 3, D) kernel's
   one = jnp.float32(1.0)
-  qx, qw = te_jax.quantize(x, one).data, te_jax.quantize(w_t, one).data
+  qx, qw = quantize(x, one).data, quantize(w_t, one).data
   group = lambda w: jnp.swapaxes(w.reshape(h, 3, d, k), 0, 1).reshape(3, h * d, k)
   grouped = group(qw)  # (3, H * D, K): each part's rows together
   per_part = tuple(grouped)
-  gemm = functools.partial(te_jax.gemm, lhs_scale_inv=one, rhs_scale_inv=one, fast_accum=True)
+  fp8_gemm = functools.partial(gemm, lhs_scale_inv=one, rhs_scale_inv=one, fast_accum=True)
   impls = {
-      "one GEMM, N = 3HD (output not split)": (jax.jit(lambda a, b: gemm(a, b)), (qx, qw)),
-      "3 GEMMs, N = HD (weight rows pre-sliced)": (jax.jit(lambda a, ws: tuple(gemm(a, w) for w in ws)),
+      "one GEMM, N = 3HD (output not split)": (jax.jit(lambda a, b: fp8_gemm(a, b)), (qx, qw)),
+      "3 GEMMs, N = HD (weight rows pre-sliced)": (jax.jit(lambda a, ws: tuple(fp8_gemm(a, w) for w in ws)),
                                                    (qx, per_part)),
-      "rhs_parts: one batched GEMM (weight pre-grouped)": (jax.jit(lambda a, b: gemm(a, b, rhs_parts=True)),
+      "rhs_parts: one batched GEMM (weight pre-grouped)": (jax.jit(lambda a, b: fp8_gemm(a, b, rhs_parts=True)),
                                                            (qx, grouped)),
-      "rhs_parts, grouping the weight's rows too": (jax.jit(lambda a, b: gemm(a, group(b), rhs_parts=True)),
+      "rhs_parts, grouping the weight's rows too": (jax.jit(lambda a, b: fp8_gemm(a, group(b), rhs_parts=True)),
                                                     (qx, qw)),
   }
   want = impls["3 GEMMs, N = HD (weight rows pre-sliced)"][0](qx, per_part)
@@ -198,20 +206,89 @@ def bench_qkv(ctx: harness.Context, key) -> list[dict]:
   return rows
 
 
+ACCURACY_MN = 4096
+ACCURACY_KS = (4096, 8192, 16384)
+ACCURACY_OPERANDS = {
+    # name: the other operand's distribution (the gradient is normal): a dgrad sees a signed operand, a wgrad after
+    # GELU a mostly positive one (its sums do not cancel, so they grow with K)
+    "signed operand": jax.random.normal,
+    "GELU-activation operand": lambda k, s: jax.nn.gelu(jax.random.normal(k, s)),
+}
+
+
+def _scaled(x, dtype):
+  """``x`` scaled to ``dtype``'s full range by its amax: the FP8 array and the scale's inverse."""
+  scale = float(jnp.finfo(dtype).max) / jnp.max(jnp.abs(x.astype(jnp.float32)))
+  return quantize(x, scale, dtype).data, 1.0 / scale
+
+
+def _errors(out, exact):
+  """(rms, max, bias) of ``out - exact`` relative to the RMS of ``exact``."""
+  rms = jnp.sqrt(jnp.mean(exact * exact))
+  err = out - exact
+  return jnp.stack([jnp.sqrt(jnp.mean(err * err)) / rms, jnp.max(jnp.abs(err)) / rms,
+                    jnp.mean(err * jnp.sign(exact)) / rms])
+
+
+@jax.jit
+def _accuracy(g, a):
+  """Errors of the FP8 GEMM g (M, K) x a (N, K) -> float32 with full-precision and fast accumulation against the
+  exact product of the same FP8 values, and of that product against the unquantized operands' (3 x (rms, max, bias))."""
+  g8, g_inv = _scaled(g, jnp.float8_e5m2)
+  a8, a_inv = _scaled(a, jnp.float8_e4m3fn)
+  dot = lambda x, y: jnp.dot(x, y.T, precision=jax.lax.Precision.HIGHEST)
+  exact = dot(g8.astype(jnp.float32) * g_inv, a8.astype(jnp.float32) * a_inv)
+  fp8 = lambda fast: gemm(g8, a8, lhs_scale_inv=g_inv, rhs_scale_inv=a_inv, dtype=jnp.float32, fast_accum=fast)
+  return jnp.stack([_errors(fp8(False), exact), _errors(fp8(True), exact),
+                    _errors(exact, dot(g.astype(jnp.float32), a.astype(jnp.float32)))])
+
+
+def accuracy_rows(ctx: harness.Context, key) -> list[dict]:
+  """The ``gemm_accuracy`` rows: for each operand distribution and K, the three errors (see the module docstring)."""
+  mn = ACCURACY_MN // ctx.shrink
+  rows = []
+  for name, operand in ACCURACY_OPERANDS.items():
+    for k in (kk // ctx.shrink for kk in ACCURACY_KS):
+      key, kg, ka = jax.random.split(key, 3)
+      g = jax.random.normal(kg, (mn, k)).astype(jnp.bfloat16)
+      a = operand(ka, (mn, k)).astype(jnp.bfloat16)
+      targets = harness.custom_call_targets(_accuracy, g, a)
+      native = f"te_gemm_{ctx.platform}" in targets or not ctx.gpu
+      errors = np.asarray(_accuracy(g, a))
+      case = f"({mn}, {k}) E5M2 x ({mn}, {k}) E4M3 -> float32, {name}"
+      for impl, (rms, mx, bias) in zip(("full-precision accumulation", "fast accumulation",
+                                        "FP8 quantization (vs unquantized operands)"), errors.tolist()):
+        problems = ([] if native else ["NOT NATIVE"]) + ([] if np.isfinite([rms, mx, bias]).all() else ["non-finite"])
+        rows.append({"bench": "gemm_accuracy", "case": case, "impl": impl, "k": k, "rel_rms": rms, "rel_max": mx,
+                     "bias": bias, "handler": ", ".join(sorted(t for t in targets if t.startswith("te_"))) or "xla",
+                     "ok": not problems,
+                     "note": "; ".join(problems) or ("" if ctx.gpu else "pure-JAX path: both accumulations exact")})
+      print(f"gemm accuracy {case}: rel rms full {errors[0][0]:.2e}, fast {errors[1][0]:.2e}, quantization "
+            f"{errors[2][0]:.2e}", file=sys.stderr, flush=True)
+  return rows
+
+
 def run(ctx: harness.Context) -> list[dict]:
   rows = []
-  for i, mnk in enumerate(SHAPES):
-    shape_rows = bench_shape(ctx, mnk, jax.random.key(100 + i))
-    for r in shape_rows:
-      print(f"gemm {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
-            f"{r['speedup_vs_xla']:.2f}x vs XLA bf16" + (f" [{r['note']}]" if not r["ok"] else ""),
-            file=sys.stderr, flush=True)
-    rows += shape_rows
+  with tempfile.TemporaryDirectory() as d:
+    shapes = [bench_shape(ctx, mnk, jax.random.key(100 + i), (d, i) if _with_torch(ctx) else None)
+              for i, mnk in enumerate(SHAPES)]
+    torch_result = _run_torch(ctx, d, len(SHAPES)) if _with_torch(ctx) else None
+    for i, (shape_rows, ref, flops) in enumerate(shapes):
+      if torch_result is not None:
+        shape_rows += _torch_rows(torch_result, i, d, ref, flops, shape_rows[0]["case"])
+      base = next(r for r in shape_rows if r["impl"] == "xla bf16")["ms"]
+      for r in shape_rows:
+        r["speedup_vs_xla"] = base / r["ms"]
+        print(f"gemm {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
+              f"{r['speedup_vs_xla']:.2f}x vs XLA bf16" + (f" [{r['note']}]" if not r["ok"] else ""),
+              file=sys.stderr, flush=True)
+      rows += shape_rows
   for r in bench_qkv(ctx, jax.random.key(200)):
     print(f"gemm {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s; {r['note']}", file=sys.stderr,
           flush=True)
     rows.append(r)
-  return rows
+  return rows + accuracy_rows(ctx, jax.random.key(7))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""LayerNorm/RMSNorm: te_jax.norm_fwd / norm_bwd (one fused kernel each way) vs the same math compiled by XLA from jnp.
+"""LayerNorm/RMSNorm: norm_fwd / norm_bwd (one fused kernel each way) vs the same math compiled by XLA from jnp.
 
 The baseline is ``te_jax.ops.norm.norm_fwd_ref`` / ``norm_bwd_ref`` under ``jax.jit``: the same outputs (the
 normalized tensor, FP8 with amax and optionally its transposed copy, mean and rsigma; backward dx, dgamma and dbeta),
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import harness
-import te_jax
 from te_jax.ops.norm import NormConfig, norm_bwd_ref, norm_fwd_ref
+from te_jax.ops.norm import norm_bwd, norm_fwd
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -54,7 +54,6 @@ CASES = (
     Case("bwd", note="acceptance shape: bwd >= 70% of copy BW"),
     Case("bwd", "rmsnorm"),
 )
-COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _gamma(n: int) -> float:
@@ -149,8 +148,8 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
 
   if case.direction == "fwd":
     def ours(x, gamma, s):
-      out = te_jax.norm_fwd(x, gamma * s, *(None,) if rms else betas, norm_type=case.norm_type, epsilon=1e-6,
-                            out_dtype=case.out_dtype, scale=scale if fp8 else None, transpose=case.transpose)
+      out = norm_fwd(x, gamma * s, *(None,) if rms else betas, norm_type=case.norm_type, epsilon=1e-6,
+                            dtype=case.out_dtype, scale=scale if fp8 else None, transpose=case.transpose)
       return tuple(o for o in out if o is not None)
 
     def xla(x, gamma, s):
@@ -162,10 +161,10 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
     target = f"te_norm_fwd_{ctx.platform}"
   else:
     dz = jax.random.normal(kd, shape, jnp.float32).astype(BF16)
-    fwd = te_jax.norm_fwd(x, gamma, *(None,) if rms else betas, norm_type=case.norm_type, epsilon=1e-6)
+    fwd = norm_fwd(x, gamma, *(None,) if rms else betas, norm_type=case.norm_type, epsilon=1e-6)
 
     def ours(dz, x, gamma, rsigma, mean, s):
-      return tuple(o for o in te_jax.norm_bwd(dz, x, mean, rsigma, gamma * s, norm_type=case.norm_type)
+      return tuple(o for o in norm_bwd(dz, x, mean, rsigma, gamma * s, norm_type=case.norm_type)
                    if o is not None)
 
     def xla(dz, x, gamma, rsigma, mean, s):

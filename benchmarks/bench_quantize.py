@@ -1,4 +1,4 @@
-"""Quantize: te_jax.quantize (one fused kernel) vs the same math compiled by XLA from jnp.
+"""Quantize: quantize (one fused kernel) vs the same math compiled by XLA from jnp.
 
 The baseline is ``te_jax.ops.quantize.quantize_ref`` under ``jax.jit``: the same outputs (FP8 data, transposed FP8
 data, amax, dbias), which XLA fuses as well as it can. Both run in one process on the same input. Each row checks
@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 import harness
-import te_jax
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
+from te_jax._core.scaling import compute_scale, fp8_max
+from te_jax.ops.quantize import amax, quantize
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -46,7 +47,6 @@ CASES = (
     Case((16384, 8192), jnp.float32),
     Case((16384, 8192), jnp.bfloat16, dbias=True),
 )
-COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _outputs_agree(x: jax.Array, got: tuple, want: tuple, case: Case) -> bool:
@@ -64,11 +64,11 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   """Times one case on both paths; returns the te_jax row and the XLA row."""
   shape = tuple(d // ctx.shrink for d in case.shape)
   x = (3.0 * jax.random.normal(key, shape, jnp.float32)).astype(case.dtype)
-  scale = te_jax.scaling.compute_scale(te_jax.amax(x), jnp.float32(1.0), te_jax.scaling.fp8_max(E4M3))
+  scale = compute_scale(amax(x), jnp.float32(1.0), fp8_max(E4M3))
   config = QuantizeConfig(out_dtype=E4M3, transpose=case.transpose, dbias=case.dbias)
 
   def ours(x, s):
-    return tuple(o for o in te_jax.quantize(x, s, E4M3, transpose=case.transpose, dbias=case.dbias) if o is not None)
+    return tuple(o for o in quantize(x, s, E4M3, transpose=case.transpose, dbias=case.dbias) if o is not None)
 
   def xla(x, s):
     return tuple(quantize_ref(x, s, config=config))

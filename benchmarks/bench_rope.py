@@ -57,7 +57,6 @@ CASES = (
     Case(LLAMA, "SBHD", backward=True, note="acceptance shape"),
     Case(LLAMA, "BSHD", interleaved=True),
 )
-COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:

@@ -43,7 +43,6 @@ class Case:
 
 
 CASES = tuple(Case(kind, backward) for backward in (False, True) for kind in ("plain", "masked", "causal"))
-COLUMNS = harness.MEMORY_BOUND_COLUMNS
 
 
 def _lower_triangle(sq: int, sk: int) -> int:

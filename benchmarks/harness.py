@@ -9,7 +9,10 @@ Conventions:
   the last: the device never waits for the host, so the time is the op's own (use it for ops above ~50 us).
 - ``time_loop`` runs the op ``inner`` times inside one jitted ``lax.fori_loop``, for ops too small for per-call
   timing. It times ``inner`` and ``2 * inner`` iterations and takes the difference, which cancels the loop's fixed
-  costs (dispatch, carry initialisation, final sync).
+  costs (dispatch, carry initialisation, final sync). For a large op the loop is a second view of the per-call time,
+  and ``loop_inner`` shortens it to what cancels those costs (see there).
+- Work shared between the timings of one function is done once: the first call (compile) by the output check that
+  precedes the timings, one warm-up per timing after that, one compile for the memory analysis and the handler list.
 - Bandwidth counts bytes read + written once each (the minimum traffic of the op); ``copy_bandwidth`` measures the
   ceiling the same way, with a large device-to-device copy.
 """
@@ -17,9 +20,14 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,7 +51,8 @@ class Context:
     copy_loop_gbps: the same ceiling inside a jitted loop (the in-program view, without per-call overhead).
     runs: measurements per timing (the median is reported).
     batch: calls per measurement in ``time_calls`` for the main (device-bound) time.
-    inner: iterations of the shorter loop in ``time_loop``.
+    inner: iterations of the shorter loop in ``time_loop`` (the most; see ``loop_inner``).
+    clocks: the GPU's clock and power sampler (``ClockSampler``), None where there is no ``nvidia-smi``.
   """
 
   gpu: bool
@@ -54,6 +63,7 @@ class Context:
   runs: int = 20
   batch: int = 10
   inner: int = 100
+  clocks: ClockSampler | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,33 +201,82 @@ def copy_bandwidth_loop(nbytes: int, *, inner: int = 50, runs: int = 20) -> dict
   return {"bytes": moved, "ms": t.ms, "gbps": gbps(moved, t.ms)}
 
 
+# ---- the GPU's clocks ---------------------------------------------------------------------------------------------
+
+
+class ClockSampler:
+  """``nvidia-smi`` samples (host time, SM MHz, W, clock-event reasons) every 50 ms in a background thread.
+
+  A layer's rows carry the median SM clock and power while its calls ran back to back, and the share of samples at
+  the power cap: on the H200 a layer step reaches the board's 700 W cap within ~100 ms of back-to-back calls
+  (2026-12-02: SM clock 1,470-1,560 MHz instead of 1,980, "SW power cap" in 95-98% of the samples), so its time
+  follows its energy per step more than its kernels' times in a short trace.
+  """
+
+  FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
+  POWER_CAP = 0x4  # nvidia-smi's "SW power cap" clock-event reason bit
+
+  def __init__(self, period_ms: int = 50):
+    self.samples: list[tuple[float, float, float, int]] = []
+    self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                   f"-lms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    threading.Thread(target=self._read, daemon=True).start()
+
+  @classmethod
+  def start(cls) -> ClockSampler | None:
+    """A running sampler, or None without ``nvidia-smi``."""
+    return cls() if shutil.which("nvidia-smi") else None
+
+  def _read(self) -> None:
+    for line in self._proc.stdout:
+      parts = [p.strip() for p in line.split(",")]
+      try:
+        self.samples.append((time.perf_counter(), float(parts[0]), float(parts[1]), int(parts[2], 16)))
+      except (ValueError, IndexError):
+        continue
+
+  def summary(self, t0: float, t1: float) -> dict[str, float | None]:
+    """Median SM MHz and W, and the share of samples at the power cap, between host times ``t0`` and ``t1``."""
+    s = [x for x in self.samples if t0 <= x[0] <= t1]
+    if not s:
+      return dict(NO_CLOCKS)
+    return {"sm_mhz": statistics.median(x[1] for x in s), "power_w": statistics.median(x[2] for x in s),
+            "power_capped": sum(bool(x[3] & self.POWER_CAP) for x in s) / len(s)}
+
+  def stop(self) -> None:
+    self._proc.terminate()
+
+
+NO_CLOCKS = {"sm_mhz": None, "power_w": None, "power_capped": None}
+
+
 # ---- memory-bound ops against XLA's compilation of their jnp reference -------------------------------------------
 
 # Below this many elements an op runs in tens of microseconds: time it in a jitted loop instead of per call.
 LOOP_BELOW = 1 << 22
+# A large op's shorter loop runs at least this long (and at least LOOP_MIN_INNER iterations): the loop's fixed costs
+# (dispatch, final sync: tens of microseconds, with jitter of a few) cancel in the difference of the two loops, and
+# 2 ms of iterations keep that jitter under ~1% of a sample. With ``ctx.inner`` (50) iterations for every op, the
+# loops of the large ops took 3,300 calls each per row, most of the memory-bound benchmarks' time on the H200.
+LOOP_MIN_MS = 2.0
+LOOP_MIN_INNER = 8
 
-MEMORY_BOUND_COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("ms (loop)", "ms_loop"),
-    ("ms (1 sync call)", "ms_sync"),
-    ("GB/s", "gbps"),
-    ("% copy BW", "pct_copy"),
-    ("% copy BW (loop)", "pct_copy_loop"),
-    ("vs XLA", "speedup_vs_xla"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
+
+def loop_inner(ctx: Context, n_elems: int, call_ms: float | None) -> int:
+  """Iterations of the shorter loop: ``ctx.inner`` for small ops (whose reported time is the loop's); for large ops,
+  enough iterations of their per-call time ``call_ms`` for ``LOOP_MIN_MS``, at most ``ctx.inner``."""
+  if n_elems < LOOP_BELOW or not call_ms or not math.isfinite(call_ms):
+    return ctx.inner
+  return min(ctx.inner, max(LOOP_MIN_INNER, math.ceil(LOOP_MIN_MS / call_ms)))
 
 
 def memory_bound_timing(ctx: Context, jitted: Callable[..., Any], plain: Callable[..., Any], args: Sequence[Any],
                         moved: int, n_elems: int) -> dict[str, Any]:
-  """The timing fields of a memory-bound op's row (``MEMORY_BOUND_COLUMNS``).
+  """The timing fields of a memory-bound op's row (``report.MEMORY_BOUND_COLUMNS``).
 
   Three views of one time: back-to-back calls (the reported one for large inputs), a jitted loop (the reported one
-  for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call.
+  for small inputs; for large ones a check that dispatch is not what is measured), one synchronized call. ``jitted``
+  has run once before (the output check), so each timing needs one warm-up only.
 
   Args:
     ctx: the benchmark context.
@@ -226,9 +285,11 @@ def memory_bound_timing(ctx: Context, jitted: Callable[..., Any], plain: Callabl
     moved: bytes read + written once each.
     n_elems: the size that picks loop timing (below ``LOOP_BELOW``) or per-call timing.
   """
-  t_loop = time_loop(plain, args, inner=ctx.inner, runs=ctx.runs)
-  t_sync = time_calls(jitted, *args, runs=ctx.runs)
-  t = t_loop if n_elems < LOOP_BELOW else time_calls(jitted, *args, runs=ctx.runs, batch=ctx.batch)
+  t_call = time_calls(jitted, *args, runs=ctx.runs, batch=ctx.batch, warmup=1) if n_elems >= LOOP_BELOW else None
+  t_sync = time_calls(jitted, *args, runs=ctx.runs, warmup=1)
+  inner = loop_inner(ctx, n_elems, t_call.ms if t_call else None)
+  t_loop = time_loop(plain, args, inner=inner, runs=ctx.runs)
+  t = t_call or t_loop
   rate = gbps(moved, t.ms)
   return {
       "bytes": moved,
@@ -236,6 +297,7 @@ def memory_bound_timing(ctx: Context, jitted: Callable[..., Any], plain: Callabl
       "ms_loop": t_loop.ms,
       "ms_sync": t_sync.ms,
       "timing": t.as_dict(),
+      "loop_inner": inner,
       "gbps": rate,
       "pct_copy": 100.0 * rate / ctx.copy_gbps,
       "pct_copy_loop": 100.0 * gbps(moved, t_loop.ms) / ctx.copy_loop_gbps,
@@ -293,9 +355,12 @@ def layer_fwd_bwd(model: Any, rec: Any, **apply_kw: Any) -> Callable[..., Any]:
 def warm_layer(model: Any, rec: Any, fn: Callable[..., Any], key: jax.Array, x: jax.Array, dy: jax.Array,
                steps: int = 3, **init_kw: Any) -> tuple[Any, jax.Array]:
   """The layer's variables after ``steps`` calls of ``fn`` (so that delayed scaling's amax history holds real values;
-  Flax's own FP8 ops keep their state in the same collection), and the last output."""
+  Flax's own FP8 ops keep their state in the same collection), and the last output.
+
+  ``init`` runs jitted: one compile, where op-by-op initialisation compiled each initializer's ops on its own (~350
+  compiles for the GPT layer's six implementations, a third of that benchmark's time in the CPU smoke run)."""
   with te_jax.autocast(enabled=rec is not None, recipe=rec):
-    variables = model.init(key, x, **init_kw)
+    variables = jax.jit(functools.partial(model.init, **init_kw))(key, x)
   out = None
   for _ in range(steps):
     out, (grads, _) = fn(variables, x, dy)
@@ -306,16 +371,18 @@ def warm_layer(model: Any, rec: Any, fn: Callable[..., Any], key: jax.Array, x: 
 
 def layer_row(ctx: Context, fn: Callable[..., Any], args: Sequence[Any], *, flops: float, out: jax.Array,
               problems: list[str]) -> dict[str, Any]:
-  """The timing, rate, temp memory and handler fields of a layer's row; ``problems`` gets "non-finite output".
+  """The timing, rate, temp memory, clock and handler fields of a layer's row; ``problems`` gets "non-finite output".
 
   Two times: ``ms``, calls dispatched back to back (the device never waits for the host: the step's own time, at the
   steady state a training loop without host syncs reaches, here the H200's power cap), and ``ms_sync``, one call
   waited on at a time (a loop that reads its loss every step; the host's dispatch counts, and the device idles
-  between calls; the perf anchors' method)."""
-  t = time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
-  t_sync = time_calls(fn, *args, runs=ctx.runs, batch=1)
+  between calls; the perf anchors' method). ``fn`` is warm (``warm_layer``): one warm-up call per timing."""
+  t0 = time.perf_counter()
+  t = time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch, warmup=1)
+  clocks = ctx.clocks.summary(t0, time.perf_counter()) if ctx.clocks else dict(NO_CLOCKS)
+  t_sync = time_calls(fn, *args, runs=ctx.runs, batch=1, warmup=1)
   compiled = fn.lower(*args).compile()
-  targets = custom_call_targets(fn, *args)
+  targets = set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
   if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
     problems.append("non-finite output")
   return {
@@ -324,38 +391,22 @@ def layer_row(ctx: Context, fn: Callable[..., Any], args: Sequence[Any], *, flop
       "ms_sync": t_sync.ms,
       "tflops": flops / (t.ms * 1e-3) / 1e12,
       "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+      **clocks,
       "targets": sorted(targets),
       "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas", "__cudnn")))) or "xla",
   }
 
 
-LAYER_COLUMNS = (
-    ("case", "case"),
-    ("impl", "impl"),
-    ("ms", "ms"),
-    ("TFLOP/s", "tflops"),
-    ("vs Flax bf16", "speedup_vs_bf16"),
-    ("vs Flax fp8", "speedup_vs_flax_fp8"),
-    ("ms (1 sync call)", "ms_sync"),
-    ("vs Flax bf16 (sync)", "speedup_vs_bf16_sync"),
-    ("vs Flax fp8 (sync)", "speedup_vs_flax_fp8_sync"),
-    ("temp MiB", "temp_mib"),
-    ("temp vs Flax fp8", "temp_vs_flax_fp8"),
-    ("handler", "handler"),
-    ("ok", "ok"),
-    ("note", "note"),
-)
-
-
 def print_layer_rows(bench: str, rows: Sequence[dict]) -> None:
   """One progress line (stderr) per timed layer row."""
   for r in rows:
+    clocks = f", {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W" if r.get("sm_mhz") else ""
     print(f"{bench} {r['case']} {r['impl']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s, "
           f"{r['speedup_vs_bf16']:.2f}x vs Flax bf16, {r['speedup_vs_flax_fp8']:.2f}x vs Flax fp8; "
           f"1 sync call {r['ms_sync']:.3f} ms, {r['speedup_vs_bf16_sync']:.2f}x / "
           f"{r['speedup_vs_flax_fp8_sync']:.2f}x, "
-          f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x)" + (f" [{r['note']}]" if not r["ok"] else ""),
-          file=sys.stderr, flush=True)
+          f"temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x){clocks}"
+          + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
 
 
 def add_ratios(rows: list[dict], *, bf16: str, fp8: str) -> None:
@@ -389,20 +440,3 @@ def bits(x: jax.Array) -> jax.Array:
 def bitwise_equal(a: jax.Array, b: jax.Array) -> bool:
   """Same shape, dtype and bytes."""
   return a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(bits(a), bits(b)))
-
-
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-  """A markdown table of ``rows``; ``columns`` are (header, key) pairs; floats get 3 significant decimals."""
-
-  def cell(v: Any) -> str:
-    if v is None:
-      return ""
-    if isinstance(v, bool):
-      return "yes" if v else "NO"
-    if isinstance(v, float):
-      return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
-    return str(v)
-
-  lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-  lines += ["| " + " | ".join(cell(r.get(k)) for _, k in columns) + " |" for r in rows]
-  return "\n".join(lines)

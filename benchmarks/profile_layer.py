@@ -5,17 +5,24 @@ sums the device time of every kernel over the traced steps, and prints per step:
 attention, te_jax kernels, XLA fusions, copies/transposes), the slowest kernels with the HLO op that launched them,
 and the device's idle time by the op that ended each gap (kernels that XLA ran inside a command buffer, a CUDA graph,
 are listed under that command buffer's op; without command buffers each kernel names its HLO op and that op's shapes).
-A layer step draws the H200 to its power cap within ~100 ms of back-to-back calls (``clock_probe.py``), so the default
-5 steps show kernels at higher clocks than the timed benchmark; ``--steps 100`` is mostly at the cap. It also times
+A layer step draws the H200 to its power cap within ~100 ms of back-to-back calls (the layer rows' SM clock and
+power, ``harness.ClockSampler``), so the default 5 steps show kernels at higher clocks than the timed benchmark;
+``--steps 100`` is mostly at the cap. It also times
 the untraced program as the benchmarks do (calls dispatched back to back) and the host's time to dispatch one call: a
 per-call time above the traced one means the device waited on something the trace does not show. ``--bench ops`` does
-the same for single te_jax ops at their acceptance shapes (kernel_metrics.acceptance_ops), one call per step: what a
-benchmark's per-call time holds besides the kernel.
+the same for single te_jax ops at their acceptance shapes (``acceptance_ops``), one call per step: what a
+benchmark's per-call time holds besides the kernel. ``--bench ops --ncu`` only runs each op twice, untraced, for Nsight
+Compute to read its kernels' counters (``bash scripts/gpu_check.sh ncu``).
 
   python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
   python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
   python benchmarks/profile_layer.py --bench ops           # gelu fwd (with and without the transposed copy), ...
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/profile_layer.py --steps 60   # per-GEMM times
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:'ActivationKernel|NormFwdKernel' \
+      --section SpeedOfLight python benchmarks/profile_layer.py --bench ops --ncu
+
+Under ncu, without XLA_PYTHON_CLIENT_PREALLOCATE=false JAX reserves most of the GPU's memory and ncu saves and restores
+all of it for each of a kernel's replay passes: minutes per kernel on the H200 (its 240 s step once ended with nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +46,8 @@ from jax.profiler import ProfileData
 import bench_layernorm_mlp
 import bench_transformer
 import harness
-import kernel_metrics
+from te_jax.ops.activation import activation_bwd, activation_fwd
+from te_jax.ops.norm import norm_bwd, norm_fwd
 
 # Kernel kinds, by kernel name (first match wins: cuDNN's attention kernels also name their architecture).
 KINDS = (
@@ -99,6 +109,47 @@ def kernel_times(fn, args, steps: int) -> tuple[dict[tuple[str, str], list[float
     busy_until = max(busy_until, end)
   span = busy_until - events[0][0] if events else 0.0
   return totals, gaps, span
+
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def acceptance_ops(shrink: int = 1) -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
+  """{name: (jitted op, its arguments)} at the acceptance shapes, every dimension divided by ``shrink``: gelu
+  (16384, 16384) bf16 -> E4M3 with and without the transposed copy and its backward to E5M2 with the transposed copy
+  and dbias (bench_activation's), LayerNorm and RMSNorm (32768, 8192) bf16 -> E4M3 (bench_norm's), the LayerNorm
+  backward with a residual gradient at the GPT layer's (8192, 4096), and the 1 GiB copy of the benchmarks' ceiling."""
+  n = 16384 // shrink
+  kx, kg = jax.random.split(jax.random.key(0))
+  x = (3.0 * jax.random.normal(kx, (n, n), jnp.float32)).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (n, n), jnp.float32).astype(jnp.bfloat16)
+  scale = jnp.float32(16.0)
+
+  def gelu_fwd(transpose):
+    return jax.jit(lambda x, s: activation_fwd(x, ("gelu",), dtype=E4M3, scale=s, transpose=transpose))
+
+  ops = {
+      "gelu fwd +T": (gelu_fwd(True), (x, scale)),
+      "gelu fwd": (gelu_fwd(False), (x, scale)),
+      "gelu bwd": (jax.jit(lambda g, x, s: activation_bwd(g, x, ("gelu",), dtype=E5M2, scale=s,
+                                                                 transpose=True, dbias=True)), (g, x, scale)),
+  }
+  xn = x.reshape(2 * n, n // 2)
+  gamma, beta = jnp.ones((n // 2,), jnp.float32), jnp.zeros((n // 2,), jnp.float32)
+  ops["layernorm fwd"] = (jax.jit(lambda x, gm, b, s: norm_fwd(x, gm, b, norm_type="layernorm", epsilon=1e-6,
+                                                                      dtype=E4M3, scale=s)),
+                          (xn, gamma, beta, scale))
+  ops["rmsnorm fwd"] = (jax.jit(lambda x, gm, s: norm_fwd(x, gm, norm_type="rmsnorm", epsilon=1e-6,
+                                                                 dtype=E4M3, scale=s)), (xn, gamma, scale))
+  # The LayerNorm backward at the GPT layer's shape (8192 tokens, hidden 4096), with the residual gradient added in.
+  xl, gl = x[:n // 2, :n // 4], g[:n // 2, :n // 4]
+  mean, rsigma = jnp.mean(xl.astype(jnp.float32), axis=-1), jnp.ones((n // 2,), jnp.float32)
+  ops["layernorm bwd + dres (GPT layer)"] = (
+      jax.jit(lambda dz, x, m, r, gm, dres: norm_bwd(dz, x, m, r, gm, dres=dres)),
+      (gl, xl, mean, rsigma, jnp.ones((n // 4,), jnp.float32), gl))
+  # The copy ceiling as the benchmarks measure it (a 1 GiB jnp.copy), for kernel-time bandwidths against its own.
+  ops["copy 1 GiB"] = (jax.jit(jnp.copy), (jnp.zeros(((1 << 28) // shrink**2,), jnp.float32),))
+  return ops
 
 
 # Calls dispatched back to back per untraced measurement: the benchmarks' own (harness.Context's default).
@@ -199,14 +250,22 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--shrink", type=int, default=1, help="divide the dimensions by this (a quick CPU run)")
   parser.add_argument("--untraced", action="store_true",
                       help="only the untraced times (per call, dispatch), e.g. to compare XLA_FLAGS settings")
+  parser.add_argument("--ncu", action="store_true",
+                      help="with --bench ops: run each op twice (the first call compiles; ncu's --launch-skip can "
+                           "drop it), untraced, for Nsight Compute")
   a = parser.parse_args(argv)
   if a.bench == "ops":
-    ops = kernel_metrics.acceptance_ops(a.shrink)
+    ops = acceptance_ops(a.shrink)
     unknown = [name for name in a.impl or [] if name not in ops]
     if unknown:
       parser.error(f"unknown op {unknown[0]!r}; the ops are {', '.join(map(repr, ops))}")
     for name in a.impl or ops:
       fn, args = ops[name]
+      if a.ncu:
+        for _ in range(2):
+          jax.block_until_ready(fn(*args))
+        print(f"ran {name}", flush=True)
+        continue
       report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
     return 0
   for name, fn, args in layer_steps(a.bench, a.impl, a.shrink):

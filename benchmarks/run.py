@@ -1,13 +1,17 @@
-"""Runs every benchmark (each ``bench_*.py`` beside this file) and writes the results; the tables are printed last.
+"""Runs the benchmarks (each ``bench_*.py`` beside this file) and merges their rows into the device's results file.
 
-  python benchmarks/run.py           # GPU: full shapes -> benchmarks/results/h200.json and h200.md
-                                     # no GPU: every dimension / 32, a quick smoke run -> results/cpu.json and cpu.md
+  python benchmarks/run.py                   # GPU: full shapes -> results/h200.json; no GPU: every dimension / 32,
+                                             # a quick smoke run -> results/cpu.json (not committed)
+  python benchmarks/run.py --only bench_gemm --only bench_dense
+  python benchmarks/run.py --show            # the tables of results/h200.json, nothing run (--show cpu: cpu.json)
 
-A benchmark module has ``run(ctx: harness.Context) -> list[dict]`` (rows, each with an ``ok`` flag) and ``COLUMNS``,
-the (header, key) pairs of its table. The JSON holds the device, the versions (from ``te_jax.doctor``), the date, the
-measured copy bandwidth (the ceiling of memory-bound ops) and every row; the markdown file holds one table per
-benchmark. Exit code 1 when a benchmark failed, or a row is not ok (the te_jax path did not run its native handler,
-or its outputs differ from the baseline's).
+A benchmark module has ``run(ctx: harness.Context) -> list[dict]``: rows keyed by (bench, case, impl), each with an
+``ok`` flag. After each benchmark its rows go into the results file (``report.update``): they replace the rows with
+the same keys and the others stay, each stamped with this run's commit, date, versions (``te_jax.doctor``) and copy
+bandwidth, so a run stopped at its time limit keeps what it measured. Each benchmark prints its elapsed seconds; the
+tables of this run's rows come last, then the seconds of every benchmark. The headline benchmarks run first.
+Exit code 1 when a benchmark failed, or a row is not ok (the te_jax path did not run its native handler, or its
+outputs differ from the baseline's).
 """
 
 from __future__ import annotations
@@ -15,104 +19,105 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import pathlib
-import re
 import sys
+import time
 import traceback
 
-import jax
-
-import harness
-from te_jax import doctor
+import report
 
 HERE = pathlib.Path(__file__).resolve().parent
-BENCHMARKS = tuple(sorted(p.stem for p in HERE.glob("bench_*.py")))
-RESULTS = HERE / "results"
+ORDER = ("bench_transformer", "bench_layernorm_mlp", "bench_dense", "bench_gemm", "bench_attention", "bench_quantize",
+         "bench_norm", "bench_activation", "bench_softmax", "bench_rope")
+BENCHMARKS = tuple(n for n in ORDER if (HERE / f"{n}.py").exists()) + tuple(
+    sorted(p.stem for p in HERE.glob("bench_*.py") if p.stem not in ORDER))
 
 
-def _results_name(device_kind: str, gpu: bool) -> str:
-  if not gpu:
-    return "cpu"
-  if "H200" in device_kind.upper():
-    return "h200"
-  return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") or "gpu"
-
-
-def _header(result: dict) -> str:
-  dev, copy = result["device"], result["copy_bandwidth"]
-  versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
-  return (f"# te_jax benchmarks: {dev['name']}\n\n"
-          f"{result['date']}; {versions}.\n"
-          f"Copy bandwidth (read + write, jitted jnp.copy of {copy['bytes'] // 2 >> 20} MiB): "
-          f"{copy['gbps']:,.0f} GB/s per call; {result['copy_bandwidth_loop']['gbps']:,.0f} GB/s in a jitted loop "
-          f"(x * s, {result['copy_bandwidth_loop']['bytes'] // 2 >> 20} MiB). % copy BW: ms against the first; "
-          f"% copy BW (loop): ms (loop) against the second.\n"
-          f"ms: median per call over {result['runs']} measurements, calls dispatched back to back (for small inputs, "
-          f"per iteration of a jitted loop); ms (loop): per iteration of a jitted loop; ms (1 sync call): one "
-          f"host-timed call, dispatch included. Bandwidths count bytes read + written.\n")
+def _show(name: str) -> int:
+  path = pathlib.Path(name) if name.endswith(".json") else report.RESULTS / f"{name}.json"
+  return report.main(["--results", str(path)])
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the benchmarks; returns the exit code."""
+  """Runs the benchmarks (or, with --show, prints a results file's tables); returns the exit code."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
   parser.add_argument("--runs", type=int, help="measurements per timing (default: 20 on a GPU, 5 on a CPU)")
-  parser.add_argument("--no-write", action="store_true", help="print the tables, write no files")
+  parser.add_argument("--no-write", action="store_true", help="print the tables, write no results file")
+  parser.add_argument("--show", nargs="?", const="h200", metavar="NAME",
+                      help="print the tables of results/NAME.json (default h200) and run nothing")
   args = parser.parse_args(argv)
+  if args.show is not None:
+    return _show(args.show)
 
+  import jax  # noqa: PLC0415 - --show needs neither jax nor a device
+
+  import harness  # noqa: PLC0415
+  from te_jax import doctor  # noqa: PLC0415
+
+  t_start = time.perf_counter()
+  date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
   device = jax.devices()[0]
   gpu = jax.default_backend() == "gpu"
   # A CPU run is a smoke test of the benchmark code, not a measurement: small shapes, few runs, short loops.
   shrink, runs, inner = (1, args.runs or 20, 50) if gpu else (32, args.runs or 5, 10)
+  info = doctor.collect()
+  if info["reference_forced"]:
+    print("WARNING: TE_JAX_REFERENCE=1: the te_jax rows measure the pure-JAX path", file=sys.stderr, flush=True)
   copy = harness.copy_bandwidth(1 << 30 if gpu else 1 << 24, runs=runs)
   print(f"copy bandwidth: {copy['gbps']:,.0f} GB/s (read + write)"
         + ("" if copy["hlo_copies"] else "; WARNING: the compiled copy holds no copy op, so this is no ceiling"),
         file=sys.stderr, flush=True)
   copy_loop = harness.copy_bandwidth_loop(1 << 29 if gpu else 1 << 22, inner=inner, runs=runs)
   print(f"copy bandwidth in a jitted loop: {copy_loop['gbps']:,.0f} GB/s (read + write)", file=sys.stderr, flush=True)
+  clocks = harness.ClockSampler.start() if gpu else None
   ctx = harness.Context(gpu=gpu, platform="cuda" if gpu else "cpu", shrink=shrink, copy_gbps=copy["gbps"],
-                        copy_loop_gbps=copy_loop["gbps"], runs=runs, inner=inner)
+                        copy_loop_gbps=copy_loop["gbps"], runs=runs, inner=inner, clocks=clocks)
 
-  rows, tables, failures = [], [], {}
-  for name in args.only or BENCHMARKS:
-    try:
-      module = importlib.import_module(name)
-      bench_rows = module.run(ctx)
-    except Exception:  # noqa: BLE001 - one broken benchmark must not lose the others' numbers
-      failures[name] = traceback.format_exc()
-      print(f"{name} FAILED:\n{failures[name]}", file=sys.stderr, flush=True)
-      continue
-    rows += bench_rows
-    tables.append(f"## {name.removeprefix('bench_')}\n\n{harness.markdown_table(bench_rows, module.COLUMNS)}\n")
-
-  info = doctor.collect()
   gpu_info = info["gpus"][0] if info["gpus"] else {}
-  result = {
-      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-      "device": {"name": device.device_kind, "platform": device.platform, "count": len(jax.devices()),
-                 "compute_capability": gpu_info.get("compute_capability"), "shrink": shrink},
+  device_info = {"name": device.device_kind, "platform": device.platform, "count": len(jax.devices()),
+                 "compute_capability": gpu_info.get("compute_capability"), "shrink": shrink}
+  run_info = {
+      "commit": report.current_commit(),
+      "date": date,
       "versions": {
           "te_jax": info["te_jax"], "python": info["python"], **info["packages"],
           "cuda_driver": info["cuda"]["driver_version"], "cuda_runtime": info["cuda"]["runtime_version"],
           "cublaslt": info["cuda"]["cublaslt_version"], "cudnn": info["cuda"]["cudnn"]["version"],
       },
-      "reference_forced": info["reference_forced"],
+      "copy_gbps": copy["gbps"],
+      "copy_loop_gbps": copy_loop["gbps"],
       "runs": runs,
-      "copy_bandwidth": copy,
-      "copy_bandwidth_loop": copy_loop,
-      "rows": rows,
-      "failures": failures,
   }
-  tables += [f"## {name.removeprefix('bench_')}\n\nFAILED; the traceback is in the JSON.\n" for name in failures]
-  text = "\n".join(tables)
-  if not args.no_write:
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / _results_name(device.device_kind, gpu)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(_header(result) + "\n" + text)
-    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}", file=sys.stderr, flush=True)
-  print(text, end="", flush=True)
+  path = report.RESULTS / f"{report.results_name(device.device_kind, gpu)}.json"
+  print(f"commit {run_info['commit']}; results: {'none written' if args.no_write else path}", file=sys.stderr,
+        flush=True)
+  if run_info["commit"] == "unknown":
+    print("WARNING: no git checkout and no TE_JAX_COMMIT: the rows get commit 'unknown'", file=sys.stderr, flush=True)
+
+  rows, failures, elapsed = [], {}, {}
+  for name in args.only or BENCHMARKS:
+    t0 = time.perf_counter()
+    print(f"=== {name}", file=sys.stderr, flush=True)
+    try:
+      bench_rows = importlib.import_module(name).run(ctx)
+    except Exception:  # noqa: BLE001 - one broken benchmark must not lose the others' numbers
+      failures[name] = traceback.format_exc()
+      bench_rows = []
+    elapsed[name] = time.perf_counter() - t0
+    status = f"FAILED:\n{failures[name]}" if name in failures else f"{len(bench_rows)} rows"
+    print(f"=== {name}: {elapsed[name]:.1f} s, {status}", file=sys.stderr, flush=True)
+    rows += bench_rows
+    if bench_rows and not args.no_write:
+      report.update(path, bench_rows, run_info, device_info)
+  if clocks:
+    clocks.stop()
+
+  print(report.tables(report.stamp(rows, run_info)), end="", flush=True)
+  for name in failures:
+    print(f"\n## {name.removeprefix('bench_')}\n\nFAILED; the traceback is in the log above.", flush=True)
+  print("\nelapsed: " + ", ".join(f"{n.removeprefix('bench_')} {s:.0f} s" for n, s in elapsed.items())
+        + f"; total {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
   return 1 if failures or not all(r["ok"] for r in rows) else 0
 
 

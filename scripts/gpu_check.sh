@@ -7,7 +7,7 @@
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
 #                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; ncu, Nsight
-#                                             # Compute counters of the kernels of benchmarks/kernel_metrics.py:
+#                                             # Compute counters of profile_layer.py's single ops:
 #                                             # NCU_KERNELS, NCU_SKIP, NCU_SECTIONS)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
@@ -19,6 +19,13 @@
 # Each step has a time limit, and the whole run stays within GPU_CHECK_BUDGET_S seconds (default 570, under the
 # machine's 10 minutes per command). The tests not marked `gpu` run only with GPU_CHECK_ALL_TESTS=1: CI runs them on
 # every change anyway.
+#
+# Benchmarks: `benchmarks/run.py` merges its rows into benchmarks/results/h200.json (each row with its run's commit,
+# date, versions and copy bandwidth; OUT gets the file). That machine gets the working tree without .git: pass the
+# commit, e.g. `TE_JAX_COMMIT=$(git rev-parse --short HEAD)-dirty bash scripts/gpu_check.sh build bench`, or the rows
+# say "unknown". Back here: copy h200.json into benchmarks/results/ and run `python benchmarks/report.py --write
+# README.md`. The whole suite is estimated at ~300 s on the H200 (each benchmark prints its seconds; the last line of
+# the step's log sums them up), hence the step's 420 s: with the build it fits one call as `build bench`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -90,6 +97,10 @@ gpu_tests() {
   grep -qE "[0-9]+ passed" "$LOGS/.pytest_gpu" || { echo "gpu_check: no GPU test ran"; return 1; }
 }
 
+if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -z "${TE_JAX_COMMIT:-}" ]; then
+  echo "gpu_check: no git checkout and no TE_JAX_COMMIT: the benchmark rows will say commit \"unknown\""
+fi
+
 export LOGS
 export -f build doctor gpu_tests
 # Steps to run, in this order: the arguments, or all of them (build first: the others need it).
@@ -97,7 +108,7 @@ WANT=" ${*:-build doctor tests bench demo} "
 want() { [[ $WANT == *" $1 "* ]]; }
 want build && step "build (CUDA sm_90a)" 300 build.log 12 build
 want doctor && step "doctor" 60 doctor.log 40 doctor
-want bench && step "benchmarks" "${GPU_BENCH_S:-240}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
+want bench && step "benchmarks" "${GPU_BENCH_S:-420}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
 want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
@@ -108,16 +119,17 @@ want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
    ${NCU_SECTIONS:---section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters} \
    --print-details all \
-   python3 benchmarks/kernel_metrics.py"
+   python3 benchmarks/profile_layer.py --bench ops --ncu"
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" "${LM_S:-240}" demo.log 16 \
   "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then
   step "tests -m \"not gpu\"" 150 tests_rest.log 15 'python3 -m pytest -q -m "not gpu" tests'
 fi
 
-# The device, and the acceptance row (quantize 16384x8192 bf16 -> E4M3 + transpose) if the benchmarks got that far.
+# The device, and this run's headline rows (the GPT layer's ratios, quantize's acceptance shape) if the benchmarks got
+# that far.
 HEADLINE=$(python3 - <<'PY' 2>/dev/null
-import glob, json, os
+import datetime, glob, json, os
 try:
   info = json.load(open("build/gpu_check/doctor.json"))
   gpus = ", ".join(f"{g['name']} (cc {g['compute_capability']})" for g in info["gpus"]) or "no GPU"
@@ -125,9 +137,14 @@ try:
 except (OSError, ValueError, KeyError):
   print("device: unknown (no doctor.json)")
 start = os.path.getmtime("build/gpu_check/.start")
-for f in [f for f in glob.glob("benchmarks/results/*.json") if os.path.getmtime(f) >= start]:
-  for r in json.load(open(f))["rows"]:
-    if r["impl"] == "te_jax" and r.get("note", "").startswith("acceptance shape"):
+for f in glob.glob("benchmarks/results/*.json"):
+  rows = [r for r in json.load(open(f))["rows"]
+          if datetime.datetime.fromisoformat(r["date"]).timestamp() >= start - 1]
+  for r in rows:
+    if r["impl"] == "te_jax TransformerLayer fp8" and r["case"].startswith("GPT layer"):
+      print(f"GPT layer: {r['ms']:.2f} ms, {r['speedup_vs_bf16']:.2f}x Flax BF16, {r['speedup_vs_flax_fp8']:.2f}x "
+            f"Flax FP8, ok={r['ok']}")
+    if r["bench"] == "quantize" and r["impl"] == "te_jax" and r.get("note", "").startswith("acceptance shape"):
       print(f"acceptance: {r['case']}: {r['ms']:.4f} ms, {r['gbps']:,.0f} GB/s = {r['pct_copy']:.0f}% of copy, "
             f"{r['speedup_vs_xla']:.2f}x XLA, handler {r['handler']}, ok={r['ok']}")
 PY
@@ -142,11 +159,10 @@ PY
   printf '%s\n' "${STEPS[@]}"
 } > "$LOGS/summary.txt"
 
-if [ -n "${OUT:-}" ]; then  # at most 10 files: 8 logs and the benchmark results (json + md)
+if [ -n "${OUT:-}" ]; then  # at most 10 files: 8 logs, the summary and the benchmark results file
   mkdir -p "$OUT"
   cp "$LOGS"/{build,doctor,tests_gpu,bench,demo,profile,ncu}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
-  find benchmarks/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.md' \) -newer "$LOGS/.start" \
-    | head -n 2 | xargs -r cp -t "$OUT"/
+  find benchmarks/results -maxdepth 1 -type f -name '*.json' -newer "$LOGS/.start" | head -n 1 | xargs -r cp -t "$OUT"/
 fi
 
 echo
