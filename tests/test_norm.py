@@ -159,7 +159,7 @@ def native_fwd_many(cases, *, device=CPU) -> list[NormOutput]:
 
 
 def config_of(kw) -> NormConfig:
-  return NormConfig(kw["norm_type"], kw["epsilon"], jnp.dtype(kw["out_dtype"]), kw.get("transpose", False))
+  return NormConfig(kw["norm_type"], kw["epsilon"], jnp.dtype(kw["dtype"]), kw.get("transpose", False))
 
 
 def factor_of(gamma, kw):
@@ -201,7 +201,7 @@ def check_fwd_many(cases, *, device=CPU):
   refs = reference_stats_many(cases)
   expected = expected_outputs_many(cases, outs)
   for (x, _, _, kw), out, (ref_mean, ref_rsigma), (e_out, e_t, e_amax) in zip(cases, outs, refs, expected):
-    what = f"{np.shape(x)} {np.asarray(x).dtype}->{jnp.dtype(kw['out_dtype']).name} {kw['norm_type']}"
+    what = f"{np.shape(x)} {np.asarray(x).dtype}->{jnp.dtype(kw['dtype']).name} {kw['norm_type']}"
     mean64, rsigma64 = stats64(x, kw["norm_type"], kw["epsilon"])
     finite = np.isfinite(rsigma64)
     if kw["norm_type"] == "layernorm":
