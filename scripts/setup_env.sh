@@ -38,19 +38,34 @@ _te_find_python() {
 _te_hash() { sha256sum | cut -c1-16; }
 
 # _te_progress LOG LABEL REGEX: copies its input to LOG and shows the lines that match REGEX on stderr, with the
-# seconds since it started, so that a step of several minutes says what it is doing.
+# seconds since it started, so that a step of several minutes says what it is doing. After 30 s without such a line
+# it says that it is still at work (pip unpacks for ~30 s without a word; one CUDA source compiles for minutes).
 _te_progress() {
-  local log=$1 label=$2 regex=$3 start=$SECONDS line shown
-  while IFS= read -r line; do
-    printf '%s\n' "$line" >&3
-    [[ $line =~ $regex ]] || continue
-    shown="${line#"${line%%[![:space:]]*}"}"
-    # "[3/19] Building CXX object CMakeFiles/_te_cpu.dir/ffi/cpu/norm.cc.o" -> "[3/19] CXX ffi/cpu/norm.cc"
-    if [[ $shown =~ ^(\[[0-9]+/[0-9]+\])\ Building\ ([A-Z]+)\ object\ CMakeFiles/[^/]+\.dir/(.*)\.o$ ]]; then
-      shown="${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ${BASH_REMATCH[3]##*site-packages/}"
+  local log=$1 label=$2 regex=$3 start=$SECONDS last=$SECONDS line partial="" shown eof=0 got
+  while ((!eof)); do
+    got=1
+    if IFS= read -r -t 5 line; then
+      line="$partial$line" partial=""
+    elif (($? > 128)); then  # timed out: keep what came of the line so far
+      partial+="$line" line="" got=0
+    else  # end of input, perhaps after an unterminated last line
+      eof=1 line="$partial$line"
+      [ -n "$line" ] || got=0
     fi
-    ((${#shown} <= 150)) || shown="${shown:0:147}..."
-    printf 'setup: %s %4ss: %s\n' "$label" "$((SECONDS - start))" "$shown" >&2
+    ((got)) && printf '%s\n' "$line" >&3
+    if ((got)) && [[ $line =~ $regex ]]; then
+      shown="${line#"${line%%[![:space:]]*}"}"
+      # "[3/19] Building CXX object CMakeFiles/_te_cpu.dir/ffi/cpu/norm.cc.o" -> "[3/19] CXX ffi/cpu/norm.cc"
+      if [[ $shown =~ ^(\[[0-9]+/[0-9]+\])\ Building\ ([A-Z]+)\ object\ CMakeFiles/[^/]+\.dir/(.*)\.o$ ]]; then
+        shown="${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ${BASH_REMATCH[3]##*site-packages/}"
+      fi
+      ((${#shown} <= 150)) || shown="${shown:0:147}..."
+      printf 'setup: %s %4ss: %s\n' "$label" "$((SECONDS - start))" "$shown" >&2
+      last=$SECONDS
+    elif ((!eof && SECONDS - last >= 30)); then
+      printf 'setup: %s %4ss: ... still at work\n' "$label" "$((SECONDS - start))" >&2
+      last=$SECONDS
+    fi
   done 3>"$log"
 }
 
