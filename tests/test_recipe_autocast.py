@@ -173,6 +173,35 @@ def test_fp8_support_check_passes_on_this_machine():
     assert s.allow_emulation
 
 
+class _FakeDevice:
+  def __init__(self, platform, compute_capability=None, device_kind="fake"):
+    self.platform, self.device_kind = platform, device_kind
+    if compute_capability is not None:
+      self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize("cc,raises", [("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False), ("10.0", False)])
+def test_fp8_support_check_on_a_simulated_gpu(monkeypatch, cc, raises):
+  """jax.local_devices() faked to hold a GPU of compute capability ``cc`` (next to a CPU device): below 8.9 enabling
+  autocast raises and names the fix, unless allow_emulation=True; disabled autocast never checks; the state is
+  left as it was."""
+  gpu = _FakeDevice("gpu", cc, device_kind="Fake GPU")
+  monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_FakeDevice("cpu"), gpu])
+  if raises:
+    with pytest.raises(RuntimeError, match=rf"FP8 needs compute capability >= 8\.9, but Fake GPU has {cc}\. "
+                                           r"Pass autocast\(\.\.\., allow_emulation=True\)"):
+      with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        pass
+    assert get_autocast_state() == AutocastState()
+  else:
+    with te_jax.autocast(enabled=True) as s:
+      assert s.enabled
+  with te_jax.autocast(enabled=True, allow_emulation=True) as s:
+    assert s.enabled and s.allow_emulation
+  with te_jax.autocast(enabled=False) as s:
+    assert not s.enabled
+
+
 # ---- retracing -----------------------------------------------------------------------------------------------------
 
 

@@ -319,18 +319,37 @@ def test_vmap(layout):
   def one(x, f):
     return te_jax.apply_rope(x, f, layout=layout, interleaved=True)
 
-  for in_axes, args, pick in [
+  cases = [
       ((0, None), (xs, fs[0]), lambda i: (xs[i], fs[0])),
       ((0, 0), (xs, fs), lambda i: (xs[i], fs[i])),
       ((None, 0), (xs[0], fs), lambda i: (xs[0], fs[i])),
       ((0, None), (xs, fb), lambda i: (xs[i], fb)),
       ((2, None), (jnp.moveaxis(xs, 0, 2), fs[0]), lambda i: (xs[i], fs[0])),
-  ]:
-    out = jax.jit(jax.vmap(one, in_axes=in_axes))(*args)
-    for i in range(3):
-      assert_bitwise(out[i], one(*pick(i)), what=f"vmap {in_axes} element {i}")
-    g = jax.grad(lambda a: jnp.sum(jax.vmap(one, in_axes=in_axes)(a, args[1]) ** 2))(args[0])
+  ]
+
+  @jax.jit
+  def batched(all_args):
+    """Each case's vmapped output and the gradient of sum(output^2) with respect to its first argument."""
+    results = []
+    for (in_axes, _, _), (a, f) in zip(cases, all_args):
+      mapped = lambda a, f=f, in_axes=in_axes: jax.vmap(one, in_axes=in_axes)(a, f)  # noqa: E731
+      results.append((mapped(a), jax.grad(lambda a, mapped=mapped: jnp.sum(mapped(a) ** 2))(a)))
+    return results
+
+  one_jit = jax.jit(one)
+  for (in_axes, args, pick), (out, g) in zip(cases, batched([c[1] for c in cases]), strict=True):
     assert g.shape == args[0].shape
+    for i in range(3):
+      assert_bitwise(out[i], one_jit(*pick(i)), what=f"vmap {in_axes} element {i}")
+    # The gradient of sum(y^2) is the reference's backward rotation (by -angle) of the cotangent 2y, element by
+    # element; with x shared (in_axes None), the sum of those over the elements.
+    per_element = [numpy_f32_rotation(2 * np.asarray(out[i]), *tables(pick(i)[1]), layout, True, backward=True)
+                   for i in range(3)]
+    if in_axes[0] is None:
+      want = per_element[0].astype(np.float64) + per_element[1] + per_element[2]
+      np.testing.assert_allclose(np.asarray(g), want, rtol=0, atol=4 * 2.0**-24 * np.abs(want).max())
+    else:
+      assert_bitwise(jnp.moveaxis(g, in_axes[0], 0), np.stack(per_element), what=f"grad, vmap {in_axes}")
 
 
 # ---- argument checks -------------------------------------------------------------------------------------------------
@@ -466,5 +485,5 @@ def test_gpu_apply_rope_grad_and_specials(gpu):
 
 
 def test_docstring_examples():
-  result = doctest.testmod(importlib.import_module("te_jax.rope"))
+  result = doctest.testmod(importlib.import_module("te_jax.ops.rope"))
   assert result.attempted > 0 and result.failed == 0, result

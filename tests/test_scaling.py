@@ -131,17 +131,27 @@ def test_update_scale_state_replayed(history_len, margin, algo, fp8, fp8_max):
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_update_scale_states_batched_equals_one_by_one(algo):
   """Several tensors (E4M3 and E5M2, a NaN, a zero and an inf amax among them) updated in one batched computation
-  get the same bits as updated one at a time."""
+  and one at a time: both the numpy replay of the rule (_np_update), bit for bit. (update_scale_state is the batched
+  op with one tensor, so comparing the two with each other alone would prove nothing.)"""
   rng = np.random.default_rng(0)
   dtypes = [jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2, jnp.float8_e4m3fn]
   states = [scaling.ScaleState(jnp.asarray(rng.uniform(0, 4, 6), jnp.float32), jnp.float32(rng.uniform(1, 100)))
             for _ in dtypes]
   amaxes = [jnp.float32(v) for v in (3.0, 0.0, np.nan, np.inf, 0.5)]
-  batched = jax.jit(lambda s, a: scale_update.update_scale_states(s, a, dtypes, margin=1, algo=algo))(states, amaxes)
-  for state, amax, dtype, got in zip(states, amaxes, dtypes, batched):
-    want = scale_update.update_scale_state(state, amax, dtype, margin=1, algo=algo)
-    assert_f32_equal(got.amax_history, want.amax_history, what="history")
-    assert_f32_equal(got.scale, want.scale, what="scale")
+
+  def both(states, amaxes):
+    one_by_one = [scale_update.update_scale_state(s, a, d, margin=1, algo=algo)
+                  for s, a, d in zip(states, amaxes, dtypes)]
+    return scale_update.update_scale_states(states, amaxes, dtypes, margin=1, algo=algo), one_by_one
+
+  batched, one_by_one = jax.jit(both)(states, amaxes)
+  for state, amax, dtype, got, single in zip(states, amaxes, dtypes, batched, one_by_one, strict=True):
+    want_h, want_s = _np_update(np.asarray(state.amax_history), np.float32(state.scale), np.float32(amax),
+                                scaling.fp8_max(dtype), 1, algo)
+    for what, new in (("batched", got), ("one by one", single)):
+      assert_f32_equal(new.amax_history, want_h, what=f"history, {what}")
+      assert_f32_equal(new.scale, want_s, what=f"scale, {what}")
+      assert_f32_equal(new.scale_inv, np.float32(1.0) / want_s, what=f"scale_inv, {what}")
   with pytest.raises(ValueError, match="amax_compute_algo must be"):
     scale_update.update_scale_states(states, amaxes, dtypes, algo="mean")
 
