@@ -166,3 +166,21 @@ def test_calibrate_raises_where_it_would_do_nothing():
   with pytest.raises(ValueError, match="calibrate: the pass ran no GEMM with delayed scaling"):
     te_flax.calibrate(_loss, variables)
   assert te_flax.calibrate(_loss, {"params": variables["params"]}) == {"params": variables["params"]}  # BF16 code
+
+
+def test_a_non_finite_step_leaves_the_state_as_it_was():
+  """One NaN batch: optax.apply_if_finite skips the parameter update, and the FP8 state, whose amaxes are NaN in every
+  layer's backward, stays as it was instead of holding a NaN in every history for amax_history_len steps; the next
+  finite step updates both as usual."""
+  variables = _train_state_steps(_init(), optax.sgd(0.1), 2, BATCHES)
+  state = train_state.TrainState.create(apply_fn=MODEL.apply, params=variables,
+                                        tx=optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=5))
+  step = jax.jit(lambda s, x: s.apply_gradients(grads=jax.grad(_loss)(s.params, x)))
+  bad = BATCHES[2].at[3, 5].set(jnp.nan)
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    skipped = step(state, bad)
+    _assert_trees_equal(skipped.params, variables)
+    after = step(skipped, BATCHES[2])
+  history = after.params[FP8]["DenseGeneral_0"]["grad_amax_history"]
+  assert bool(jnp.all(jnp.isfinite(history))) and float(history[0]) > 0
+  assert not jax.tree.all(jax.tree.map(jnp.array_equal, after.params["params"], variables["params"]))

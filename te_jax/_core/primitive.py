@@ -25,6 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from te_jax._core import native
+from te_jax._core.dtypes import HALF_DTYPES as _HALF
 from te_jax._core.jax_compat import apply_primitive, require_devices_during_lowering
 from te_jax._core.manual_axes import to_common_varying
 
@@ -99,7 +100,7 @@ def define_op(
   inner.multiple_results = True
   inner.def_impl(apply_primitive(inner))
   inner.def_abstract_eval(abstract_eval)
-  reference_lowering = mlir.lower_fun(reference, multiple_results=True)
+  reference_lowering = mlir.lower_fun(_with_rounded_operands(reference), multiple_results=True)
   mlir.register_lowering(inner, reference_lowering)
   for platform in native_platforms:
     mlir.register_lowering(
@@ -128,6 +129,29 @@ def define_op(
   op = Op(inner, outer)
   batching.primitive_batchers[outer] = batcher or sequential_batcher(op)
   return op
+
+
+def _with_rounded_operands(reference: Callable) -> Callable:
+  """``reference`` reading its 16-bit float operands as the rounded values a handler reads from its buffers.
+
+  Under ``jax.jit`` XLA may keep a bfloat16/float16 producer's result in float32 where it feeds another op
+  (``xla_allow_excess_precision``), so without this the reference, lowered inline, would see values its handler
+  never sees and the two paths would differ in the last bits. Reading the operand's 16 bits (a bitcast, behind an
+  optimization barrier so that it is not folded away) makes XLA produce exactly those bits, subnormals included;
+  where the operand is already rounded it changes nothing.
+  """
+
+  def rounded(*args, config):
+    return reference(*(_round(a) for a in args), config=config)
+
+  return rounded
+
+
+def _round(x):
+  if not hasattr(x, "dtype") or jax.numpy.dtype(x.dtype) not in _HALF:
+    return x
+  bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, np.uint16))
+  return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
 class NativeSignature(NamedTuple):

@@ -187,14 +187,20 @@ class Fp8Config:
   def update_metas(self, items):
     """The next step's delayed-scaling states of one or more GEMMs, updated together (one batched computation):
     ``items`` are ``(meta, amax_x, amax_kernel, amax_grad)`` with ``meta`` a (x, kernel, grad) state tuple such as
-    ``DenseFp8Meta``; returns the new metas, of the same types."""
+    ``DenseFp8Meta``; returns the new metas, of the same types.
+
+    A non-finite amax never enters a history: when any amax of the call is NaN or infinite, every state of the call
+    stays as it was. A step whose loss is not finite has non-finite output gradients in every layer, so such a step
+    leaves the whole FP8 state unchanged, as ``optax.apply_if_finite`` leaves the parameters."""
     states = [s for meta, *_ in items for s in meta]
     # Inside shard_map: the amax of the whole tensor wherever the state is replicated (as under jax.jit).
     amaxes = [a for _, *amaxes in items for a in amaxes]
     amaxes = max_over_shards(amaxes, [varying_axes(a) - varying_axes(s.amax_history) for a, s in zip(amaxes, states)])
     dtypes = [self.fwd_dtype, self.fwd_dtype, self.bwd_dtype] * len(items)
-    new = update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin,
-                                      algo=self.recipe.amax_compute_algo)
+    new = update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo)
+    finite = jnp.all(jnp.isfinite(jnp.stack(amaxes)))
+    new = [scaling.ScaleState(jnp.where(finite, n.amax_history, s.amax_history), jnp.where(finite, n.scale, s.scale))
+           for n, s in zip(new, states)]
     return [type(meta)(*new[3 * i:3 * i + 3]) for i, (meta, *_) in enumerate(items)]
 
 
