@@ -22,7 +22,20 @@ logger = logging.getLogger("te_jax")
 #: Platforms with a native module: the jax lowering platform name and the extension module that serves it.
 _MODULES = {"cpu": "_te_cpu", "cuda": "_te_cuda"}
 
-REFERENCE_FORCED: bool = os.environ.get("TE_JAX_REFERENCE", "0") not in ("", "0")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _reference_forced(value: str) -> bool:
+  """``TE_JAX_REFERENCE``'s value as a bool; anything else is reported (once, here) and read as off."""
+  if value.strip().lower() in _TRUE:
+    return True
+  if value.strip().lower() not in _FALSE:
+    logger.warning("te_jax: TE_JAX_REFERENCE=%r is not one of %s (on) or %s (off); the native handlers stay on",
+                   value, "/".join(_TRUE), "/".join(v for v in _FALSE if v))
+  return False
+
+
+REFERENCE_FORCED: bool = _reference_forced(os.environ.get("TE_JAX_REFERENCE", ""))
 
 #: The loaded extension module per platform (None where it did not load).
 modules: dict[str, types.ModuleType | None] = {}

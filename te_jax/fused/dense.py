@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, check_fp8_dims, check_residual,
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, as_arrays, check_fp8_dims,
+                                 check_residual,
                                  fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, pad_rows,
                                  primal_values, quantize_grad, residual_rows, state_as_float32, state_like)
 from te_jax.ops.quantize import quantize
@@ -130,6 +131,7 @@ def dense(
   Returns:
     ``(*x's other dims, *features)`` in ``x``'s dtype (a tuple of them unstacked, with ``unstack_axis``).
   """
+  x, kernel, bias, residual = as_arrays(x, kernel, bias, residual)
   axes = normalize_axes(axis, x.ndim, "x")
   n_contract = len(axes)
   if kernel.ndim <= n_contract - 1 or kernel.shape[:n_contract] != tuple(x.shape[a] for a in axes):

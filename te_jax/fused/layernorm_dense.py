@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, check_fp8_dims,
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays,
+                                 check_fp8_dims,
                                  fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows,
                                  primal_values, quantize_grad, state_as_float32, state_like)
 from te_jax.recipe import DelayedScaling, Recipe
@@ -129,6 +130,7 @@ def layernorm_dense(
     ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
     ``return_layernorm_output``, then ``x`` when ``return_input``.
   """
+  x, gamma, beta, kernel, bias = as_arrays(x, gamma, beta, kernel, bias)
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h = x.shape[-1]
   if kernel.ndim < 1 or kernel.shape[0] != h:

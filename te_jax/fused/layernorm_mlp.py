@@ -20,7 +20,8 @@ import jax
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, check_fp8_dims, check_residual,
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, as_arrays, check_fp8_dims,
+                                 check_residual,
                                  fp8_recipe, instantiate, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, primal_values,
                                  residual_rows, state_as_float32, state_like)
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
@@ -168,6 +169,8 @@ def layernorm_mlp(
   Returns:
     ``x``'s shape and dtype.
   """
+  x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual = as_arrays(x, gamma, beta, kernel_1, kernel_2, bias_1,
+                                                                          bias_2, residual)
   names = parse_activation_type(activation_type)
   gated = names[1]
   act = (names[0], "linear") if gated else (names[0],)

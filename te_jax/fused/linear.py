@@ -30,7 +30,7 @@ from te_jax.ops.scale_update import update_scale_states
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = [
-    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "check_fp8_dims",
+    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_fp8_dims",
     "check_residual", "fp8_recipe", "instantiate", "layer_output", "linear_bwd", "linear_fwd", "norm_to_fp8",
     "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32", "state_like",
 ]
@@ -65,6 +65,18 @@ def fp8_recipe(recipe: Recipe | None, **states) -> Recipe | None:
       if not isinstance(state, DenseFp8Meta):
         raise TypeError(f"{name} must be a te_jax.DenseFp8Meta, got {type(state).__name__}")
   return recipe
+
+
+def as_arrays(x, *params):
+  """A fused op's input ``x`` and parameters as jax arrays, ``x`` in the compute dtype jnp would use: NumPy arrays and
+  Python scalars become jax arrays (float64 becomes float32 unless x64 is on), and a non-float ``x`` (integer
+  tokens, booleans) is promoted with the parameters, as ``jnp.dot`` would, instead of the parameters being cast
+  to its dtype."""
+  x = jnp.asarray(x)
+  params = [None if p is None else jnp.asarray(p) for p in params]
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    x = x.astype(jnp.result_type(x, *(p for p in params if p is not None)))
+  return (x, *params)
 
 
 def check_fp8_dims(**dims: int) -> None:
