@@ -12,7 +12,7 @@ import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, logical
+from te_jax.flax.params import Initializer, features_tuple, logical, reshaped
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.recipe import Recipe
 
@@ -22,8 +22,9 @@ __all__ = ["DenseGeneral", "Fp8DotGeneral"]
 class DenseGeneral(nn.Module):
   """A dense layer over any input axes, with FP8 GEMMs under ``te_jax.autocast``.
 
-  Flax's ``nn.DenseGeneral`` conventions (same parameter names, shapes and default initializers, so a checkpoint
-  of one loads into the other), plus logical axis names for sharding and the FP8 state collection.
+  Flax's ``nn.DenseGeneral``, attribute for attribute (same parameter names, shapes and default initializers, so a
+  checkpoint of one loads into the other; initializers that name their axes with ``nn.with_logical_partitioning``),
+  plus logical axis names for sharding and the FP8 state collection.
 
   >>> import jax, jax.numpy as jnp, te_jax, te_jax.flax as te_flax
   >>> layer = te_flax.DenseGeneral(features=32, dtype=jnp.bfloat16)
@@ -34,15 +35,22 @@ class DenseGeneral(nn.Module):
   >>> sorted(variables[te_jax.FP8_COLLECTION])[:2]
   ['grad_amax_history', 'grad_scale']
 
+  Under FP8 the GEMM is te_jax's, unless it cannot be: with ``batch_dims`` or a ``dot_general`` of the caller's, or
+  sizes that are not multiples of 16 (an FP8 GEMM's), the layer computes in high precision as Flax's does and hands
+  its FP8 state back unchanged.
+
   Attributes:
     features: the output features (int or tuple).
     axis: the input axes to contract.
+    batch_dims: leading input axes the kernel has too (one kernel per index), as in ``nn.DenseGeneral``.
     unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
     use_bias: add a bias.
     kernel_init: initializer of the kernel, called on its 2-D (inputs, outputs) shape as Flax does.
     bias_init: initializer of the bias.
-    dtype: the compute dtype (None: the input's).
+    dtype: the compute dtype (None: the promotion of the input's and ``param_dtype``, as in Flax).
     param_dtype: the dtype of the parameters.
+    precision: ``lax.dot_general``'s precision for the high-precision GEMM.
+    dot_general, dot_general_cls: a GEMM of the caller's instead of te_jax's (as in Flax; it runs in high precision).
     kernel_axes: logical axis names of the kernel (``(*input axes, *feature axes)``).
     bias_axes: logical axis names of the bias.
     recipe: an FP8 recipe for this layer, overriding autocast's.
@@ -50,12 +58,16 @@ class DenseGeneral(nn.Module):
 
   features: int | Sequence[int]
   axis: int | Sequence[int] = -1
+  batch_dims: Sequence[int] = ()
   unstack_axis: int | None = None
   use_bias: bool = True
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
   dtype: Any = None
   param_dtype: Any = jnp.float32
+  precision: Any = None
+  dot_general: Any = None
+  dot_general_cls: Any = None
   kernel_axes: tuple[str | None, ...] = ()
   bias_axes: tuple[str | None, ...] = ()
   recipe: Recipe | None = None
@@ -63,28 +75,49 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
+    inputs = jnp.asarray(inputs)
     features = features_tuple(self.features)
+    batch_dims = tuple(sorted(normalize_axes(self.batch_dims, inputs.ndim, "batch_dims")))
+    if batch_dims != tuple(range(len(batch_dims))):
+      raise ValueError(f"batch_dims {self.batch_dims} must be consecutive leading dimensions starting from 0")
     axis = tuple(sorted(normalize_axes(self.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
-    kernel_shape = tuple(inputs.shape[a] for a in axis) + features
-    n_in = len(axis)
+    if set(axis) & set(batch_dims):
+      raise ValueError(f"axis {self.axis} and batch_dims {self.batch_dims} overlap")
+    if self.dot_general is not None and self.dot_general_cls is not None:
+      raise ValueError("give dot_general or dot_general_cls, not both")
+    n_batch, n_in = len(batch_dims), len(axis)
+    batch_shape = tuple(inputs.shape[a] for a in batch_dims)
+    kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
 
     def kernel_init(rng, shape, dtype):
-      flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
-      return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
+      flat = (int(np.prod(shape[:n_batch + n_in])), int(np.prod(shape[n_batch + n_in:])))
+      return reshaped(self.kernel_init(rng, flat, dtype), shape)
 
     kernel = self.param("kernel", logical(kernel_init, self.kernel_axes), kernel_shape, self.param_dtype)
     bias = None
     if self.use_bias:
 
       def bias_init(rng, shape, dtype):
-        return jnp.reshape(self.bias_init(rng, (int(np.prod(shape)),), dtype), shape)
+        return reshaped(self.bias_init(rng, (int(np.prod(shape)),), dtype), shape)
 
-      bias = self.param("bias", logical(bias_init, self.bias_axes), features, self.param_dtype)
+      bias = self.param("bias", logical(bias_init, self.bias_axes), batch_shape + features, self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    recipe = resolve_recipe(self.recipe)
-    x, (meta,) = fp8_state(self, recipe, inputs.astype(dtype))
-    return dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual, fp8_meta=meta,
-                 recipe=recipe)
+    x = inputs.astype(dtype)
+    custom = self.dot_general or (self.dot_general_cls() if self.dot_general_cls is not None else None)
+    if custom is None and not batch_dims:
+      recipe = resolve_recipe(self.recipe)
+      x, (meta,) = fp8_state(self, recipe, x)
+      return dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual, fp8_meta=meta,
+                   recipe=recipe, precision=self.precision)
+    # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
+    if self.unstack_axis is not None:
+      raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")
+    x, _ = fp8_state(self, None, x)
+    dims = ((axis, tuple(range(n_batch, n_batch + n_in))), (batch_dims, tuple(range(n_batch))))
+    y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=self.precision)
+    if bias is not None:
+      y = y + jnp.reshape(bias.astype(y.dtype), batch_shape + (1,) * (x.ndim - n_batch - n_in) + features)
+    return y if residual is None else y + residual.astype(y.dtype)
 
 
 class Fp8DotGeneral(nn.Module):

@@ -21,7 +21,7 @@ from te_jax._core import scaling
 from te_jax._core.autocast import calibration_pass, resolve_recipe
 from te_jax._core.jax_compat import enable_eager_extended_dtype_add
 from te_jax._core.scaling import FP8_COLLECTION
-from te_jax.fused.linear import DenseFp8Meta
+from te_jax.fused.linear import DenseFp8Meta, keep_state
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["accumulate_gradients", "calibrate", "fp8_state", "split_fp8_state"]
@@ -69,31 +69,14 @@ def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Met
 
 
 def _keep_state(module: nn.Module, x, prefixes):
-  """``x``, tied to the FP8 state ``module``'s variables hold for ``prefixes`` (if any) by ``_tie``."""
+  """``x``, tied to the FP8 state ``module``'s variables hold for ``prefixes`` (if any) by ``keep_state``."""
   views = []
   for prefix in prefixes:
     for role in _ROLES:
       for kind, view in (("amax_history", _max_grad_view), ("scale", _min_grad_view)):
         if module.has_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}"):
           views.append(view(module, module.get_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}")))
-  return _tie(x, tuple(views)) if views else x
-
-
-@jax.custom_vjp
-def _tie(x, state):
-  """``x``; the gradient of ``state`` is ``state`` itself (an update that keeps it)."""
-  return x
-
-
-def _tie_fwd(x, state):
-  return x, state
-
-
-def _tie_bwd(state, g):
-  return g, state
-
-
-_tie.defvjp(_tie_fwd, _tie_bwd)
+  return keep_state(x, tuple(views)) if views else x
 
 
 def split_fp8_state(tree: Mapping) -> tuple[dict, Mapping | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+from flax.core import meta
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,8 @@ import numpy as np
 from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
-           "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "resolve_deterministic",
-           "seq_first_to_batch_first"]
+           "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "reshaped",
+           "resolve_deterministic", "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -53,8 +54,20 @@ def features_tuple(features) -> tuple[int, ...]:
 
 
 def logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
-  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any."""
-  return nn.with_logical_partitioning(init, axes) if axes else init
+  """``init`` with logical axis names attached (for ``nn.logical_to_mesh_sharding``), when there are any. An ``init``
+  that names its axes itself (``nn.with_logical_partitioning``, as in most partitioned Flax models) keeps them; both
+  at once raise."""
+  if not axes:
+    return init
+
+  def named(rng, shape, dtype):
+    value = init(rng, shape, dtype)
+    if isinstance(value, meta.AxisMetadata):
+      raise ValueError(f"the initializer names the parameter's axes already ({type(value).__name__}) and the module "
+                       f"was given axis names {axes} too: give them one way")
+    return nn.LogicallyPartitioned(value, axes)
+
+  return named
 
 
 def norm_params(module: nn.Module, hidden: int, prefix: str = ""):
@@ -78,9 +91,17 @@ def flat_init(init: Initializer, n_in: int) -> Initializer:
 
   def wrapped(rng, shape, dtype):
     flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
-    return jnp.reshape(init(rng, flat, dtype), shape)
+    return reshaped(init(rng, flat, dtype), shape)
 
   return wrapped
+
+
+def reshaped(value, shape):
+  """An initializer's output reshaped; one that names its axes (``nn.with_logical_partitioning``) keeps its names, as
+  Flax's ``nn.DenseGeneral`` keeps them: they then name the reshaped parameter's axes."""
+  if isinstance(value, meta.AxisMetadata):
+    return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+  return jnp.reshape(value, shape)
 
 
 

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, as_arrays, check_fp8_dims,
-                                 check_residual,
-                                 fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, pad_rows,
-                                 primal_values, quantize_grad, residual_rows, state_as_float32, state_like)
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, as_arrays, check_residual,
+                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, layer_output, linear_bwd,
+                                 linear_fwd, pad_rows, primal_values, quantize_grad, residual_rows, state_as_float32,
+                                 state_like)
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
 
@@ -105,6 +105,7 @@ def dense(
     residual: jax.Array | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
+    precision=None,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
 
@@ -127,6 +128,10 @@ def dense(
       epilogue, so ``x @ kernel + bias + residual`` is rounded once and costs no pass of its own.
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
     recipe: overrides the autocast recipe for this call.
+    precision: ``lax.dot_general``'s precision for the high-precision GEMM (FP8 GEMMs accumulate as the recipe says).
+
+  A GEMM whose contracted or output size is not a multiple of 16 (which FP8 GEMMs need: a classifier's 4-way head,
+  an odd hidden size) runs in high precision even under FP8, and its state is handed back unchanged.
 
   Returns:
     ``(*x's other dims, *features)`` in ``x``'s dtype (a tuple of them unstacked, with ``unstack_axis``).
@@ -146,9 +151,12 @@ def dense(
     raise ValueError("dense: unstack_axis and residual exclude each other")
   check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
-  if recipe is None:
+  k, n = math.prod(kernel.shape[:n_contract]), math.prod(features)
+  if recipe is None or not fp8_dims_aligned(k, n):
+    if recipe is not None and isinstance(recipe, DelayedScaling):  # a GEMM FP8 cannot take: its state is kept
+      x = keep_state(x, fp8_meta)
     dims = ((axes, tuple(range(n_contract))), ((), ()))
-    y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision)
     y = y if bias is None else y + bias.astype(y.dtype)
     if residual is not None:
       y = y + residual.astype(y.dtype)
@@ -158,8 +166,7 @@ def dense(
   if axes != tuple(range(x.ndim - n_contract, x.ndim)):
     x = jnp.transpose(x, batch_axes + axes)
   batch_shape = tuple(x.shape[: len(batch_axes)])
-  k, n, m = math.prod(kernel.shape[:n_contract]), math.prod(features), math.prod(batch_shape)
-  check_fp8_dims(input_features=k, features=n)
+  m = math.prod(batch_shape)
   x2d, pad = pad_rows(x.reshape(m, k))
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config.of(recipe, x, kernel, bias)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
 from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays,
-                                 check_fp8_dims,
-                                 fp8_recipe, instantiate, layer_output, linear_bwd, linear_fwd, norm_to_fp8, pad_rows,
-                                 primal_values, quantize_grad, state_as_float32, state_like)
+                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, layer_output, linear_bwd,
+                                 linear_fwd, norm_to_fp8, pad_rows, primal_values, quantize_grad, state_as_float32,
+                                 state_like)
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["layernorm_dense"]
@@ -140,12 +140,12 @@ def layernorm_dense(
     raise ValueError(f"bias must have shape {features}, got {bias.shape}")
   unstack = Unstack.of(unstack_axis, x.ndim - 1 + len(features), features)
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
-  if recipe is None:
-    z = norm.plain(x, gamma, beta)
+  n = math.prod(features)
+  if recipe is None or not fp8_dims_aligned(h, n):  # high precision; a state kept where FP8 cannot take the dims
+    x_in = keep_state(x, fp8_meta) if isinstance(recipe, DelayedScaling) else x
+    z = norm.plain(x_in, gamma, beta)
     y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
     return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
-  n = math.prod(features)
-  check_fp8_dims(hidden=h, features=n)
   x2d, pad = pad_rows(x.reshape(-1, h))
   fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None

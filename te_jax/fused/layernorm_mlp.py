@@ -20,10 +20,9 @@ import jax
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, as_arrays, check_fp8_dims,
-                                 check_residual,
-                                 fp8_recipe, instantiate, linear_bwd, linear_fwd, norm_to_fp8, pad_rows, primal_values,
-                                 residual_rows, state_as_float32, state_like)
+from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual,
+                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, linear_bwd, linear_fwd,
+                                 norm_to_fp8, pad_rows, primal_values, residual_rows, state_as_float32, state_like)
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
@@ -190,13 +189,13 @@ def layernorm_mlp(
   recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
   k1 = kernel_1.reshape(h_dim, n_act * f_dim)
   b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
-  if recipe is None:
-    z = norm.plain(x, gamma, beta)
+  if recipe is None or not fp8_dims_aligned(h_dim, f_dim):  # high precision; a state kept where FP8 cannot take it
+    x_in = keep_state(x, (fp8_meta_1, fp8_meta_2)) if isinstance(recipe, DelayedScaling) else x
+    z = norm.plain(x_in, gamma, beta)
     h = dense(z, k1, b1, recipe=None)
     if gated:
       h = h.reshape(*h.shape[:-1], 2, f_dim)
     return dense(activation(h, act), kernel_2, bias_2, residual=residual, recipe=None)
-  check_fp8_dims(hidden=h_dim, intermediate=f_dim)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   delayed = isinstance(recipe, DelayedScaling)

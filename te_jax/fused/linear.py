@@ -30,9 +30,10 @@ from te_jax.ops.scale_update import update_scale_states
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = [
-    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_fp8_dims",
-    "check_residual", "fp8_recipe", "instantiate", "layer_output", "linear_bwd", "linear_fwd", "norm_to_fp8",
-    "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32", "state_like",
+    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays",
+    "check_residual", "fp8_dims_aligned", "fp8_recipe", "instantiate", "keep_state", "layer_output", "linear_bwd",
+    "linear_fwd", "norm_to_fp8", "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32",
+    "state_like",
 ]
 
 
@@ -79,11 +80,30 @@ def as_arrays(x, *params):
   return (x, *params)
 
 
-def check_fp8_dims(**dims: int) -> None:
-  """FP8 GEMM dims (named as the caller knows them) must be multiples of ``FP8_ALIGN``."""
-  for name, d in dims.items():
-    if d % FP8_ALIGN:
-      raise ValueError(f"FP8 GEMMs need {name} to be a multiple of {FP8_ALIGN}, got {d}")
+@jax.custom_vjp
+def keep_state(x, state):
+  """``x``; the gradient of ``state`` (an FP8 state, or any pytree) is ``state`` itself: an update that keeps it.
+
+  For a layer that holds a delayed-scaling state but runs a step without it (FP8 off, another recipe, a GEMM te_jax
+  runs in high precision): tied to the layer's input, the state comes back as its own gradient, so that
+  ``TrainState.apply_gradients`` writes it back unchanged instead of the zero gradient of an unused input."""
+  return x
+
+
+def _keep_state_fwd(x, state):
+  return x, state
+
+
+def _keep_state_bwd(state, g):
+  return g, state
+
+
+keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+
+
+def fp8_dims_aligned(*dims: int) -> bool:
+  """Whether an FP8 GEMM can take these dims (multiples of ``FP8_ALIGN``)."""
+  return all(d % FP8_ALIGN == 0 for d in dims)
 
 
 def pad_rows(x2d: jax.Array) -> tuple[jax.Array, int]:
