@@ -24,8 +24,10 @@
 # date, versions and copy bandwidth; OUT gets the file). That machine gets the working tree without .git: pass the
 # commit, e.g. `TE_JAX_COMMIT=$(git rev-parse --short HEAD)-dirty bash scripts/gpu_check.sh build bench`, or the rows
 # say "unknown". Back here: copy h200.json into benchmarks/results/ and run `python benchmarks/report.py --write
-# README.md`. The whole suite is estimated at ~300 s on the H200 (each benchmark prints its seconds; the last line of
-# the step's log sums them up), hence the step's 420 s: with the build it fits one call as `build bench`.
+# README.md`. The whole suite is estimated at ~350 s on the H200 (from the earlier runs' op times and compile counts;
+# each benchmark prints its seconds and the step log's last line sums them up), hence the step's 420 s: with the build
+# it fits one call as `build bench`. The layers run first and each benchmark's rows are saved as it ends, so a run cut
+# short loses only the last kernels' new rows.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
