@@ -114,6 +114,10 @@ def resolve_deterministic(module: nn.Module, deterministic: bool | None, **rates
   for name, rate in rates.items():
     if not (isinstance(rate, (int, float, np.floating)) and 0.0 <= rate < 1.0):
       raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
+  if isinstance(deterministic, jax.core.Tracer):
+    raise ValueError(f"{type(module).__name__}: deterministic is a traced value here (nn.remat and jax.checkpoint trace "
+                     "the call's arguments): give it to the module instead, "
+                     f"{type(module).__name__}(..., deterministic=True), or as a static argument")
   if module.deterministic is None and deterministic is None:
     if any(rate > 0 for rate in rates.values()):
       active = ", ".join(f"{name}={rate}" for name, rate in rates.items() if rate > 0)
