@@ -272,7 +272,7 @@ def _gbps(v: Any) -> str:
 # ---- the README block -------------------------------------------------------------------------------------------
 
 # What the README shows: the headline comparisons. (bench, impls in display order); a layer's first case that is not
-# the stack's; all cases of the kernels.
+# the stack's; a kernel's first two cases (its headline shapes; `python benchmarks/run.py --show` prints them all).
 README_LAYERS = (
     ("transformer", ("te_jax TransformerLayer fp8", "te_jax TransformerLayer fp8 (fast accumulation)", "flax layer fp8",
                      "flax layer bf16")),
@@ -284,6 +284,7 @@ README_STACK = ("te_jax TransformerLayer fp8", "flax layer fp8", "flax layer bf1
 README_GEMM = ("te_jax fp8 (fast acc)", "te_jax fp8", "xla bf16", "torch._scaled_mm fp8 (fast acc)",
                "torch._scaled_mm fp8")
 README_KERNELS = ("quantize", "norm", "activation", "softmax", "rope")
+README_KERNEL_CASES = 2
 README_ATTENTION = ("te_jax fused", "jax.nn cudnn")
 
 
@@ -346,7 +347,7 @@ def _gemm_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
 def _kernel_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
   lines, used = [], []
   for bench in README_KERNELS:
-    for case in dict.fromkeys(r["case"] for r in rows if r["bench"] == bench):
+    for case in list(dict.fromkeys(r["case"] for r in rows if r["bench"] == bench))[:README_KERNEL_CASES]:
       pair = _pick(rows, bench, ("te_jax", "xla (jnp)"), case)
       if len(pair) != 2:
         continue
