@@ -5,6 +5,8 @@ sharding tests get 8 CPU devices, and the single-device tests run on device 0 of
 the test modules (``from conftest import ...``; pytest puts tests/ on sys.path).
 """
 
+import functools
+import math
 import os
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
@@ -12,6 +14,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
 
 import jax  # noqa: E402 - after XLA_FLAGS
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -114,6 +117,24 @@ def assert_column_sums_close(dbias, x):
   err = np.abs(d[finite] - exact[finite])
   worst = np.argmax(err - bound[finite]) if err.size else 0
   assert np.all(err <= bound[finite]), f"dbias: error {err[worst]} over the bound {bound[finite][worst]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_pool(size: int):
+  """One compiled program per power-of-two ``size``: ``jax.random.normal(key, (size,))`` for any key."""
+  return jax.jit(lambda key: jax.random.normal(key, (size,), jnp.float32))
+
+
+def random_normal(seed, shape, dtype=np.float32) -> jax.Array:
+  """``jax.random.normal(jax.random.key(seed), shape, float32).astype(dtype)``, bit for bit, without compiling a
+  program per shape: the threefry counter runs over the flattened array, so the values are a prefix of a 1-D draw
+  (reshaped, cast with ml_dtypes' round-to-nearest-even as XLA casts). The multi-dimensional draw took XLA:CPU 1-8 s
+  to compile for each new shape of rank 3 or 4 (LLVM optimizing its index arithmetic), a 1-D draw 0.4 s once.
+  ``seed`` may be an int or a key."""
+  key = jax.random.key(seed) if isinstance(seed, int) else seed
+  n = math.prod(shape)
+  pool = _normal_pool(max(1024, 1 << max(n - 1, 0).bit_length()))
+  return jnp.asarray(np.asarray(pool(key))[:n].reshape(shape).astype(dtype))
 
 
 def rel_error(a, b) -> float:
