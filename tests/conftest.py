@@ -22,6 +22,49 @@ import pytest  # noqa: E402
 F32_U = 2.0**-24
 
 
+# ---- jax.random draws of rank >= 2, drawn flat ------------------------------------------------------------------
+#
+# XLA:CPU takes 1-8 s to compile jax.random.normal or truncated_normal for a new shape of rank 3 or 4 (LLVM
+# optimizing the per-dimension counter arithmetic of the partitionable threefry), 0.4 s for the same count drawn 1-D.
+# Flax's initializers draw every kernel that way (eagerly, one program per shape), which made parameter
+# initialization a large share of the CPU suite. The threefry counter of an element is its index in the flattened
+# array, so the flat draw reshaped is the same values bit for bit (test_harness.py checks it against the functions
+# replaced). Only plain calls are redirected: an out_sharding, non-scalar bounds or a shape of rank < 2 go through
+# unchanged.
+
+_REAL_DRAWS = {name: getattr(jax.random, name) for name in ("normal", "truncated_normal")}
+
+
+def _flat_shape(shape):
+  if isinstance(shape, (tuple, list)) and len(shape) >= 2 and all(isinstance(d, (int, np.integer)) for d in shape):
+    return (math.prod(shape),), tuple(int(d) for d in shape)
+  return None
+
+
+def _flat_normal(key, shape=(), dtype=None, *, out_sharding=None):
+  flat = None if out_sharding is not None else _flat_shape(shape)
+  if flat is None:
+    return _REAL_DRAWS["normal"](key, shape, dtype, out_sharding=out_sharding)
+  return _REAL_DRAWS["normal"](key, flat[0], dtype).reshape(flat[1])
+
+
+def _flat_truncated_normal(key, lower, upper, shape=None, dtype=None, *, out_sharding=None):
+  flat = None if out_sharding is not None or np.ndim(lower) or np.ndim(upper) else _flat_shape(shape)
+  if flat is None:
+    return _REAL_DRAWS["truncated_normal"](key, lower, upper, shape, dtype, out_sharding=out_sharding)
+  return _REAL_DRAWS["truncated_normal"](key, lower, upper, flat[0], dtype).reshape(flat[1])
+
+
+def _install_flat_draws():
+  import jax._src.random as jax_random_impl  # noqa: PLC0415 - where jax.nn.initializers (and so Flax) look them up
+
+  for module in (jax.random, jax_random_impl):
+    module.normal, module.truncated_normal = _flat_normal, _flat_truncated_normal
+
+
+_install_flat_draws()
+
+
 def _gpus() -> list:
   return [d for d in jax.devices() if d.platform == "gpu"]
 

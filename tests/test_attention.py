@@ -18,6 +18,7 @@ import pytest
 
 import te_jax
 import te_jax.flax as te_flax
+from conftest import random_normal
 from te_jax.fused import attention, attention_cudnn, attention_masks
 from te_jax.fused.attention import AttentionBackend, fp8_attention_support
 
@@ -78,7 +79,7 @@ def naive_attention(q, k, v, bias, masked, scale):
 
 
 def randn(key, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+  return random_normal(key, shape, dtype)
 
 
 def qkv(t, s, kv_heads=H, dtype=jnp.float32, d=D, seed=0, b=B, heads=H):

@@ -17,7 +17,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
-from conftest import rel_error
+from conftest import random_normal, rel_error
 
 
 # ---- plain jnp reference layer --------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def _layer_ref(p, x, heads, kv_heads, *, rope=False):
 
 
 def _x(shape, seed=0, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+  return random_normal(seed, shape, dtype)
 
 
 def test_docstring_examples():
@@ -156,7 +156,7 @@ def test_layer_options_match_reference(options):
   # Random biases and norm parameters (their initializers give zeros and ones), so that each one counts.
   leaves, tree = jax.tree.flatten(v["params"])
   keys = jax.random.split(jax.random.key(32), len(leaves))
-  v = {"params": jax.tree.unflatten(tree, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)])}
+  v = {"params": jax.tree.unflatten(tree, [l + 0.1 * random_normal(k, l.shape) for l, k in zip(leaves, keys)])}
   ref = functools.partial(_options_layer_ref, **options)
   assert rel_error(layer.apply(v, x, deterministic=True), ref(v["params"], x)) < 1e-5
   g = jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2))(v)["params"]
@@ -298,7 +298,7 @@ def test_relative_position_biases_values_and_gradient(q, k, bidirectional):
       np.testing.assert_array_equal(
           jax.jit(lambda o: rpb.apply(v, q, k, bidirectional=bidirectional, q_offset=o))(offset),
           full[:, :, offset:offset + q])
-  w = np.asarray(jax.random.normal(jax.random.key(1), (1, 3, q, k)), np.float64)
+  w = np.asarray(random_normal(1, (1, 3, q, k)), np.float64)
   grad = jax.grad(lambda v: jnp.sum(rpb.apply(v, q, k, bidirectional=bidirectional) * w))(v)
   want = np.einsum("hqk,qkb->hb", w[0], np.eye(32)[ids])
   np.testing.assert_allclose(grad["params"]["rel_embedding"], want, rtol=1e-5, atol=1e-5 * np.abs(w).sum() / 32)
