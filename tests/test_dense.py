@@ -402,6 +402,7 @@ def test_fp8_padding_matches_unpadded():
 # ---- delayed scaling over 5 optimizer steps ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # multi-step training
 @pytest.mark.parametrize("margin,algo", [(0, "max"), (1, "most_recent")])
 def test_amax_and_scale_recurrence_over_5_steps(margin, algo):
   """A te_flax.DenseGeneral trained 5 steps with optax.sgd under DelayedScaling(amax_history_len=3): the amax

@@ -256,6 +256,7 @@ def _train(fp8: bool, params, steps: int):
   return state, np.asarray(losses)
 
 
+@pytest.mark.slow  # multi-step training
 def test_fp8_training_reaches_bf16_loss():
   params = MLP().init(jax.random.key(0), jnp.zeros((BATCH, FEATURES), jnp.bfloat16))["params"]
   bf16_state, bf16 = _train(False, params, 150)
@@ -273,6 +274,7 @@ def test_fp8_training_reaches_bf16_loss():
       assert float(state[f"{role}_scale"]) > 1.0, (layer, role)
 
 
+@pytest.mark.slow  # multi-step training
 def test_bf16_checkpoint_loads_into_fp8_model():
   """A checkpoint made without FP8 holds only ``params``: init the FP8 model (which creates the FP8 collection),
   put the loaded params in, train. The step uses the loaded params (the kernel amaxes are theirs)."""
@@ -296,6 +298,7 @@ def test_bf16_checkpoint_loads_into_fp8_model():
                               checkpoint["params"][layer]["kernel"])
 
 
+@pytest.mark.slow  # multi-step training
 def test_orbax_round_trip(tmp_path):
   """The full variables (params and FP8 state, after a few steps) saved with orbax and restored: bitwise the same,
   and the restored model computes bitwise the same output."""
@@ -330,6 +333,7 @@ class _Block(nn.Module):
     return nn.relu(te_flax.DenseGeneral(32, dtype=jnp.float32)(h)), None
 
 
+@pytest.mark.slow  # multi-step training
 def test_scan_keeps_one_fp8_state_per_layer():
   """nn.scan with variable_axes={'params': 0, FP8: 0}: the FP8 state is stacked per layer, a train step updates every
   layer's own slice (its kernel's amax, its input's amax), and training goes on."""

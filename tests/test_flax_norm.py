@@ -153,6 +153,7 @@ def test_bad_layernorm_type():
     te_flax.LayerNorm(norm_type="batchnorm").init(jax.random.key(0), _x())
 
 
+@pytest.mark.slow  # multi-step training
 @pytest.mark.parametrize("norm_type", LAYERNORM_TYPES)
 def test_training_alongside_flax(norm_type):
   """A small regression model with the norm in the middle: 20 Adam steps from the same parameters reach the same

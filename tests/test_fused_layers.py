@@ -195,6 +195,7 @@ def test_layernorm_mlp_intermediate_dropout():
                                 model.clone(intermediate_dropout=0.0).apply(v, x))
 
 
+@pytest.mark.slow  # multi-step training
 @pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
 def test_layernorm_mlp_module_trains_and_keeps_fp8_state(act):
   model = te_flax.LayerNormMLP(intermediate_dim=128, activation_type=act, dtype=jnp.bfloat16)

@@ -68,6 +68,7 @@ def _next_variables(v, g):
   return out
 
 
+@pytest.mark.slow  # 8-device parallel steps
 @pytest.mark.parametrize("recipe", list(RECIPES), ids=list(RECIPES))
 def test_data_parallel_layer_steps_match_jit(recipe):
   """Three train steps of a decoder TransformerLayer per device (batch over 8 shards, replicated variables and
@@ -187,6 +188,7 @@ PARALLEL = {
 }
 
 
+@pytest.mark.slow  # 8-device parallel steps
 @pytest.mark.parametrize("layout", list(PARALLEL))
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_model_parallel_mlp_matches_jit(recipe, layout):

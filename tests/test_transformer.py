@@ -369,6 +369,7 @@ def test_argument_errors():
 # ---- FP8 -------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # multi-step training
 @pytest.mark.parametrize("rec", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
                          ids=["delayed", "current"])
 def test_fp8_layer_trains_close_to_high_precision(rec):
@@ -426,6 +427,7 @@ class _Stack(nn.Module):
     return x
 
 
+@pytest.mark.slow  # three-layer stacks, nine compiles
 @pytest.mark.parametrize("rec", [None, DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
                          ids=["fp32", "delayed", "current"])
 def test_remat_layers_give_the_same_step_in_less_memory(rec):
@@ -556,6 +558,7 @@ def _assert_same_step(y, grads, y_ref, grads_ref, fp8: bool):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 8-device parallel layer
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_data_parallel_layer_matches_one_device(fp8):
   """The layer's train-step gradients under jit with the batch sharded over 8 devices equal the unsharded ones, the
@@ -587,6 +590,7 @@ def test_data_parallel_layer_matches_one_device(fp8):
   _assert_same_step(y8, g8, y1, g1, fp8)
 
 
+@pytest.mark.slow  # 8-device parallel layer
 @pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "tp+fsdp"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_tensor_parallel_layer_matches_one_device(fp8, fsdp):
@@ -628,6 +632,7 @@ def test_tensor_parallel_layer_matches_one_device(fp8, fsdp):
   _assert_same_step(y8, g8, y1, g1, fp8)
 
 
+@pytest.mark.slow  # 8-device parallel layer
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_sequence_parallel_layer_matches_one_device(fp8):
   """The residual stream's sequence axis mapped to the tensor-parallel mesh axis as well (sequence parallelism): the
@@ -680,6 +685,7 @@ class _ScannedStack(nn.Module):
     return stack(name="layers")(x, None)[0]
 
 
+@pytest.mark.slow  # multi-step training
 def test_scanned_layer_stack_trains_with_fp8_state_per_layer():
   """The usual way to stack layers, nn.scan over the layer: parameters and FP8 state stacked per layer, trained."""
   x = _x((4, 16, 32), 30, jnp.bfloat16)
@@ -711,6 +717,7 @@ def test_scanned_layer_stack_trains_with_fp8_state_per_layer():
   assert scales and all(s.shape == (3,) and np.all(s != 1.0) for s in scales)  # every layer's scales moved
 
 
+@pytest.mark.slow  # a scanned three-layer stack
 def test_calibrate_fills_every_scanned_layers_state():
   """``te_flax.calibrate`` through nn.scan: each layer's every history gets one amax (element 0, the rest zero) and
   the scale fp8_max / amax, layer by layer, and the parameters come back as they were."""
