@@ -140,13 +140,15 @@ def test_reference_is_complex_rotation(dtype, layout, interleaved):
   """(x1 + i x2) * e^(i angle) in float64. Bound: the output rounding (half an ulp of x's dtype) plus float32
   arithmetic and XLA's float32 cos/sin (a few ulps) on the terms: 2^-20 (|x1| + |x2|)."""
   config = RopeConfig(layout=layout, interleaved=interleaved)
-  for k, (shape, half, batched) in enumerate(CASES):
-    shape_x = x_shape(shape, layout)
-    x = random_x(shape_x, dtype, seed=k)
-    freqs = random_freqs(shape[0], shape[1], half, batched, seed=k)
+  inputs = [(random_x(x_shape(shape, layout), dtype, seed=k), random_freqs(shape[0], shape[1], half, batched, seed=k))
+            for k, (shape, half, batched) in enumerate(CASES)]
+  # Every case, forward and backward, in one compiled program.
+  outs = run_many(lambda x, c, s: (rope_fwd_ref(x, c, s, config=config)[0], rope_bwd_ref(x, c, s, config=config)[0]),
+                  [(x, *tables(freqs)) for x, freqs in inputs], CPU)
+  for (shape, half, batched), (x, freqs), out in zip(CASES, inputs, outs, strict=True):
+    shape_x = x.shape
     for backward in (False, True):
-      ref = rope_bwd_ref if backward else rope_fwd_ref
-      y = np.asarray(jax.jit(lambda x, c, s: ref(x, c, s, config=config)[0])(x, *tables(freqs)))
+      y = np.asarray(out[backward])
       angle = table_for_x(freqs.astype(np.float64), layout, shape_x) * (-1 if backward else 1)
       x64 = x.astype(np.float64)
       i1, i2 = pair_index(shape_x[3], half, interleaved)
