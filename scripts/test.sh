@@ -5,6 +5,10 @@
 # a 2-core CPU) are left out (-m "not slow") unless the arguments choose tests themselves: a marker expression
 # (`bash scripts/test.sh -m slow` runs just those, as CI does in a step of its own) or test paths
 # (`bash scripts/test.sh tests/test_norm.py` runs that whole file).
+#
+# Without arguments the files are split between two pytest processes, one per core of the 2-core CI machine: the
+# suite is bound by XLA's compiles, each of which uses one core. The first process prints as it goes, the second's
+# output follows it, then one line with the counts of both.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -16,18 +20,82 @@ for arg in "$@"; do
     *) [ -e "${arg%%::*}" ] && chooses=1 ;;
   esac
 done
-marker=()
-if [ "$chooses" -eq 0 ]; then
-  marker=(-m "not slow")
-  echo "test.sh: the tests not marked slow (-m \"not slow\"); bash scripts/test.sh -m slow runs the slow ones"
+
+if [ "$#" -gt 0 ]; then
+  marker=()
+  [ "$chooses" -eq 1 ] || {
+    marker=(-m "not slow")
+    echo "test.sh: the tests not marked slow (-m \"not slow\"); bash scripts/test.sh -m slow runs the slow ones"
+  }
+  source scripts/setup_env.sh
+  rc=0
+  python -m pytest -q "${marker[@]}" "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests; that is a failure" >&2
+    exit 1
+  fi
+  exit "$rc"
 fi
 
+echo "test.sh: the tests not marked slow (-m \"not slow\"), in two pytest processes; bash scripts/test.sh -m slow runs" \
+  "the slow ones"
 source scripts/setup_env.sh
 
-rc=0
-python -m pytest -q "${marker[@]}" "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then
+# Two groups of test files of about equal time: seconds per file measured on a 2-core machine (a new file counts 10).
+mapfile -t groups < <(python - <<'PY'
+import pathlib
+seconds = {"activation": 70, "attention": 110, "norm": 100, "transformer": 90, "rope": 60, "quantize": 60,
+           "gemm": 40, "softmax": 35, "dense": 35, "fused_layers": 30, "flax_dense": 35, "residual": 18,
+           "docs": 15, "quantize_interleaved": 13, "flax_norm": 12, "doctor": 10, "shard_map": 10, "scaling": 7,
+           "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3}
+files = sorted(pathlib.Path("tests").glob("test_*.py"))
+weight = {f: seconds.get(f.stem[len("test_"):], 10) for f in files}
+groups, totals = ([], []), [0, 0]
+for f in sorted(files, key=lambda f: -weight[f]):
+  i = totals.index(min(totals))
+  groups[i].append(str(f))
+  totals[i] += weight[f]
+for g in groups:
+  print(" ".join(sorted(g)))
+PY
+)
+read -ra first <<< "${groups[0]}"
+read -ra second <<< "${groups[1]}"
+
+log_first=$(mktemp)
+log_second=$(mktemp)
+trap 'rm -f "$log_first" "$log_second"' EXIT
+rc_second=0
+python -m pytest -q -m "not slow" "${second[@]}" > "$log_second" 2>&1 &
+pid_second=$!
+rc_first=0
+python -m pytest -q -m "not slow" "${first[@]}" 2>&1 | tee "$log_first" || rc_first=$?
+wait "$pid_second" || rc_second=$?
+echo
+echo "test.sh: the second process (${second[*]}):"
+cat "$log_second"
+
+# One line with the counts of both processes' closing lines.
+python - "$log_first" "$log_second" <<'PY'
+import re, sys
+counts = {}
+for path in sys.argv[1:]:
+  lines = [l for l in open(path).read().splitlines() if re.search(r"\d+ (passed|failed|skipped|deselected|error)", l)]
+  last = lines[-1] if lines else ""
+  for n, what in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)", last):
+    what = "error" if what.startswith("error") else what
+    counts[what] = counts.get(what, 0) + int(n)
+order = ["passed", "failed", "skipped", "deselected", "error", "xfailed", "xpassed"]
+print("test.sh: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in order if k in ("passed", "failed") or counts.get(k)))
+PY
+
+if [ "$rc_first" -eq 5 ] && [ "$rc_second" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
   exit 1
 fi
-exit "$rc"
+for rc in "$rc_first" "$rc_second"; do
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    exit "$rc"
+  fi
+done
+exit 0

@@ -466,6 +466,7 @@ def _leaf_errors(a, b):
   return [rel_error(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
 
 
+@pytest.mark.slow  # three gradient programs of a norm-MLP stack and a calibration pass: 15 s on 2 cores
 def test_calibrated_first_step_is_the_current_scaling_step():
   """After ``calibrate`` on a batch, a delayed-scaling step on that batch casts every tensor by its own amax: its
   gradients are those of Float8CurrentScaling, bit for bit, in the norm-fused, MLP and plain GEMMs. A fresh state's

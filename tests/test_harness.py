@@ -13,6 +13,7 @@ import pytest
 
 import conftest
 
+REAL = conftest._REAL_DRAWS  # noqa: SLF001 - JAX's own functions, which the harness replaced
 SHAPES = [(2, 3), (2, 2, 3), (1, 2, 1, 3)]  # small: the real multi-dimensional draws compile slowly
 
 
@@ -24,14 +25,14 @@ def _bits(a):
 def test_flat_draws_are_jax_own_values():
   """float32 only: the dtype enters after the bits, elementwise (and each real draw here costs a compile)."""
   dtype = jnp.float32
-  assert jax.random.normal is conftest._flat_normal  # noqa: SLF001
+  assert jax.random.normal is conftest._flat_normal
   key = jax.random.key(3)
   for shape in SHAPES:
     np.testing.assert_array_equal(_bits(jax.random.normal(key, shape, dtype)),
-                                  _bits(conftest._REAL_DRAWS["normal"](key, shape, dtype)), err_msg=str(shape))  # noqa: SLF001
+                                  _bits(REAL["normal"](key, shape, dtype)), err_msg=str(shape))
     np.testing.assert_array_equal(
         _bits(jax.random.truncated_normal(key, -2, 2, shape, dtype)),
-        _bits(conftest._REAL_DRAWS["truncated_normal"](key, -2, 2, shape, dtype)), err_msg=str(shape))  # noqa: SLF001
+        _bits(REAL["truncated_normal"](key, -2, 2, shape, dtype)), err_msg=str(shape))
   # An initializer as Flax calls it, and under jit and vmap.
   init = jax.nn.initializers.lecun_normal()
   real = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
@@ -39,13 +40,13 @@ def test_flat_draws_are_jax_own_values():
   keys = jax.random.split(key, 2)
   batched = jax.jit(jax.vmap(lambda k: jax.random.normal(k, (2, 2, 3), dtype)))(keys)
   for i in range(2):
-    np.testing.assert_array_equal(_bits(batched[i]), _bits(conftest._REAL_DRAWS["normal"](keys[i], (2, 2, 3), dtype)))  # noqa: SLF001
+    np.testing.assert_array_equal(_bits(batched[i]), _bits(REAL["normal"](keys[i], (2, 2, 3), dtype)))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
 def test_random_normal_is_jax_random_normal(dtype):
   for seed, shape in [(0, (2, 3, 1, 2)), (5, (7,)), (2, (0, 4)), (4, (1500, 3))]:
-    want = conftest._REAL_DRAWS["normal"](jax.random.key(seed), shape, jnp.float32).astype(dtype)  # noqa: SLF001
+    want = REAL["normal"](jax.random.key(seed), shape, jnp.float32).astype(dtype)
     got = conftest.random_normal(seed, shape, dtype)
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=str(shape))
