@@ -282,6 +282,8 @@ def test_empty_inputs(b, t, s):
   assert out.shape == (b, t, 4, 8) and not np.any(np.asarray(out))  # no keys: every row is fully masked, so 0
   grads = jax.grad(lambda q, k, v: te_jax.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))(q, k, v)
   assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+  for name, g in zip(("dq", "dk", "dv"), grads):  # the output is empty or all zeros whatever q, k, v are
+    np.testing.assert_array_equal(np.asarray(g), 0.0, err_msg=name)
 
 
 def dropout_out(rng, rate, q=None, s=256):
