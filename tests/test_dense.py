@@ -532,8 +532,9 @@ def test_gemm_accumulation_follows_the_recipe(monkeypatch, rec, split):
   r = dataclasses.replace(RECIPES[rec], **params)
   x, kernel = jnp.ones((32, 48), jnp.bfloat16), jnp.ones((48, 16), jnp.float32)
   meta = te_jax.DenseFp8Meta.create(HISTORY) if rec.startswith("delayed") else None
-  with te_jax.autocast(enabled=True, recipe=r):
-    jax.grad(lambda x, k: jnp.sum(te_jax.dense(x, k, fp8_meta=meta).astype(jnp.float32)), argnums=(0, 1))(x, kernel)
+  with te_jax.autocast(enabled=True, recipe=r):  # the state differentiated with the kernel, as a train step does
+    jax.grad(lambda x, k, m: jnp.sum(te_jax.dense(x, k, fp8_meta=m).astype(jnp.float32)), argnums=(0, 1, 2))(
+        x, kernel, meta)
   assert calls == [not s for s in split]
 
 

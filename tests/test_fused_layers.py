@@ -93,9 +93,12 @@ def test_mlp_fp8_close_to_high_precision_and_updates_state(act, rec):
 def test_mlp_fp8_program_runs_the_fused_kernels_and_saves_fp8():
   args = _inputs(True, seed=2)
   metas = (te_jax.DenseFp8Meta.create(4), te_jax.DenseFp8Meta.create(4))
-  f = lambda *a: te_jax.layernorm_mlp(*a, activation_type=("silu", "linear"), recipe=DelayedScaling(  # noqa: E731
-      amax_history_len=4), fp8_meta_1=metas[0], fp8_meta_2=metas[1])
-  hlo = jax.jit(jax.grad(_loss(f), argnums=(0, 3, 4))).lower(*args).compile().as_text()
+  # The states are differentiated with the kernels (their updates leave the backward pass as their gradients).
+  f = lambda *a: te_jax.layernorm_mlp(*a[:-2], activation_type=("silu", "linear"), recipe=DelayedScaling(  # noqa: E731
+      amax_history_len=4), fp8_meta_1=a[-2], fp8_meta_2=a[-1])
+  args = (*args, *metas)
+  n = len(args)
+  hlo = jax.jit(jax.grad(_loss(f), argnums=(0, 3, 4, n - 2, n - 1))).lower(*args).compile().as_text()
   targets = re.findall(r'custom_call_target="(te_\w+)"', hlo)
   for t in ("te_norm_fwd_cpu", "te_act_fwd_cpu", "te_act_bwd_cpu", "te_norm_bwd_cpu", "te_quantize_cpu"):
     assert t in targets, (t, sorted(set(targets)))
