@@ -90,13 +90,31 @@ sys.exit("gpu_check: " + "; ".join(problems) if problems else 0)
 PY
 }
 
+# The GPU tests, spread over GPU_TEST_PROCS pytest processes (default 8) that share the GPU: the suite is bound by
+# XLA's compiles (one CPU core each), not by the GPU. Each process allocates GPU memory as it goes, not 75% up front.
 # All GPU tests skipped (no GPU visible) is a failure, not a pass.
 gpu_tests() {
-  set -o pipefail
-  # XLA's GEMM autotuning would dominate the compile of every test's reference program: off for the tests only.
-  XLA_FLAGS="--xla_gpu_autotune_level=0" python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=short \
-    --failures-now ${GPU_TESTS:-tests} | tee "$LOGS/.pytest_gpu" || return
-  grep -qE "[0-9]+ passed" "$LOGS/.pytest_gpu" || { echo "gpu_check: no GPU test ran"; return 1; }
+  local procs=${GPU_TEST_PROCS:-8} i rc=0
+  trap 'kill $(jobs -p) 2>/dev/null' TERM
+  python3 -m pytest -q --collect-only -m gpu ${GPU_TESTS:-tests} 2>/dev/null | grep '::' > "$LOGS/.gpu_ids" || true
+  [ -s "$LOGS/.gpu_ids" ] || { echo "gpu_check: no GPU test collected"; return 1; }
+  echo "$(wc -l < "$LOGS/.gpu_ids") GPU tests in $procs processes"
+  for ((i = 0; i < procs; i++)); do
+    # Test ids dealt round-robin, so that each process gets a share of every file's cases.
+    mapfile -t ids < <(awk -v n="$procs" -v k="$i" 'NR % n == k' "$LOGS/.gpu_ids")
+    [ "${#ids[@]}" -gt 0 ] || continue
+    # XLA's GEMM autotuning would dominate the compile of every test's reference program: off for the tests only.
+    XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu "${ids[@]}" > "$LOGS/.pytest_gpu_$i" 2>&1 &
+  done
+  wait
+  for f in "$LOGS"/.pytest_gpu_*; do
+    grep -E "^(FAILED|ERROR)|^E  " "$f" | head -n 40
+    tail -n 1 "$f"
+    grep -qE "[0-9]+ failed|[0-9]+ error|no tests ran" "$f" && rc=1
+    grep -qE "[0-9]+ passed" "$f" || rc=1
+  done
+  return $rc
 }
 
 if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -z "${TE_JAX_COMMIT:-}" ]; then
