@@ -167,6 +167,10 @@ def main():
   parser.add_argument("--fresh-state", action="store_true",
                       help="also train FP8 without te_flax.calibrate: the first step with a fresh state's scales of 1")
   args = parser.parse_args()
+  if args.steps is not None and args.steps < 1:
+    parser.error(f"--steps must be at least 1, got {args.steps}")
+  if not args.lr > 0:
+    parser.error(f"--lr must be positive, got {args.lr}")
   if args.seeds < 1:
     parser.error(f"--seeds must be at least 1, got {args.seeds}")
   if args.first_seed < 0:
@@ -174,7 +178,7 @@ def main():
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   on_gpu = jax.default_backend() == "gpu"
   size = args.size or ("large" if on_gpu else "small")
-  steps = args.steps or (400 if on_gpu else 60)
+  steps = args.steps if args.steps is not None else (400 if on_gpu else 60)
   batch, seq, hidden, layers, heads, mlp = SIZES[size]
   train_data, eval_data = load_corpus(32 << 20 if on_gpu else 4 << 20)
 

@@ -108,9 +108,13 @@ def main():
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--lr", type=float, default=1e-3)
   args = parser.parse_args()
+  if args.steps is not None and args.steps < 1:
+    parser.error(f"--steps must be at least 1, got {args.steps}")
+  if not args.lr > 0:
+    parser.error(f"--lr must be positive, got {args.lr}")
   on_gpu = jax.default_backend() == "gpu"
   size = args.size or ("large" if on_gpu else "small")
-  steps = args.steps or (300 if on_gpu else 200)
+  steps = args.steps if args.steps is not None else (300 if on_gpu else 200)
   batch, features, hidden, layers, classes = SIZES[size]
 
   model = MLP(hidden, layers, classes)
