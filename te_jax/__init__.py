@@ -14,6 +14,7 @@ from te_jax import ops as ops
 from te_jax import recipe as recipe
 from te_jax._core.autocast import autocast as autocast
 from te_jax._core.scaling import FP8_COLLECTION as FP8_COLLECTION
+from te_jax._core.scaling import FP8_RESIDUAL as FP8_RESIDUAL
 from te_jax.fused.attention import attention_backend as attention_backend
 from te_jax.fused.attention import dot_product_attention as dot_product_attention
 from te_jax.fused.attention import make_attention_mask as make_attention_mask
@@ -30,7 +31,7 @@ from te_jax.ops.softmax import scaled_softmax as scaled_softmax
 from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "DenseFp8Meta", "FP8_COLLECTION", "activation", "apply_rope", "attention_backend", "autocast",
+    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "activation", "apply_rope", "attention_backend", "autocast",
     "dense", "dot_product_attention", "layernorm", "layernorm_dense", "layernorm_mlp", "make_attention_mask",
     "ops", "recipe", "rope_frequencies", "scaled_masked_softmax", "scaled_softmax",
     "scaled_upper_triang_masked_softmax",

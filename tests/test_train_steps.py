@@ -8,7 +8,8 @@ it as it was, or raises with the fix; none leaves it frozen or zeroed in silence
 - gradients with respect to the input only (saliency): runs, no state needed;
 - a step outside autocast or under another recipe: the state comes back unchanged, not zeroed;
 - the state missing from the variables: raises, naming the collection;
-- ``calibrate`` on params-only variables or outside autocast: raises.
+- ``calibrate`` on params-only variables or outside autocast: raises;
+- ``jax.checkpoint`` saving only ``te_jax.FP8_RESIDUAL``: the FP8 operands saved, the same step.
 """
 
 import flax.linen as nn
@@ -184,3 +185,22 @@ def test_a_non_finite_step_leaves_the_state_as_it_was():
   history = after.params[FP8]["DenseGeneral_0"]["grad_amax_history"]
   assert bool(jnp.all(jnp.isfinite(history))) and float(history[0]) > 0
   assert not jax.tree.all(jax.tree.map(jnp.array_equal, after.params["params"], variables["params"]))
+
+
+def test_remat_policy_saves_exactly_the_named_fp8_residuals(capsys):
+  """``save_only_these_names(te_jax.FP8_RESIDUAL)`` keeps each GEMM's FP8 input and kernel (four per GEMM pair of the
+  MLP, two per dense) and recomputes everything else; the step is the plain one bit for bit."""
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    variables = MODEL.init(jax.random.key(0), X)
+
+    def loss(v, x):
+      return jnp.mean(MODEL.apply(v, x) ** 2)
+
+    policy = jax.checkpoint_policies.save_only_these_names(te_jax.FP8_RESIDUAL)
+    remat = jax.checkpoint(loss, policy=policy)
+    jax.ad_checkpoint.print_saved_residuals(remat, variables, X)
+    saved = [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
+    plain, kept = (jax.jit(jax.grad(f))(variables, X) for f in (loss, remat))
+  assert len(saved) == 8 and all(line.startswith("f8_e4m3fn[") and te_jax.FP8_RESIDUAL in line for line in saved), saved
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(kept), jax.tree.leaves(plain), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "FP8_COLLECTION",
+    "FP8_RESIDUAL",
     "AmaxComputeAlgo",
     "ScaleState",
     "fp8_max",
@@ -33,6 +34,11 @@ __all__ = [
 #: (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``), whose "gradients" ``TrainState.apply_gradients`` writes over the
 #: variables instead of handing them to the optimizer.
 FP8_COLLECTION = "_overwrite_with_gradient"
+
+#: The ``jax.ad_checkpoint.checkpoint_name`` of the FP8 tensors a layer's backward pass reads (its transposed FP8
+#: input and its FP8 kernel): ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(
+#: te_jax.FP8_RESIDUAL))`` keeps these (half the bytes of their bf16 originals) and recomputes the rest of the forward.
+FP8_RESIDUAL = "te_jax_fp8_residual"
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
 

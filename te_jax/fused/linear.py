@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from te_jax._core import scaling
@@ -324,7 +325,8 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
     out = fwd_gemm(qw.data_t, bias=biases, rhs_parts=True)
-  return out, LinearResiduals(x_t, qw.data, sx_inv, sw_inv, qw.amax)
+  x_t, w = (checkpoint_name(a, scaling.FP8_RESIDUAL) for a in (x_t, qw.data))
+  return out, LinearResiduals(x_t, w, sx_inv, sw_inv, qw.amax)
 
 
 def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv) -> tuple[jax.Array, jax.Array]:
