@@ -3,7 +3,8 @@
 # benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
-#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests demo (and lm, the LM example;
+#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests sanitize demo (and lm, the LM
+#                                             # example;
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
 #                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; ncu, Nsight
@@ -117,12 +118,35 @@ gpu_tests() {
   return $rc
 }
 
+# compute-sanitizer's four tools over tests/sanitize_kernels.py (every te_jax kernel at small and odd shapes), side by
+# side, each instrumenting only te_jax's kernels (cuBLASLt's and cuDNN's are NVIDIA's to check). Each buffer its own
+# allocation and no CUDA graphs, so that the tools see each kernel and each buffer's bounds. A report is a failure.
+sanitize() {
+  local tool rc=0
+  trap 'kill $(jobs -p) 2>/dev/null' TERM
+  for tool in memcheck initcheck racecheck synccheck; do
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+      compute-sanitizer --tool "$tool" --kernel-name kns=te_jax --error-exitcode 3 --print-limit 20 \
+      python3 tests/sanitize_kernels.py > "$LOGS/.sanitize_$tool" 2>&1 &
+  done
+  wait
+  for tool in memcheck initcheck racecheck synccheck; do
+    echo "--- $tool: $(grep -c ': ok$' "$LOGS/.sanitize_$tool") cases ok; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" \
+      "$LOGS/.sanitize_$tool" | tail -n 1)"
+    grep -E "^=========" "$LOGS/.sanitize_$tool" | grep -vE "COMPUTE-SANITIZER|ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards" \
+      | head -n 30
+    grep -qE "sanitize_kernels: [0-9]+ cases" "$LOGS/.sanitize_$tool" || { tail -n 15 "$LOGS/.sanitize_$tool"; rc=1; }
+    grep -qE "ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards" "$LOGS/.sanitize_$tool" || rc=1
+  done
+  return $rc
+}
+
 if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -z "${TE_JAX_COMMIT:-}" ]; then
   echo "gpu_check: no git checkout and no TE_JAX_COMMIT: the benchmark rows will say commit \"unknown\""
 fi
 
 export LOGS
-export -f build doctor gpu_tests
+export -f build doctor gpu_tests sanitize
 # Steps to run, in this order: the arguments, or all of them (build first: the others need it).
 WANT=" ${*:-build doctor tests bench demo} "
 want() { [[ $WANT == *" $1 "* ]]; }
@@ -130,6 +154,7 @@ want build && step "build (CUDA sm_90a)" 300 build.log 12 build
 want doctor && step "doctor" 60 doctor.log 40 doctor
 want bench && step "benchmarks" "${GPU_BENCH_S:-420}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
 want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
+want sanitize && step "compute-sanitizer (te_jax kernels)" "${SANITIZE_S:-300}" sanitize.log 60 sanitize
 want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
@@ -181,7 +206,7 @@ PY
 
 if [ -n "${OUT:-}" ]; then  # at most 10 files: 8 logs, the summary and the benchmark results file
   mkdir -p "$OUT"
-  cp "$LOGS"/{build,doctor,tests_gpu,bench,demo,profile,ncu}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
+  cp "$LOGS"/{build,doctor,tests_gpu,sanitize,bench,demo,profile,ncu}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
   find benchmarks/results -maxdepth 1 -type f -name '*.json' -newer "$LOGS/.start" | head -n 1 | xargs -r cp -t "$OUT"/
 fi
 
