@@ -9,6 +9,8 @@ it as it was, or raises with the fix; none leaves it frozen or zeroed in silence
 - a step outside autocast or under another recipe: the state comes back unchanged, not zeroed;
 - the state missing from the variables: raises, naming the collection;
 - ``calibrate`` on params-only variables or outside autocast: raises;
+- ``nn.scan`` with the collection in ``variable_axes``: each layer's own state; broadcast over a loop or a vmap:
+  raises;
 - ``jax.checkpoint`` saving only ``te_jax.FP8_RESIDUAL``: the FP8 operands saved, the same step.
 """
 
@@ -204,3 +206,45 @@ def test_remat_policy_saves_exactly_the_named_fp8_residuals(capsys):
   assert len(saved) == 8 and all(line.startswith("f8_e4m3fn[") and te_jax.FP8_RESIDUAL in line for line in saved), saved
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(kept), jax.tree.leaves(plain), strict=True):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+class _ScanBody(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return te_flax.DenseGeneral(16, dtype=jnp.float32)(x), None
+
+
+def _scanned(fp8_axes: bool):
+  kw = dict(variable_axes={"params": 0, FP8: 0}) if fp8_axes else dict(variable_axes={"params": 0},
+                                                                      variable_broadcast=FP8)
+  return nn.scan(_ScanBody, length=3, split_rngs={"params": True}, **kw)()
+
+
+def test_scan_with_per_layer_state_updates_each_layer_on_its_own():
+  model = _scanned(fp8_axes=True)
+  x = jax.random.normal(jax.random.key(2), (8, 16), jnp.float32) * 3
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    variables = model.init(jax.random.key(0), x, None)
+    grads = jax.jit(jax.grad(lambda v: jnp.sum(model.apply(v, x, None)[0] ** 2)))(variables)
+  x_amax = grads[FP8]["DenseGeneral_0"]["x_amax_history"][:, 0]  # (layers,): each layer's own input amax
+  assert x_amax[0] == jnp.max(jnp.abs(x)) and len(set(np.asarray(x_amax).tolist())) == 3, x_amax
+
+
+@pytest.mark.parametrize("transform", ["scan broadcast", "vmap broadcast"])
+def test_state_shared_by_loop_iterations_raises_with_the_fix(transform):
+  """nn.scan broadcasting the FP8 collection (or nn.vmap with its axis None) would sum the iterations' state updates:
+  raises, naming variable_axes; running it without differentiating the state is fine."""
+  x = jnp.ones((8, 16), jnp.float32)
+  if transform == "scan broadcast":
+    model, args = _scanned(fp8_axes=False), (x, None)
+    out = lambda v: model.apply(v, *args)[0]
+  else:
+    model = nn.vmap(te_flax.DenseGeneral, variable_axes={"params": None, FP8: None},
+                    split_rngs={"params": False})(16, dtype=jnp.float32)
+    args = (x,)
+    out = lambda v: model.apply(v, *args)
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    variables = model.init(jax.random.key(0), *args)
+    jax.jit(out)(variables)
+    with pytest.raises(ValueError, match="variable_axes"):
+      jax.grad(lambda v: jnp.sum(out(v)))(variables)

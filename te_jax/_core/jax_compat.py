@@ -13,8 +13,8 @@ import jax
 from jax._src import config as _config
 from jax._src import dispatch as _dispatch
 
-__all__ = ["apply_primitive", "check_vma_enabled", "cudnn_attention", "enable_eager_extended_dtype_add",
-           "require_devices_during_lowering"]
+__all__ = ["apply_primitive", "check_vma_enabled", "cudnn_attention", "differentiated_from_outside",
+           "enable_eager_extended_dtype_add", "require_devices_during_lowering"]
 
 
 def apply_primitive(primitive):
@@ -45,6 +45,19 @@ def cudnn_attention() -> tuple[types.ModuleType | None, str | int]:
   if cuda_versions is None:
     return None, "jaxlib has no CUDA support (no cuDNN)"
   return fa, cuda_versions.cudnn_get_version()
+
+
+def differentiated_from_outside(value) -> bool:
+  """Whether ``value`` is being differentiated by a trace other than the one running now: a differentiated value that
+  a loop body (``lax.scan``, ``nn.scan``'s broadcast variables) or a ``vmap`` closes over. Autodiff adds the
+  cotangents of such a value over the iterations or the batch. jax has no public way to ask for the running trace."""
+  from jax._src import core  # noqa: PLC0415
+  from jax._src.interpreters import ad  # noqa: PLC0415
+
+  tracers = tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t)
+  if not isinstance(value, tracers):
+    return False
+  return value._trace is not core.trace_ctx.trace  # noqa: SLF001
 
 
 def enable_eager_extended_dtype_add() -> bool:

@@ -19,7 +19,7 @@ from flax.linen import fp8_ops
 
 from te_jax._core import scaling
 from te_jax._core.autocast import calibration_pass, resolve_recipe
-from te_jax._core.jax_compat import enable_eager_extended_dtype_add
+from te_jax._core.jax_compat import differentiated_from_outside, enable_eager_extended_dtype_add
 from te_jax._core.scaling import FP8_COLLECTION
 from te_jax.fused.linear import DenseFp8Meta, keep_state
 from te_jax.recipe import DelayedScaling, Recipe
@@ -49,7 +49,7 @@ def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Met
   if not all(present) and not (module.is_initializing() or module.is_mutable_collection(FP8_COLLECTION)):
     where = "no" if not any(present) else "an incomplete"
     raise ValueError(
-        f"{module.path or type(module).__name__}: DelayedScaling needs this layer's FP8 state, and the variables have "
+        f"{_where(module)}: DelayedScaling needs this layer's FP8 state, and the variables have "
         f"{where} {FP8_COLLECTION!r} collection (te_jax.FP8_COLLECTION). Initialize the model inside "
         "te_jax.autocast(enabled=True, recipe=DelayedScaling()) and pass the whole variables dict (params and FP8 "
         "state) to apply; under nn.scan, list the collection in variable_axes. To run without that state, use "
@@ -59,6 +59,13 @@ def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Met
     history = module.variable(FP8_COLLECTION, f"{prefix}{role}_amax_history", jnp.zeros,
                               (recipe.amax_history_len,), jnp.float32)
     scale = module.variable(FP8_COLLECTION, f"{prefix}{role}_scale", jnp.ones, (), jnp.float32)
+    if differentiated_from_outside(history.value):
+      raise ValueError(
+          f"{_where(module)}: this layer's FP8 state is shared by the iterations of a loop or "
+          f"the examples of a vmap (nn.scan's variable_broadcast, or nn.vmap's variable_axes None, holding "
+          f"{FP8_COLLECTION!r}), and autodiff would add their state updates (summed amaxes and scales). Give each "
+          f"iteration its own state: list te_jax.FP8_COLLECTION in variable_axes ({{te_jax.FP8_COLLECTION: 0}}), "
+          "as for per-layer params; under nn.vmap over examples, apply the module to the whole batch instead.")
     if history.value.shape != (recipe.amax_history_len,):
       raise ValueError(
           f"{module.name}: {prefix}{role}_amax_history has shape {history.value.shape}, but the recipe's "
@@ -66,6 +73,10 @@ def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Met
       )
     states.append(scaling.ScaleState(_max_grad_view(module, history.value), _min_grad_view(module, scale.value)))
   return DenseFp8Meta(*states)
+
+
+def _where(module: nn.Module) -> str:
+  return "/".join(map(str, module.path)) or type(module).__name__
 
 
 def _keep_state(module: nn.Module, x, prefixes):
