@@ -139,3 +139,22 @@ def test_fp8_dot_general_parity():
   _parity(nn.Dense(48, dot_general_cls=te_flax.Fp8DotGeneral),
           lambda r: nnx.Linear(32, 48, dot_general=te_nnx.Fp8DotGeneral(), rngs=r), (16, 32),
           rename={"Fp8DotGeneral_0": "dot_general"})
+
+
+def test_multi_head_attention_parity():
+  kw = dict(num_gqa_groups=2, enable_rotary_pos_emb=True, dtype=jnp.bfloat16, backend="unfused")
+  _parity(te_flax.MultiHeadAttention(head_dim=16, num_attention_heads=4, **kw),
+          lambda r: te_nnx.MultiHeadAttention(64, 16, 4, rngs=r, **kw), (2, 16, 64), {"deterministic": True})
+
+
+@pytest.mark.parametrize("variant", ["gpt", "post-ln"])
+def test_transformer_layer_parity(variant):
+  kw = dict(hidden_size=64, intermediate_dim=128, num_attention_heads=4, dtype=jnp.bfloat16, backend="unfused")
+  if variant == "gpt":
+    kw.update(layer_type="decoder", activation_type=("silu", "linear"), num_gqa_groups=2, enable_rotary_pos_emb=True)
+  else:
+    kw.update(output_layernorm=True, use_bias=True)
+  nnx_kw = dict(kw)
+  args = [nnx_kw.pop(k) for k in ("hidden_size", "intermediate_dim", "num_attention_heads")]
+  _parity(te_flax.TransformerLayer(**kw), lambda r: te_nnx.TransformerLayer(*args, rngs=r, **nnx_kw), (2, 16, 64),
+          {"deterministic": True})
