@@ -158,3 +158,156 @@ def test_transformer_layer_parity(variant):
   args = [nnx_kw.pop(k) for k in ("hidden_size", "intermediate_dim", "num_attention_heads")]
   _parity(te_flax.TransformerLayer(**kw), lambda r: te_nnx.TransformerLayer(*args, rngs=r, **nnx_kw), (2, 16, 64),
           {"deterministic": True})
+
+
+class _LinenTwice(nn.Module):
+  """One DenseGeneral applied twice (shared weights)."""
+
+  @nn.compact
+  def __call__(self, x):
+    d = te_flax.DenseGeneral(32, name="d")
+    return d(jnp.tanh(d(x)) * 4.0)
+
+
+class _NnxTwice(nnx.Module):
+  def __init__(self, rngs):
+    self.d = te_nnx.DenseGeneral(32, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.d(jnp.tanh(self.d(x)) * 4.0)
+
+
+def test_shared_module_combines_its_state_updates_as_linen():
+  """Two applications of one layer: amax histories combine by max, scales by min, in both APIs alike."""
+  _parity(_LinenTwice(), _NnxTwice, (16, 32))
+
+
+class _LinenScan(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    mlp = nn.scan(lambda m, c, _: (m(c), None), variable_axes={"params": 0, FP8: 0}, split_rngs={"params": True},
+                  length=3)
+    return mlp(te_flax.LayerNormMLP(intermediate_dim=64, name="layers"), x, None)[0]
+
+
+class _NnxScan(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(rngs):
+      return te_nnx.LayerNormMLP(32, 64, rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, c):
+      return layer(c)
+
+    return body(self.layers, x)
+
+
+def test_scan_over_stacked_layers_matches_linen_scan():
+  """nnx.vmap-stacked layers under nnx.scan against nn.scan with the FP8 collection in variable_axes: a state per
+  layer, updated as linen's."""
+  _parity(_LinenScan(), _NnxScan, (16, 32))
+
+
+def _trained_model(make=lambda r: te_nnx.LayerNormMLP(32, 64, rngs=r), steps=2):
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    model = make(nnx.Rngs(0))
+    _nnx_steps(model, _batches((16, 32), steps), {})
+  return model
+
+
+def test_params_only_step_raises_with_the_fix():
+  model = _trained_model()
+  x = _batches((16, 32), 1)[0]
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    with pytest.raises(ValueError, match="differentiate with te_jax.nnx.value_and_grad"):
+      nnx.value_and_grad(lambda m: _loss_of(m(x)))(model)
+    with pytest.raises(ValueError, match="differentiate with te_jax.nnx.value_and_grad"):
+      nnx.jit(lambda m: nnx.grad(lambda m: _loss_of(m(x)))(m))(model)
+    g = jax.grad(lambda x: _loss_of(model(x)))(x)  # input gradients only (saliency): no state needed
+  assert float(jnp.max(jnp.abs(g))) > 0
+
+
+@pytest.mark.parametrize("context", ["no autocast", "current scaling"])
+def test_a_step_without_delayed_scaling_keeps_the_state(context):
+  model = _trained_model()
+  before = te_nnx.to_linen(model)
+  recipe = Float8CurrentScaling() if context == "current scaling" else None
+  with te_jax.autocast(enabled=recipe is not None, recipe=recipe):
+    _nnx_steps(model, _batches((16, 32), 1), {})
+  after = te_nnx.to_linen(model)
+  _assert_trees_equal(after[FP8], before[FP8])
+  assert not jax.tree.all(jax.tree.map(jnp.array_equal, after["params"], before["params"]))  # it trained
+
+
+def test_missing_state_raises_naming_the_fix():
+  model = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))  # outside autocast: no FP8 state
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    with pytest.raises(ValueError, match="construct the model inside te_jax.autocast"):
+      model(jnp.ones((16, 32)))
+    with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
+      assert model(jnp.ones((16, 32))).shape == (16, 16)
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=8)):
+    with pytest.raises(ValueError, match="amax_history_len is 8"):
+      _trained_model()(jnp.ones((16, 32)))
+
+
+def test_remat_gives_the_same_gradients_and_state():
+  x = _batches((16, 32), 1)[0]
+  results = []
+  for remat in (False, True):
+    model = _trained_model()
+    call = nnx.remat(lambda m, x: m(x)) if remat else (lambda m, x: m(x))
+    with te_jax.autocast(enabled=True, recipe=RECIPE):
+      loss, grads = nnx.jit(lambda m: te_nnx.value_and_grad(lambda m: _loss_of(call(m, x)))(m))(model)
+    results.append((loss, nnx.to_pure_dict(grads), te_nnx.to_linen(model)))
+  _assert_trees_equal(results[1], results[0])
+
+
+def test_split_merge_and_checkpoint_keep_params_and_state(tmp_path):
+  model = _trained_model()
+  x = _batches((16, 32), 1)[0]
+  graphdef, state = nnx.split(model)
+  merged = nnx.merge(graphdef, state)
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    _assert_trees_equal(merged(x), model(x))
+  ocp = pytest.importorskip("orbax.checkpoint")
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", nnx.to_pure_dict(nnx.state(model)))
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    fresh = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(5))
+  abstract = nnx.to_pure_dict(nnx.state(fresh))
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+  nnx.update(fresh, _replaced(fresh, restored))
+  _assert_trees_equal(te_nnx.to_linen(fresh), te_nnx.to_linen(model))
+  assert float(fresh.wi_grad_scale[...]) != 1.0  # a state that moved came back
+
+
+def _replaced(model, pure):
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, pure)
+  return state
+
+
+def test_calibrate_matches_linen_and_raises_where_it_would_do_nothing():
+  linen = te_flax.LayerNormMLP(intermediate_dim=64)
+  x = _batches((16, 32), 1)[0] * 30
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    variables = linen.init(jax.random.key(0), x)
+    model = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
+    te_nnx.from_linen(model, variables)
+    want = te_flax.calibrate(lambda v, x: _loss_of(linen.apply(v, x)), variables, x)
+    te_nnx.calibrate(lambda m, x: _loss_of(m(x)), model, x)
+  _assert_trees_equal(te_nnx.to_linen(model), want)
+  assert float(model.wi_x_scale[...]) != 1.0
+  with pytest.raises(ValueError, match="calibrate: the pass ran no GEMM with delayed scaling"):
+    te_nnx.calibrate(lambda m, x: _loss_of(m(x)), model, x)
+  plain = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    with pytest.raises(ValueError, match="calibrate: the model has no te_jax.nnx.Fp8State"):
+      te_nnx.calibrate(lambda m, x: _loss_of(m(x)), plain, x)
