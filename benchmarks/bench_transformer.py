@@ -9,7 +9,7 @@ where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (th
 function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input, applied to a random output gradient, with the
 output. The same layer from ``te_jax.nnx`` (FP8) gets a row too: ``jax.vjp`` of ``nnx.merge(graphdef, state)(x)``
 w.r.t. the state (parameters and ``Fp8State``) and the input; it and the linen te_jax row also record the time of
-their first compile (``compile_s``: lowering and compiling the jitted function once more, after the warm-up). Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each
+their first compile (``compile_s``: tracing, lowering and compiling a new jitted function of the same computation). Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each
 row also records the SM clock and power while it ran (``harness.ClockSampler``).
 
   python benchmarks/bench_transformer.py
@@ -113,7 +113,8 @@ def warm_nnx_layer(model, rec, x, dy, steps: int = 3):
 
 
 def compile_seconds(fn, *args) -> float:
-  """Seconds to lower and compile ``fn`` for ``args`` (a first compile's time: XLA compiles it anew)."""
+  """Seconds to trace, lower and compile ``fn`` for ``args``: a first compile's time when ``fn`` is a jitted function
+  not called before (``.lower().compile()`` of one already compiled comes from jax's caches)."""
   t0 = time.perf_counter()
   fn.lower(*args).compile()
   return time.perf_counter() - t0
@@ -190,7 +191,8 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
   for name, (model, rec) in layers.items():
     kw = {"deterministic": True} if name.startswith("te_jax") else {}
     if name == NNX_IMPL:
-      state, fn, out = warm_nnx_layer(_te_nnx_layer(c, rec), rec, x, dy)
+      nnx_model = _te_nnx_layer(c, rec)
+      state, fn, out = warm_nnx_layer(nnx_model, rec, x, dy)
       args = (state, x, dy)
     else:
       fn = harness.layer_fwd_bwd(model, rec, **kw)
@@ -198,8 +200,10 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
       args = (variables, x, dy)
     problems = []
     row = harness.layer_row(ctx, fn, args, flops=_flops(c), out=out, problems=problems)
-    if name in (NNX_IMPL, "te_jax TransformerLayer fp8"):
-      row["compile_s"] = compile_seconds(fn, *args)
+    if name == NNX_IMPL:  # a new jitted function: traced, lowered and compiled anew
+      row["compile_s"] = compile_seconds(nnx_fwd_bwd(nnx.graphdef(nnx_model), rec), *args)
+    elif name == "te_jax TransformerLayer fp8":
+      row["compile_s"] = compile_seconds(harness.layer_fwd_bwd(model, rec, **kw), *args)
     targets = row.pop("targets")
     if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
       problems.append("no cuDNN attention in HLO")
@@ -246,6 +250,9 @@ def stack_memory(ctx: harness.Context, key) -> list[dict]:
 def run(ctx: harness.Context) -> list[dict]:
   rows = bench_layer(ctx, jax.random.key(400))
   harness.print_layer_rows("transformer", rows)
+  for r in rows:
+    if "compile_s" in r:
+      print(f"transformer {r['impl']}: first compile {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
   stack = stack_memory(ctx, jax.random.key(401))
   for r in stack:
     print(f"transformer {r['case']} {r['impl']}: temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x Flax fp8)",
