@@ -9,8 +9,9 @@ where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (th
 function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input, applied to a random output gradient, with the
 output. The same layer from ``te_jax.nnx`` (FP8) gets a row too: ``jax.vjp`` of ``nnx.merge(graphdef, state)(x)``
 w.r.t. the state (parameters and ``Fp8State``) and the input; it and the linen te_jax row also record the time of
-their first compile (``compile_s``: tracing, lowering and compiling a new jitted function of the same computation). Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each
-row also records the SM clock and power while it ran (``harness.ClockSampler``).
+their first compile (``compile_s``: tracing, lowering and compiling a new jitted function of the same computation).
+Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each row also
+records the SM clock and power while it ran (``harness.ClockSampler``).
 
   python benchmarks/bench_transformer.py
 """
@@ -23,6 +24,7 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen import fp8_ops
 
 import bench_dense
@@ -30,7 +32,6 @@ import harness
 import te_jax
 import te_jax.flax as te_flax
 import te_jax.nnx as te_nnx
-from flax import nnx
 from te_jax import recipe
 
 LAYER = {"batch": 4, "seq": 2048, "hidden": 4096, "heads": 32, "mlp": 16384}

@@ -311,3 +311,28 @@ def test_calibrate_matches_linen_and_raises_where_it_would_do_nothing():
   with te_jax.autocast(enabled=True, recipe=RECIPE):
     with pytest.raises(ValueError, match="calibrate: the model has no te_jax.nnx.Fp8State"):
       te_nnx.calibrate(lambda m, x: _loss_of(m(x)), plain, x)
+
+
+def test_sharding_metadata_reaches_the_params():
+  """nnx.with_partitioning on the kernel initializer, and logical_axes=True, name the parameters' axes (the
+  ``out_sharding`` metadata nnx.get_partition_spec reads); naming them both ways raises."""
+  init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+  with nnx.use_eager_sharding(False):  # names only: no mesh here to place the parameters on
+    layer = te_nnx.DenseGeneral(32, 64, kernel_init=init, rngs=nnx.Rngs(0))
+    block = te_nnx.TransformerLayer(64, 128, 4, logical_axes=True, rngs=nnx.Rngs(0))
+  assert layer.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
+  specs = nnx.get_partition_spec(nnx.state(block, nnx.Param))
+  assert tuple(specs["mlp"]["wi_kernel"].get_value()) == ("embed", "act", "mlp")
+  assert tuple(specs["self_attention"]["qkv"]["kernel"].get_value()) == ("embed", "heads", "qkv", "kv")
+  with pytest.raises(ValueError, match="names the parameter's axes already"):
+    te_nnx.DenseGeneral(32, 64, kernel_init=init, kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+
+
+def test_dropout_needs_deterministic_and_draws_from_rngs():
+  layer = te_nnx.TransformerLayer(64, 128, 4, hidden_dropout=0.5, backend="unfused", rngs=nnx.Rngs(0, dropout=1))
+  x = _batches((2, 8, 64), 1)[0]
+  with pytest.raises(ValueError, match="pass deterministic=True"):
+    layer(x)
+  a, b = layer(x, deterministic=False), layer(x, deterministic=False)
+  assert not bool(jnp.array_equal(a, b))  # a new mask each call
+  _assert_trees_equal(layer(x, deterministic=True), layer(x, deterministic=True))
