@@ -336,3 +336,38 @@ def test_dropout_needs_deterministic_and_draws_from_rngs():
   a, b = layer(x, deterministic=False), layer(x, deterministic=False)
   assert not bool(jnp.array_equal(a, b))  # a new mask each call
   _assert_trees_equal(layer(x, deterministic=True), layer(x, deterministic=True))
+
+
+def test_decoder_with_cross_attention_parity():
+  kw = dict(layer_type="decoder", dtype=jnp.bfloat16, backend="unfused", use_bias=True)
+  encoded = _batches((2, 8, 64), 1)[0].astype(jnp.bfloat16)
+  _parity(te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4, **kw),
+          lambda r: te_nnx.TransformerLayer(64, 128, 4, cross_attention=True, rngs=r, **kw), (2, 16, 64),
+          {"encoded": encoded, "deterministic": True})
+
+
+def test_layernorm_mlp_in_parts_parity():
+  """return_layernorm_output: the MLP runs as its parts (layernorm_dense, activation, dense)."""
+  _parity(te_flax.LayerNormMLP(intermediate_dim=64, return_layernorm_output=True),
+          lambda r: te_nnx.LayerNormMLP(32, 64, return_layernorm_output=True, rngs=r), (16, 32))
+
+
+def test_a_jitted_step_follows_autocast():
+  """One nnx.jit step, called under DelayedScaling and then with FP8 off: retraced for each (autocast's state is part
+  of the jit cache key), so the second call keeps the state instead of reusing the FP8 program."""
+  model = _trained_model(steps=1)
+  x = _batches((16, 32), 1)[0]
+
+  @nnx.jit
+  def step(model):
+    return te_nnx.value_and_grad(lambda m: _loss_of(m(x)))(model)[0]
+
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    step(model)
+  moved = te_nnx.to_linen(model)[FP8]
+  with te_jax.autocast(enabled=False):
+    step(model)
+  _assert_trees_equal(te_nnx.to_linen(model)[FP8], moved)
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    step(model)
+  assert not jax.tree.all(jax.tree.map(jnp.array_equal, te_nnx.to_linen(model)[FP8], moved))
