@@ -2,10 +2,11 @@
 BF16 and in FP8 side by side on the same corpus and batches (``train_lm``'s data code). Reports the held-out loss,
 tokens per second and memory of both.
 
-The FP8 run differs from the BF16 run in three lines: the model is built inside ``te_jax.autocast(enabled=True,
-recipe=DelayedScaling())`` (which gives its layers their FP8 state), the step runs inside it, and the step
-differentiates with ``te_jax.nnx.value_and_grad`` instead of ``nnx.value_and_grad`` (which also writes the FP8
-state's update into the model). ``te_jax.nnx.calibrate`` before the first step gives the state its first amaxes.
+The FP8 run differs from the BF16 run only in ``te_jax.autocast(enabled=True, recipe=DelayedScaling())`` around the
+model's construction (which gives its layers their FP8 state) and the steps. Both differentiate with
+``te_jax.nnx.value_and_grad``, which is ``nnx.value_and_grad`` that also writes the FP8 state's update into the model
+(a no-op for the BF16 model, which has none); ``te_jax.nnx.calibrate`` before the first step gives the state its
+first amaxes (again a no-op in BF16).
 
     python examples/train_lm_nnx.py                 # tiny on CPU, ~100M params on a GPU
     python examples/train_lm_nnx.py --size small --steps 30
@@ -59,11 +60,9 @@ def run(rec, size, steps, lr, seed, train_data, eval_data):
     model = LM(hidden, layers, heads, mlp, rngs=nnx.Rngs(seed))  # the same parameters in both runs
   optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.01)),
                             wrt=nnx.Param)
-  grad_fn = te_nnx.value_and_grad if rec is not None else nnx.value_and_grad
-
   @nnx.jit
   def step(model, optimizer, x, y):
-    loss, grads = grad_fn(loss_fn)(model, x, y)
+    loss, grads = te_nnx.value_and_grad(loss_fn)(model, x, y)
     optimizer.update(model, grads)
     return loss
 
