@@ -7,8 +7,11 @@ Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal sel
 parameters, bfloat16 compute; one more te_jax row also runs attention's forward in FP8 (the recipe's ``fp8_dpa``,
 where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (the recipe's ``fp8_gemm_*``). The timed
 function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input, applied to a random output gradient, with the
-output. Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each
-row also records the SM clock and power while it ran (``harness.ClockSampler``).
+output. The same layer from ``te_jax.nnx`` (FP8) gets a row too: ``jax.vjp`` of ``nnx.merge(graphdef, state)(x)``
+w.r.t. the state (parameters and ``Fp8State``) and the input; it and the linen te_jax row also record the time of
+their first compile (``compile_s``: tracing, lowering and compiling a new jitted function of the same computation).
+Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each row also
+records the SM clock and power while it ran (``harness.ClockSampler``).
 
   python benchmarks/bench_transformer.py
 """
@@ -16,16 +19,19 @@ row also records the SM clock and power while it ran (``harness.ClockSampler``).
 from __future__ import annotations
 
 import sys
+import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen import fp8_ops
 
 import bench_dense
 import harness
 import te_jax
 import te_jax.flax as te_flax
+import te_jax.nnx as te_nnx
 from te_jax import recipe
 
 LAYER = {"batch": 4, "seq": 2048, "hidden": 4096, "heads": 32, "mlp": 16384}
@@ -76,6 +82,45 @@ def _te_layer(c, **kw):
                                   **kw)
 
 
+def _te_nnx_layer(c, rec):
+  """te_jax.nnx's twin of ``_te_layer`` (built under ``rec``, which gives it its FP8 state)."""
+  with te_jax.autocast(enabled=rec is not None, recipe=rec):
+    return te_nnx.TransformerLayer(c["hidden"], c["mlp"], c["heads"], layer_type="decoder", activation_type=("gelu",),
+                                   dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+
+def nnx_fwd_bwd(graphdef, rec):
+  """``layer_fwd_bwd`` for an NNX layer: ``(state, x, dy) -> (out, (d_state, dx))``, jitted."""
+  def f(state, x, dy):
+    with te_jax.autocast(enabled=rec is not None, recipe=rec):
+      out, vjp = jax.vjp(lambda s, x: nnx.merge(graphdef, s)(x, deterministic=True), state, x)
+    return out, vjp(dy)
+
+  return jax.jit(f)
+
+
+def warm_nnx_layer(model, rec, x, dy, steps: int = 3):
+  """``harness.warm_layer`` for an NNX layer: the state after ``steps`` calls (the FP8 state's updates written
+  back), the jitted function and the last output."""
+  graphdef, state = nnx.split(model)
+  fn = nnx_fwd_bwd(graphdef, rec)
+  out = None
+  for _ in range(steps):
+    out, (grads, _) = fn(state, x, dy)
+    fp8_grads, _ = nnx.split_state(grads, te_nnx.Fp8State, ...)
+    nnx.update(model, fp8_grads)
+    state = nnx.state(model)
+  return state, fn, out
+
+
+def compile_seconds(fn, *args) -> float:
+  """Seconds to trace, lower and compile ``fn`` for ``args``: a first compile's time when ``fn`` is a jitted function
+  not called before (``.lower().compile()`` of one already compiled comes from jax's caches)."""
+  t0 = time.perf_counter()
+  fn.lower(*args).compile()
+  return time.perf_counter() - t0
+
+
 def _flops(c) -> float:
   tokens, h, f = c["batch"] * c["seq"], c["hidden"], c["mlp"]
   gemm = 2 * tokens * (4 * h * h + 2 * h * f)  # qkv, out, fc1, fc2
@@ -87,6 +132,7 @@ def _flops(c) -> float:
 # the Flax ones) and nothing else. te_jax's layer with FP8 off (17.3-17.5 ms against Flax BF16's 17.2-17.5 until
 # 2026-12-04; its stack 8,487 MiB) is no longer measured here: a compile of a layer and of a stack that no comparison
 # used; bench_layernorm_mlp and bench_dense keep te_jax's BF16 rows.
+NNX_IMPL = "te_jax.nnx TransformerLayer fp8"
 STACK_IMPLS = ("te_jax TransformerLayer fp8", "flax layer fp8", "flax layer bf16")
 
 
@@ -141,20 +187,34 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
   x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
   rows = []
-  for name, (model, rec) in impls(c).items():
+  delayed = recipe.DelayedScaling()
+  layers = {**impls(c), NNX_IMPL: (None, delayed)}
+  for name, (model, rec) in layers.items():
     kw = {"deterministic": True} if name.startswith("te_jax") else {}
-    fn = harness.layer_fwd_bwd(model, rec, **kw)
-    variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
+    if name == NNX_IMPL:
+      nnx_model = _te_nnx_layer(c, rec)
+      state, fn, out = warm_nnx_layer(nnx_model, rec, x, dy)
+      args = (state, x, dy)
+    else:
+      fn = harness.layer_fwd_bwd(model, rec, **kw)
+      variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
+      args = (variables, x, dy)
     problems = []
-    row = harness.layer_row(ctx, fn, (variables, x, dy), flops=_flops(c), out=out, problems=problems)
+    row = harness.layer_row(ctx, fn, args, flops=_flops(c), out=out, problems=problems)
+    if name == NNX_IMPL:  # a new jitted function: traced, lowered and compiled anew
+      row["compile_s"] = compile_seconds(nnx_fwd_bwd(nnx.graphdef(nnx_model), rec), *args)
+    elif name == "te_jax TransformerLayer fp8":
+      row["compile_s"] = compile_seconds(harness.layer_fwd_bwd(model, rec, **kw), *args)
     targets = row.pop("targets")
     if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
       problems.append("no cuDNN attention in HLO")
-    if ctx.gpu and name.startswith("te_jax TransformerLayer fp8") and "te_gemm_cuda" not in targets:
+    if ctx.gpu and name.startswith(("te_jax TransformerLayer fp8", NNX_IMPL)) and "te_gemm_cuda" not in targets:
       problems.append("no te_gemm_cuda in HLO")
     if ctx.gpu and name.endswith("fp8 attention") and not any("F8" in t for t in targets if "fmha" in t):
       problems.append("no cuDNN FP8 attention in HLO")
     acceptance = "acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16" if name == "te_jax TransformerLayer fp8" else ""
+    if name == NNX_IMPL:
+      acceptance = "acceptance: the linen te_jax row's time and memory"
     rows.append({"bench": "transformer", "impl": name, **row, "ok": not problems,
                  "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads "
                          "causal fwd+bwd",
@@ -191,6 +251,9 @@ def stack_memory(ctx: harness.Context, key) -> list[dict]:
 def run(ctx: harness.Context) -> list[dict]:
   rows = bench_layer(ctx, jax.random.key(400))
   harness.print_layer_rows("transformer", rows)
+  for r in rows:
+    if "compile_s" in r:
+      print(f"transformer {r['impl']}: first compile {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
   stack = stack_memory(ctx, jax.random.key(401))
   for r in stack:
     print(f"transformer {r['case']} {r['impl']}: temp {r['temp_mib']:.0f} MiB ({r['temp_vs_flax_fp8']:.2f}x Flax fp8)",

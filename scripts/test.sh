@@ -47,7 +47,7 @@ import pathlib
 seconds = {"activation": 70, "attention": 110, "norm": 100, "transformer": 90, "rope": 60, "quantize": 60,
            "gemm": 40, "softmax": 35, "dense": 35, "fused_layers": 30, "flax_dense": 35, "residual": 18,
            "docs": 15, "quantize_interleaved": 13, "flax_norm": 12, "doctor": 10, "shard_map": 10, "scaling": 7,
-           "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3}
+           "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3, "nnx": 50}
 files = sorted(pathlib.Path("tests").glob("test_*.py"))
 weight = {f: seconds.get(f.stem[len("test_"):], 10) for f in files}
 groups, totals = ([], []), [0, 0]

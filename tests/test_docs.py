@@ -9,13 +9,15 @@ import pkgutil
 
 import flax.linen as nn
 import pytest
+from flax import nnx
 
 import te_jax
 import te_jax.flax
+import te_jax.nnx
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(te_jax.__path__, "te_jax.") if not m.name.split(".")[-1]
                  .startswith("_te_"))
-PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.recipe")
+PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.nnx", "te_jax.recipe")
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -36,10 +38,11 @@ def _public(package):
 def test_public_names_are_documented(qualname, obj):
   doc = inspect.getdoc(obj)
   assert doc, f"{qualname} has no docstring"
-  if inspect.isclass(obj) and issubclass(obj, nn.Module):
+  if inspect.isclass(obj) and issubclass(obj, (nn.Module, nnx.Module)):
     assert ">>> " in doc, f"{qualname}: a module's docstring opens with a usage example"
 
 
 def test_every_module_is_covered():
   """The doctest run above walks the whole package, so a new module cannot be missed."""
   assert "te_jax.fused.dense" in MODULES and "te_jax.flax.transformer" in MODULES and "te_jax.ops.gemm" in MODULES
+  assert "te_jax.nnx.transformer" in MODULES

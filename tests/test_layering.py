@@ -3,7 +3,8 @@ module takes a private name (one not in the other module's ``__all__``) from ano
 touches JAX's private APIs.
 
 Layers, bottom to top: ``te_jax._core`` and ``te_jax.recipe`` (infrastructure); ``te_jax.ops`` (primitives);
-``te_jax.fused`` (differentiable ops built from several primitives); ``te_jax.flax`` (Flax modules); then the package
+``te_jax.fused`` (differentiable ops built from several primitives); ``te_jax.flax`` (Flax linen modules) and beside it
+``te_jax.nnx`` (Flax NNX modules, which may use ``te_jax.flax.params``' axis names and checks); then the package
 itself and ``te_jax.doctor``, which may use everything.
 """
 
@@ -14,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "te_jax"
 LAYERS = {"te_jax._core": 0, "te_jax.recipe": 0, "te_jax.ops": 1, "te_jax.fused": 2, "te_jax.flax": 3,
-          "te_jax.doctor": 4, "te_jax": 4}
+          "te_jax.nnx": 3, "te_jax.doctor": 4, "te_jax": 4}
 JAX_COMPAT = "te_jax._core.jax_compat"
 
 

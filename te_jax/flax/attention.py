@@ -30,36 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral
 from te_jax.flax.params import (EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, is_int, logical, resolve_deterministic,
                                 seq_first_to_batch_first)
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
-                                    dot_product_attention)
+                                    dot_product_attention, fp8_dpa_enabled, layout_for)
 from te_jax.fused.attention_masks import alibi_bias_at
 from te_jax.ops.rope import apply_rope, rope_frequencies
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "RelativePositionBiases"]
-
-
-def fp8_dpa_enabled(fp8_dpa: bool | None, *args, **kwargs) -> bool:
-  """FP8 attention or not: ``fp8_dpa`` when given; for None, what the autocast recipe's ``fp8_dpa`` asks, where
-  ``dot_product_attention(*args, fp8_dpa=True, **kwargs)`` accepts the configuration (shapes and dtypes are read)."""
-  if fp8_dpa is not None:
-    return fp8_dpa
-  recipe = resolve_recipe(None)
-  if recipe is None or not recipe.fp8_dpa:
-    return False
-  try:
-    attention_backend(*args, fp8_dpa=True, **kwargs)
-  except ValueError:  # not this configuration, or not on this machine: attention stays in the input precision
-    return False
-  return True
-
-
-# BSHD-family layout -> the same packing in SBHD, for ``transpose_batch_sequence``.
-_TO_SEQUENCE_FIRST = {"BSHD": "SBHD", "BS3HD": "SB3HD", "BSHD_BS2HD": "SBHD_SB2HD"}
 
 
 class DotProductAttention(nn.Module):
@@ -114,14 +94,7 @@ class DotProductAttention(nn.Module):
   fp8_dpa: bool | None = None
 
   def _layout(self) -> str:
-    if self.qkv_layout not in QKV_LAYOUTS:
-      raise ValueError(f"qkv_layout must be one of {tuple(QKV_LAYOUTS)}, got {self.qkv_layout!r}")
-    if not self.transpose_batch_sequence:
-      return self.qkv_layout
-    if self.qkv_layout not in _TO_SEQUENCE_FIRST:
-      raise ValueError(f"transpose_batch_sequence=True takes a 'BS' layout ({tuple(_TO_SEQUENCE_FIRST)}) and makes "
-                       f"it sequence-first; got qkv_layout={self.qkv_layout!r}")
-    return _TO_SEQUENCE_FIRST[self.qkv_layout]
+    return layout_for(self.qkv_layout, self.transpose_batch_sequence)
 
   def _check_heads(self, query, key, value, layout: str):
     packing = QKV_LAYOUTS[layout][1]

@@ -15,13 +15,13 @@ from collections.abc import Callable, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen import fp8_ops
 
 from te_jax._core import scaling
 from te_jax._core.autocast import calibration_pass, resolve_recipe
-from te_jax._core.jax_compat import differentiated_from_outside, enable_eager_extended_dtype_add
+from te_jax._core.jax_compat import differentiated_from_outside
 from te_jax._core.scaling import FP8_COLLECTION
 from te_jax.fused.linear import DenseFp8Meta, keep_state
+from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = ["accumulate_gradients", "calibrate", "fp8_state", "split_fp8_state"]
@@ -164,30 +164,7 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _calibrated_state(fn, has_aux, variables, args):
   grads = jax.grad(fn, has_aux=has_aux)(variables, *args)
-  return _where_updated((grads[0] if has_aux else grads)[FP8_COLLECTION], variables[FP8_COLLECTION])
-
-
-def _where_updated(new, old):
-  """``new`` for each tensor whose state the pass updated, ``old`` for the others. An updated scale is positive
-  (fp8_max / amax, or the previous scale where amax is 0); a state the pass did not reach gets a zero cotangent, scale
-  0 included. Per element of the scale, so each layer of a state stacked by ``nn.scan`` is judged on its own."""
-  new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
-  old_leaves = treedef.flatten_up_to(old)
-  by_path = {tuple(_key(k) for k in path): leaf for path, leaf in new_leaves}
-  merged = []
-  for (path, leaf), before in zip(new_leaves, old_leaves, strict=True):
-    *parent, name = (_key(k) for k in path)
-    stem = name.removesuffix("_amax_history").removesuffix("_scale")
-    scale = by_path.get((*parent, f"{stem}_scale"))
-    if scale is None or name not in (f"{stem}_amax_history", f"{stem}_scale"):
-      raise ValueError(f"calibrate: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
-    updated = scale != 0
-    merged.append(jnp.where(updated[..., None] if name.endswith("_amax_history") else updated, leaf, before))
-  return treedef.unflatten(merged)
-
-
-def _key(k) -> str:
-  return str(getattr(k, "key", k))
+  return where_updated((grads[0] if has_aux else grads)[FP8_COLLECTION], variables[FP8_COLLECTION])
 
 
 def accumulate_gradients(total, grads):
@@ -220,9 +197,6 @@ def accumulate_gradients(total, grads):
   return jax.tree_util.tree_map_with_path(combine, total, grads)
 
 
-# Eager (un-jitted) autodiff of a module applied twice adds its state's max-combining cotangents.
-enable_eager_extended_dtype_add()
-
 # Per apply (keyed by the root scope): each FP8 state value converted once to Flax's fp32_max_grad dtype.
 _MAX_GRAD_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -233,39 +207,16 @@ def _max_grad_view(module: nn.Module, value, negated: bool = False):
   The conversion is made once per state value and apply, so that every application of a module (shared weights,
   a module called twice) uses the same converted value: autodiff then accumulates their state updates in the
   max-combining dtype, and the one conversion hands the result back as float32. ``negated``: the conversion of
-  ``_negated_cotangent(value)``.
+  a scale's view, ``max_grad_view(value, negated=True)``.
   """
   views = _MAX_GRAD_VIEWS.setdefault(module.scope.root, {})
   key = id(value)
   if key not in views:
-    views[key] = (value, jax.lax.convert_element_type(_negated_cotangent(value) if negated else value,
-                                                      fp8_ops.fp32_max_grad))
+    views[key] = (value, max_grad_view(value, negated))
   return views[key][1]
 
 
 def _min_grad_view(module: nn.Module, value):
   """``value`` (a scale) as ``_max_grad_view`` hands it over, but with the updates of several applications
-  combined by min: the scale of the max-combined amax history, since a larger amax gives a smaller scale (with a
-  max, the application with the smallest amax would set the scale, and the others' tensors would saturate). Each
-  application's update is negated on its way into the shared view and negated back on its way out to the variable,
-  so the view's max-combination picks the min."""
-  return _negated_cotangent(_max_grad_view(module, value, negated=True))
-
-
-@jax.custom_vjp
-def _negated_cotangent(x):
-  """``x``; its cotangent comes back negated (in ``x``'s dtype, float32 or ``fp32_max_grad``)."""
-  return x
-
-
-def _negated_cotangent_fwd(x):
-  return x, None
-
-
-def _negated_cotangent_bwd(_, g):
-  if jax.dtypes.issubdtype(g.dtype, jax.dtypes.extended):  # negated in float32, handed back in g's dtype
-    return (jax.lax.convert_element_type(-jax.lax.convert_element_type(g, jnp.float32), g.dtype),)
-  return (-g,)
-
-
-_negated_cotangent.defvjp(_negated_cotangent_fwd, _negated_cotangent_bwd)
+  combined by min (``te_jax.fused.state_grads.from_min_grad_view``)."""
+  return from_min_grad_view(_max_grad_view(module, value, negated=True))

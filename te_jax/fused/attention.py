@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core import native
+from te_jax._core.autocast import resolve_recipe
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.attention_config import (ATTN_BIAS_TYPES, ATTN_MASK_TYPES, BACKENDS, QKV_LAYOUTS, AttentionConfig,
                                            configure, unpack, unpack_shapes)
@@ -54,7 +55,7 @@ from te_jax.fused.attention_masks import band_mask, combine, segment_mask
 from te_jax.fused.attention_unfused import unfused
 
 __all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "QKV_LAYOUTS", "attention_backend",
-           "backend_report", "dot_product_attention", "make_attention_mask"]
+           "backend_report", "dot_product_attention", "fp8_dpa_enabled", "layout_for", "make_attention_mask"]
 
 
 class AttentionBackend(NamedTuple):
@@ -217,3 +218,35 @@ def backend_report() -> dict[str, dict[str, str]]:
   report["fp8 forward, D=128"] = {"name": "fused" if ok else "unavailable", "reason": reason}
   return report
 
+
+
+def fp8_dpa_enabled(fp8_dpa: bool | None, *args, **kwargs) -> bool:
+  """A layer's FP8 attention or not: ``fp8_dpa`` when given; for None, what the autocast recipe's ``fp8_dpa`` asks,
+  where ``dot_product_attention(*args, fp8_dpa=True, **kwargs)`` accepts the configuration (shapes and dtypes are
+  read)."""
+  if fp8_dpa is not None:
+    return fp8_dpa
+  recipe = resolve_recipe(None)
+  if recipe is None or not recipe.fp8_dpa:
+    return False
+  try:
+    attention_backend(*args, fp8_dpa=True, **kwargs)
+  except ValueError:  # not this configuration, or not on this machine: attention stays in the input precision
+    return False
+  return True
+
+
+# BSHD-family layout -> the same packing in SBHD, for a layer's ``transpose_batch_sequence``.
+_TO_SEQUENCE_FIRST = {"BSHD": "SBHD", "BS3HD": "SB3HD", "BSHD_BS2HD": "SBHD_SB2HD"}
+
+
+def layout_for(qkv_layout: str, transpose_batch_sequence: bool) -> str:
+  """A layer's ``qkv_layout``, made sequence-first (the "SB" form) by ``transpose_batch_sequence``."""
+  if qkv_layout not in QKV_LAYOUTS:
+    raise ValueError(f"qkv_layout must be one of {tuple(QKV_LAYOUTS)}, got {qkv_layout!r}")
+  if not transpose_batch_sequence:
+    return qkv_layout
+  if qkv_layout not in _TO_SEQUENCE_FIRST:
+    raise ValueError(f"transpose_batch_sequence=True takes a 'BS' layout ({tuple(_TO_SEQUENCE_FIRST)}) and makes "
+                     f"it sequence-first; got qkv_layout={qkv_layout!r}")
+  return _TO_SEQUENCE_FIRST[qkv_layout]

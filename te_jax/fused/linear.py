@@ -130,7 +130,9 @@ def primal_values(primals, *, trained: tuple[int, ...], states: tuple[int, ...])
         "state leaves the backward pass as that collection's gradient. Differentiate the whole variables dict "
         "(jax.grad(loss)(variables), with TrainState(params=variables) whose apply_gradients writes the state), or "
         "for a custom optax loop split the gradients with te_jax.flax.split_fp8_state. The collection is not "
-        "updated through mutable=[...].")
+        "updated through mutable=[...]. With te_jax.nnx: differentiate with te_jax.nnx.value_and_grad (or "
+        "te_jax.nnx.grad) instead of nnx.value_and_grad, which also differentiates the te_jax.nnx.Fp8State "
+        "variables and writes their update into the model.")
   return [jax.tree.map(lambda v: v.value, p, is_leaf=is_primal) for p in primals]
 
 

@@ -1,0 +1,100 @@
+"""Moving parameters and FP8 state between ``te_jax.flax`` (linen) and ``te_jax.nnx`` modules.
+
+Every NNX module names its parameters, FP8 state variables and submodules as its linen twin names its parameters,
+``te_jax.FP8_COLLECTION`` entries and submodules (DenseGeneral: ``kernel``, ``bias``; LayerNorm: ``scale``,
+``bias``; LayerNormDenseGeneral: ``ln_scale``, ``ln_bias``, ``kernel``, ``bias``; LayerNormMLP: ``ln_scale``,
+``ln_bias``, ``wi_kernel``, ``wi_bias``, ``wo_kernel``, ``wo_bias``; MultiHeadAttention: ``qkv`` or ``query`` and
+``kv``, then ``out``; TransformerLayer: ``self_attention``, ``encoder_decoder_attention``, ``mlp`` or ``wi`` and
+``wo``, the post-LN norms; the FP8 state ``{prefix}{x,kernel,grad}_{amax_history,scale}``), with the same shapes, so
+one function pair converts every module: a state stacked by ``nn.scan`` / ``nnx.vmap`` converts the same way. One
+exception: ``nn.Dense(dot_general_cls=te_flax.Fp8DotGeneral)`` keeps its GEMM's state under ``Fp8DotGeneral_0``,
+``nnx.Linear(dot_general=te_nnx.Fp8DotGeneral())`` under ``dot_general``: rename that key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_jax._core.scaling import FP8_COLLECTION
+from te_jax.nnx.fp8_state import Fp8State
+
+__all__ = ["from_linen", "to_linen"]
+
+
+def to_linen(model: nnx.Module) -> dict:
+  """The linen variables dict of ``model``'s twin: ``{"params": ..., te_jax.FP8_COLLECTION: ...}`` (the latter only
+  when the model has FP8 state), each a nested dict of arrays.
+
+  >>> import jax, jax.numpy as jnp, te_jax, te_jax.flax as te_flax, te_jax.nnx as te_nnx
+  >>> from flax import nnx
+  >>> model = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
+  >>> variables = te_nnx.to_linen(model)
+  >>> y = te_flax.LayerNormMLP(intermediate_dim=64).apply(variables, jnp.ones((4, 32)))
+  >>> bool(jnp.all(y == model(jnp.ones((4, 32)))))
+  True
+  """
+  out = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}
+  state = nnx.to_pure_dict(nnx.state(model, Fp8State))
+  if jax.tree.leaves(state):
+    out[FP8_COLLECTION] = state
+  return out
+
+
+def from_linen(model: nnx.Module, variables: Mapping) -> None:
+  """Loads the linen variables dict of ``model``'s twin (``init``'s result: params and, under delayed scaling, the
+  FP8 collection) into ``model``, in place. Every parameter and state variable of the model must be given, with
+  its shape and dtype, and nothing else: a mismatch raises, naming the paths.
+
+  >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax, te_jax.nnx as te_nnx
+  >>> from flax import nnx
+  >>> variables = te_flax.DenseGeneral(16).init(jax.random.key(0), jnp.ones((4, 32)))
+  >>> model = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(1))
+  >>> te_nnx.from_linen(model, variables)
+  >>> bool(jnp.all(model.kernel[...] == variables["params"]["kernel"]))
+  True
+  """
+  if not isinstance(variables, Mapping):
+    raise TypeError(f"from_linen: variables must be the linen variables dict, got {type(variables).__name__}")
+  unknown = set(variables) - {"params", FP8_COLLECTION}
+  if unknown:
+    raise ValueError(f"from_linen: collections {sorted(unknown)} have no NNX twin here (params and "
+                     f"{FP8_COLLECTION!r} do)")
+  for collection, kind in (("params", nnx.Param), (FP8_COLLECTION, Fp8State)):
+    state = nnx.state(model, kind)
+    want = _flat(nnx.to_pure_dict(state))
+    given = _flat(dict(variables.get(collection, {})))
+    missing, extra = sorted(set(want) - set(given)), sorted(set(given) - set(want))
+    if missing or extra:
+      raise ValueError(f"from_linen: {collection!r} does not match the model: missing {missing}, not in the model "
+                       f"{extra}")
+    wrong = [f"{'/'.join(p)}: {jnp.shape(given[p])} {jnp.result_type(given[p])} for {want[p].shape} "
+             f"{want[p].dtype}" for p in want
+             if jnp.shape(given[p]) != want[p].shape or jnp.result_type(given[p]) != want[p].dtype]
+    if wrong:
+      raise ValueError(f"from_linen: {collection!r} has other shapes or dtypes than the model: {wrong}")
+    nnx.replace_by_pure_dict(state, _unflat({p: jnp.asarray(v) for p, v in given.items()}))
+    nnx.update(model, state)
+
+
+def _flat(tree: Mapping, prefix: tuple = ()) -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      out.update(_flat(v, (*prefix, str(k))))
+    else:
+      out[(*prefix, str(k))] = v
+  return out
+
+
+def _unflat(flat: dict) -> dict:
+  out: dict = {}
+  for path, v in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = v
+  return out

@@ -1,0 +1,201 @@
+"""The FP8 state of the NNX modules: delayed-scaling amax histories and scales as ``Fp8State`` variables, and the
+train-step helpers that keep it current.
+
+The fused ops return a layer's updated state as the gradient of the state they were given (the backward pass is
+where the output gradient's amax is known). ``value_and_grad`` and ``grad`` are ``nnx.value_and_grad`` and
+``nnx.grad`` that also differentiate the ``Fp8State`` variables, write that "gradient" into the model, and return the
+gradients of the parameters only, so ``nnx.Optimizer.update(model, grads)`` runs unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_jax._core.autocast import calibration_pass, resolve_recipe
+from te_jax._core.scaling import ScaleState
+from te_jax.fused.linear import DenseFp8Meta, keep_state
+from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
+from te_jax.recipe import DelayedScaling, Recipe
+
+__all__ = ["Fp8State", "calibrate", "declare_fp8_state", "fp8_metas", "grad", "update_fp8_state", "value_and_grad"]
+
+_ROLES = ("x", "kernel", "grad")
+
+
+class Fp8State(nnx.Variable):
+  """A delayed-scaling amax history or scale of an FP8 GEMM (float32). Not a parameter: the optimizer never sees
+  it; the train step writes its "gradient" (the updated state) over it (``te_jax.nnx.value_and_grad``).
+
+  >>> import jax.numpy as jnp, te_jax, te_jax.nnx as te_nnx
+  >>> from flax import nnx
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=8)):
+  ...   layer = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))
+  >>> sorted(nnx.to_pure_dict(nnx.state(layer, te_nnx.Fp8State)))[:2]
+  ['grad_amax_history', 'grad_scale']
+  """
+
+
+def declare_fp8_state(module: nnx.Module, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
+  """At construction: the ``Fp8State`` variables of each GEMM of ``module`` (one per prefix), named as the linen
+  modules' collection entries: ``{prefix}{x,kernel,grad}_amax_history`` (``amax_history_len``) and
+  ``{prefix}{x,kernel,grad}_scale`` (scalar), when the recipe (the module's own, else autocast's) is
+  ``DelayedScaling``; none otherwise."""
+  recipe = resolve_recipe(recipe)
+  if not isinstance(recipe, DelayedScaling):
+    return
+  for prefix in prefixes:
+    for role in _ROLES:
+      setattr(module, f"{prefix}{role}_amax_history", Fp8State(jnp.zeros((recipe.amax_history_len,), jnp.float32)))
+      setattr(module, f"{prefix}{role}_scale", Fp8State(jnp.ones((), jnp.float32)))
+
+
+def _state_vars(module: nnx.Module, prefix: str):
+  return [(f"{prefix}{role}_{kind}", getattr(module, f"{prefix}{role}_{kind}", None))
+          for role in _ROLES for kind in ("amax_history", "scale")]
+
+
+def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
+  """At call time: ``(x, metas)``, the delayed-scaling state of each GEMM of ``module`` for the fused ops (as
+  ``te_jax.flax``'s layers hand it over). Under a recipe without state (current scaling, FP8 off) the metas are None,
+  and a state the module holds anyway is tied to ``x`` (``keep_state``), so the step hands it back unchanged."""
+  if not isinstance(recipe, DelayedScaling):
+    views = [_view(module, name, var) for prefix in prefixes for name, var in _state_vars(module, prefix)
+             if var is not None]
+    return (keep_state(x, tuple(views)) if views else x), (None,) * len(prefixes)
+  metas = []
+  for prefix in prefixes:
+    variables = _state_vars(module, prefix)
+    if not all(isinstance(v, Fp8State) for _, v in variables):
+      raise ValueError(
+          f"{type(module).__name__}: DelayedScaling needs this layer's FP8 state (te_jax.nnx.Fp8State variables), "
+          "and the module has none: construct the model inside te_jax.autocast(enabled=True, "
+          "recipe=DelayedScaling()), or give the module recipe=DelayedScaling(). To run without that state, use "
+          "Float8CurrentScaling or autocast(enabled=False).")
+    history = variables[0][1]
+    if history.shape[-1:] != (recipe.amax_history_len,):
+      raise ValueError(f"{type(module).__name__}: {prefix}x_amax_history has shape {history.shape}, but the "
+                       f"recipe's amax_history_len is {recipe.amax_history_len}")
+    states = [ScaleState(_view(module, h_name, h), from_min_grad_view(_view(module, s_name, s, negated=True)))
+              for (h_name, h), (s_name, s) in zip(variables[0::2], variables[1::2])]
+    metas.append(DenseFp8Meta(*states))
+  return x, tuple(metas)
+
+
+# Per module instance (NNX merges a fresh one in each transform's trace): each state value converted once, so that
+# every application of the module in a step (shared weights, a module called twice) uses the same converted value and
+# autodiff combines their updates by max (histories) and min (scales), as te_jax.flax does.
+_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _view(module: nnx.Module, name: str, var: Fp8State, negated: bool = False):
+  views = _VIEWS.setdefault(module, {})
+  value = var[...]
+  cached = views.get(name)
+  if cached is None or cached[0] is not value:
+    cached = views[name] = (value, max_grad_view(value, negated))
+  return cached[1]
+
+
+def update_fp8_state(model, grads: nnx.State) -> nnx.State:
+  """Writes the ``Fp8State`` part of ``grads`` (the updated state, as the fused ops return it) into ``model`` and
+  returns the rest: for a step that differentiates ``nnx.Any(nnx.Param, te_nnx.Fp8State)`` itself.
+
+  >>> import jax, jax.numpy as jnp, optax, te_jax, te_jax.nnx as te_nnx
+  >>> from flax import nnx
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=8)):
+  ...   layer = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))
+  ...   wrt = nnx.DiffState(0, nnx.Any(nnx.Param, te_nnx.Fp8State))
+  ...   grads = nnx.grad(lambda m: m(jnp.ones((4, 32))).sum(), argnums=wrt)(layer)
+  ...   grads = te_nnx.update_fp8_state(layer, grads)
+  >>> sorted(nnx.to_pure_dict(grads)), float(layer.x_amax_history[0])
+  (['bias', 'kernel'], 1.0)
+  """
+  state, rest = nnx.split_state(grads, Fp8State, ...)
+  nnx.update(model, state)
+  return rest
+
+
+def value_and_grad(f: Callable, *, argnums: int = 0, has_aux: bool = False, wrt=nnx.Param) -> Callable:
+  """``nnx.value_and_grad(f, argnums=argnums, has_aux=has_aux)`` for models with te_jax's FP8 layers: also
+  differentiates the model's ``Fp8State`` variables and writes their update into the model; returns the value and
+  the gradients of the ``wrt`` variables (default ``nnx.Param``), for ``nnx.Optimizer.update``.
+
+  >>> import jax, jax.numpy as jnp, optax, te_jax, te_jax.nnx as te_nnx
+  >>> from flax import nnx
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=8)):
+  ...   model = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))
+  ...   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  ...   loss, grads = te_nnx.value_and_grad(lambda m: jnp.mean(m(jnp.ones((4, 32))) ** 2))(model)
+  ...   _ = optimizer.update(model, grads)
+  >>> float(model.x_amax_history[0])
+  1.0
+
+  A plain ``nnx.value_and_grad`` (parameters only) would leave the state frozen at its first scales; the FP8 layers
+  raise with this fix instead.
+  """
+  if not isinstance(argnums, int):
+    raise TypeError(f"te_jax.nnx.value_and_grad: argnums must be the int position of the model, got {argnums!r}")
+  inner = nnx.value_and_grad(f, argnums=nnx.DiffState(argnums, nnx.Any(wrt, Fp8State)), has_aux=has_aux)
+
+  @functools.wraps(f)
+  def wrapped(*args, **kwargs):
+    value, grads = inner(*args, **kwargs)
+    return value, update_fp8_state(args[argnums], grads)
+
+  return wrapped
+
+
+def grad(f: Callable, *, argnums: int = 0, has_aux: bool = False, wrt=nnx.Param) -> Callable:
+  """``nnx.grad`` as ``value_and_grad`` extends ``nnx.value_and_grad``: the gradients of the ``wrt`` variables
+  (with ``has_aux``, ``(grads, aux)``), the FP8 state written into the model."""
+  vg = value_and_grad(f, argnums=argnums, has_aux=has_aux, wrt=wrt)
+
+  @functools.wraps(f)
+  def wrapped(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return wrapped
+
+
+def calibrate(fn: Callable, model, *args, has_aux: bool = False) -> None:
+  """Gives the ``Fp8State`` of ``model`` one forward and backward pass before the first train step (in place), as
+  ``te_jax.flax.calibrate`` does for linen variables (its docstring says why): ``jax.grad`` of ``fn(model, *args)``
+  with every FP8 tensor cast by its own amax, the amaxes rolled into the histories, the scales derived from them.
+  Parameters stay as they are, and so does the state of every GEMM the pass does not run with delayed scaling.
+
+  Raises where it would do nothing: under ``DelayedScaling`` on a model without FP8 state, or outside it on a model
+  whose state no GEMM updates.
+  """
+  if not callable(fn):
+    raise TypeError(f"calibrate: fn must be a callable loss function, got {type(fn).__name__}")
+  delayed = isinstance(resolve_recipe(None), DelayedScaling)
+  old = nnx.state(model, Fp8State)
+  if not jax.tree.leaves(old):
+    if delayed:
+      raise ValueError("calibrate: the model has no te_jax.nnx.Fp8State under an autocast with DelayedScaling: "
+                       "construct it inside that autocast")
+    return
+  with calibration_pass():
+    new = _calibrated(fn, bool(has_aux), model, args)
+  unchanged = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.to_pure_dict(new), nnx.to_pure_dict(old))
+  if not delayed and all(jax.tree.leaves(unchanged)):
+    raise ValueError("calibrate: the pass ran no GEMM with delayed scaling, so no FP8 state changed: call it inside "
+                     "te_jax.autocast(enabled=True, recipe=DelayedScaling(...)), as the train step runs")
+  nnx.update(model, new)
+
+
+@nnx.jit(static_argnums=(0, 1))
+def _calibrated(fn, has_aux, model, args):
+  grads = nnx.grad(fn, argnums=nnx.DiffState(0, Fp8State), has_aux=has_aux)(model, *args)
+  grads = grads[0] if has_aux else grads
+  old = nnx.state(model, Fp8State)
+  new = where_updated(nnx.to_pure_dict(grads), nnx.to_pure_dict(old), "calibrate")
+  nnx.replace_by_pure_dict(old, new)
+  return old
