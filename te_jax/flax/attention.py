@@ -309,7 +309,8 @@ class MultiHeadAttention(nn.Module):
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
     window_size: a sliding window (left, right), -1 = unbounded.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
-    kernel_init, bias_init: the projections' initializers.
+    kernel_init, bias_init: the projections' initializers; a fused kernel's q, k and v (or k and v) parts are each
+      initialized as a kernel of its own (one projection's fan, as Flax's separate query, key and value kernels).
     logical_axes: name the parameters' axes with the logical names of ``te_jax.flax.LOGICAL_AXES`` (map them to
       mesh axes with ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed
       replicated); in TransformerLayer also the residual stream's (batch, seq, act_embed).

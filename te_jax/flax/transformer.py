@@ -64,7 +64,7 @@ class TransformerLayer(nn.Module):
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype, param_dtype, backend, logical_axes, fp8_dpa, mask_convention: as in MultiHeadAttention; kernel_init:
-      every kernel's initializer.
+      every kernel's initializer (each of q, k and v initialized as a kernel of its own).
   """
 
   hidden_size: int = 512
