@@ -30,7 +30,8 @@ B, H, D = 2, 4, 8
 
 
 def naive_mask(b, h, t, s, mask_type, mask=None, segment_ids=None, window=None):
-  """True = masked out, (b, h, t, s), numpy, from the definitions (positions compared one condition at a time)."""
+  """True = masked out, (b, h, t, s), numpy, from the definitions (positions compared one condition at a time);
+  ``mask`` is the caller's, in Flax's convention (True = attend)."""
   i = np.arange(t)[:, None]
   j = np.arange(s)[None, :]
   diag = i + (s - t) if mask_type.endswith("bottom_right") else i  # the key position on each query's diagonal
@@ -44,7 +45,7 @@ def naive_mask(b, h, t, s, mask_type, mask=None, segment_ids=None, window=None):
     if right >= 0:
       out |= (j > diag + right)[None, None]
   if mask is not None:
-    out |= np.broadcast_to(np.asarray(mask), out.shape)
+    out |= np.broadcast_to(~np.asarray(mask, bool), out.shape)
   if segment_ids is not None:
     q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
     q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
@@ -125,10 +126,10 @@ SEQS = [(12, 12), (8, 12), (12, 8)]  # (T, S)
 
 
 def padding_mask(t, s, q_lens=(9, 5), kv_lens=(7, 12)):
-  """(B, 1, T, S): query row i or key j beyond each example's length is masked."""
+  """(B, 1, T, S), True = attend (Flax's convention): query row i or key j beyond each example's length is masked."""
   q_pad = np.arange(t)[None, :] >= np.minimum(np.asarray(q_lens), t)[:, None]
   kv_pad = np.arange(s)[None, :] >= np.minimum(np.asarray(kv_lens), s)[:, None]
-  return jnp.asarray((q_pad[:, :, None] | kv_pad[:, None, :])[:, None])
+  return jnp.asarray(~(q_pad[:, :, None] | kv_pad[:, None, :])[:, None])
 
 
 @pytest.mark.parametrize("t,s", SEQS)
@@ -139,7 +140,7 @@ def test_mask_types(mask_type, t, s):
   if mask_type in ("padding", "padding_causal", "padding_causal_bottom_right"):
     mask = padding_mask(t, s)
   elif mask_type == "arbitrary":
-    mask = jnp.asarray(np.random.default_rng(0).random((B, 1, t, s)) < 0.3)
+    mask = jnp.asarray(np.random.default_rng(0).random((B, 1, t, s)) >= 0.3)  # about 30% masked out
   check_against_naive(q, k, v, mask=mask, mask_type=mask_type)
 
 
@@ -200,7 +201,7 @@ def segments(lengths_per_example, n):
 def test_segment_ids(mask_type):
   ids = segments([[5, 4, 2], [12]], 12)
   q, k, v = qkv(12, 12, kv_heads=2)
-  mask = jnp.asarray(np.random.default_rng(1).random((B, 1, 12, 12)) < 0.2) if mask_type == "arbitrary" else None
+  mask = jnp.asarray(np.random.default_rng(1).random((B, 1, 12, 12)) >= 0.2) if mask_type == "arbitrary" else None
   check_against_naive(q, k, v, mask=mask, segment_ids=ids, mask_type=mask_type)
 
 
@@ -255,7 +256,7 @@ def test_value_head_dim_may_differ():
 def test_make_attention_mask_matches_definition():
   ids = segments([[3, 5], [8]], 8)
   got = te_jax.make_attention_mask(*qkv(8, 8), segment_ids=ids, attn_mask_type="padding_causal", window_size=(2, 0))
-  want = naive_mask(B, 1, 8, 8, "padding_causal", None, ids, (2, 0))
+  want = ~naive_mask(B, 1, 8, 8, "padding_causal", None, ids, (2, 0))  # True = attend, as the mask goes in
   np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
   assert te_jax.make_attention_mask(*qkv(8, 8)) is None
 
@@ -265,9 +266,9 @@ def test_make_attention_mask_matches_definition():
 
 def test_fully_masked_rows_give_zero_and_finite_grads():
   q, k, v = qkv(6, 6)
-  mask = np.zeros((B, 1, 6, 6), bool)
-  mask[0, 0, 2, :] = True  # query row 2 of example 0 sees nothing
-  mask[1, 0, :, :] = True  # example 1 sees nothing at all
+  mask = np.ones((B, 1, 6, 6), bool)
+  mask[0, 0, 2, :] = False  # query row 2 of example 0 sees nothing
+  mask[1, 0, :, :] = False  # example 1 sees nothing at all
   out = check_against_naive(q, k, v, mask=jnp.asarray(mask), mask_type="arbitrary")
   assert np.all(out[0, 2] == 0) and np.all(out[1] == 0)
   assert np.any(out[0, 1] != 0)
@@ -349,8 +350,9 @@ BAD = [
     (dict(attn_mask_type="causual"), ValueError, "attn_mask_type must be one of"),
     (dict(attn_mask_type="causal", mask=jnp.zeros((B, 1, 8, 8), bool)), ValueError, "takes none"),
     (dict(attn_mask_type="padding"), ValueError, "needs the padding"),
-    (dict(attn_mask_type="arbitrary"), ValueError, "needs a boolean `mask`"),
-    (dict(attn_mask_type="arbitrary", mask=jnp.zeros((B, 1, 8, 8))), TypeError, "mask must be boolean"),
+    (dict(attn_mask_type="arbitrary"), ValueError, "needs a `mask`"),
+    (dict(attn_mask_type="arbitrary", mask=jnp.zeros((B, 1, 8, 8), jnp.complex64)), TypeError,
+     "mask must be a bool, integer or floating-point array"),
     (dict(attn_mask_type="arbitrary", mask=jnp.zeros((B, 1, 8, 7), bool)), ValueError, "mask must have shape"),
     (dict(attn_mask_type="arbitrary", mask=jnp.zeros((3, 1, 8, 8), bool)), ValueError, "mask must have shape"),
     (dict(attn_mask_type="causal", segment_ids=jnp.ones((B, 8), jnp.int32)), ValueError, "segment_ids were given"),
@@ -636,8 +638,8 @@ def test_fused_glue_sbhd_and_zero_rows_with_emulated_cudnn(emulated_cudnn):
                                      qkv_layout="SBHD", backend="fused")
   want = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="fused")
   np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got, 0, 1), np.float32), np.asarray(want, np.float32))
-  mask = np.zeros((B, 1, 32, 32), bool)
-  mask[0, 0, 5, :] = True
+  mask = np.ones((B, 1, 32, 32), bool)
+  mask[0, 0, 5, :] = False  # query 5 of example 0 sees nothing
   out = te_jax.dot_product_attention(q, k, v, None, jnp.asarray(mask), attn_mask_type="arbitrary", backend="fused")
   assert np.all(np.asarray(out[0, 5], np.float32) == 0) and np.any(np.asarray(out[0, 4], np.float32) != 0)
 
@@ -647,7 +649,7 @@ def test_fused_glue_left_padding_with_emulated_cudnn(emulated_cudnn):
   padding mask alone leaves later keys open; they must still come out 0."""
   q, k, v = qkv(32, 32, dtype=jnp.bfloat16, d=64)
   pad = np.arange(32)[None, :] < np.asarray([6, 0])[:, None]  # example 0: the first 6 tokens are padding
-  mask = jnp.asarray((pad[:, None, :] & np.ones((B, 32, 1), bool))[:, None])  # keys only: queries stay unmasked
+  mask = jnp.asarray((~pad[:, None, :] & np.ones((B, 32, 1), bool))[:, None])  # keys only: queries stay unmasked
   out = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="fused")
   want = te_jax.dot_product_attention(q, k, v, None, mask, attn_mask_type="padding_causal", backend="unfused")
   assert np.all(np.asarray(out[0, :6], np.float32) == 0) and np.all(np.asarray(want[0, :6], np.float32) == 0)
@@ -659,7 +661,7 @@ def _check_key_padding_mask(backend, mask_type):
   gradients."""
   q, k, v = qkv(16, 24, dtype=jnp.bfloat16, d=64)
   pad = np.arange(24)[None, :] >= np.asarray([20, 24])[:, None]  # example 0: its last 4 keys are padding
-  keys_only = jnp.asarray(pad[:, None, None, :])
+  keys_only = jnp.asarray(~pad[:, None, None, :])
   full = jnp.broadcast_to(keys_only, (B, 1, 16, 24))
   mask_type = mask_type + ("_bottom_right" if mask_type == "padding_causal" else "")
 
@@ -728,8 +730,8 @@ def test_fused_cross_lengths(t, s, mask_type):
 @pytest.mark.gpu
 def test_fused_fully_masked_rows_are_zero():
   q, k, v = qkv(64, 64, dtype=jnp.bfloat16, d=64)
-  mask = np.zeros((B, 1, 64, 64), bool)
-  mask[0, 0, 5, :] = True
+  mask = np.ones((B, 1, 64, 64), bool)
+  mask[0, 0, 5, :] = False  # query 5 of example 0 sees nothing
   out = te_jax.dot_product_attention(q, k, v, None, jnp.asarray(mask), attn_mask_type="arbitrary", backend="fused")
   assert np.all(np.asarray(out[0, 5], np.float32) == 0)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))

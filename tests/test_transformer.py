@@ -39,6 +39,7 @@ def _rope_ref(x, positions, base=10000.0):
 
 
 def _attention_ref(q, k, v, causal: bool, mask=None, bias=None):
+  """``mask``: the caller's, in Flax's convention (True = attend)."""
   h, hk = q.shape[2], k.shape[2]
   k, v = jnp.repeat(k, h // hk, axis=2), jnp.repeat(v, h // hk, axis=2)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -48,7 +49,7 @@ def _attention_ref(q, k, v, causal: bool, mask=None, bias=None):
   masked = np.zeros((t, s), bool)
   if causal:
     masked = np.triu(np.ones((t, s), bool), 1)
-  masked = jnp.asarray(masked)[None, None] if mask is None else jnp.logical_or(masked, mask)
+  masked = jnp.asarray(masked)[None, None] if mask is None else jnp.logical_or(masked, jnp.logical_not(mask))
   logits = jnp.where(masked, -jnp.inf, logits)
   p = jax.nn.softmax(logits, axis=-1)
   return jnp.einsum("bhqk,bkhd->bqhd", p, v)
@@ -188,7 +189,7 @@ def test_cross_attention_and_padding_mask_match_reference():
   mha = te_flax.MultiHeadAttention(head_dim=8, num_attention_heads=4, num_gqa_groups=2, attn_mask_type="padding",
                                    dtype=jnp.float32, backend="unfused")
   x, enc = _x((2, 6, 32), 1), _x((2, 10, 32), 2)
-  mask = jnp.zeros((2, 1, 6, 10), bool).at[1, :, :, 7:].set(True)  # batch 1: keys 7.. are padding
+  mask = jnp.ones((2, 1, 6, 10), bool).at[1, :, :, 7:].set(False)  # batch 1: keys 7.. are padding
   v = mha.init(jax.random.key(3), x, enc, mask, deterministic=True)
   assert sorted(v["params"]) == ["kv", "out", "query"]
   ours = mha.apply(v, x, enc, mask, deterministic=True)
@@ -252,7 +253,7 @@ def test_encoder_decoder_layer_decodes_like_the_full_forward():
   layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=4, layer_type="decoder",
                                    enable_relative_embedding=True, dtype=jnp.float32, backend="unfused")
   x, encoded = _x((2, 9, 32), 20), _x((2, 7, 32), 21)
-  enc_mask = jnp.zeros((2, 1, 1, 7), bool).at[1, :, :, 5:].set(True)  # example 1: 2 padded encoder positions
+  enc_mask = jnp.ones((2, 1, 1, 7), bool).at[1, :, :, 5:].set(False)  # example 1: 2 padded encoder positions
   v = layer.init(jax.random.key(22), x, encoded, None, enc_mask, deterministic=True)
   full = layer.apply(v, x, encoded, None, enc_mask, deterministic=True)
   cache = layer.init(jax.random.key(22), x, encoded, None, enc_mask, deterministic=True, decode=True)["cache"]

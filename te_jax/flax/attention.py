@@ -8,9 +8,10 @@ configuration), RoPE is ``te_jax.apply_rope`` (one fused kernel), and the MLP is
 ``te_jax.autocast`` every GEMM is FP8 and its scaling state lives in the ``te_jax.FP8_COLLECTION`` collection, as in
 the other modules.
 
-Conventions (NVIDIA Transformer Engine's): masks are **True where attention is masked out**; tensors are
-``(batch, sequence, hidden)`` unless ``transpose_batch_sequence`` makes them ``(sequence, batch, hidden)``. Dropout
-draws from the ``dropout_rng_name`` rng stream unless ``deterministic``.
+Conventions: masks are Flax's, **True (or nonzero) where attention is allowed** (``nn.make_attention_mask`` and
+``nn.make_causal_mask`` make them), unless a module's ``mask_convention="te"`` asks for NVIDIA Transformer Engine's
+(True = masked out); tensors are ``(batch, sequence, hidden)`` unless ``transpose_batch_sequence`` makes them
+``(sequence, batch, hidden)``. Dropout draws from the ``dropout_rng_name`` rng stream unless ``deterministic``.
 
 KV cache (decoding): ``decode=True`` keeps the keys and values of past steps in the ``"cache"`` collection
 (``cached_key``, ``cached_value``: ``(batch, max_length, kv_heads, head_dim)``, and ``cache_index``). Initialise it
@@ -36,6 +37,7 @@ from te_jax.flax.params import (EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, 
                                 seq_first_to_batch_first)
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
                                     dot_product_attention, fp8_dpa_enabled, layout_for)
+from te_jax.fused.attention_config import check_mask_convention, masked_out
 from te_jax.fused.attention_masks import alibi_bias_at
 from te_jax.ops.rope import apply_rope, rope_frequencies
 
@@ -45,9 +47,10 @@ __all__ = ["DotProductAttention", "MultiHeadAttention", "RelativePositionBiases"
 class DotProductAttention(nn.Module):
   """Scaled dot-product attention over already-projected q, k, v (see ``te_jax.dot_product_attention``).
 
-  Masks follow NVIDIA Transformer Engine: **True = masked out**. Dropout draws from the ``dropout_rng_name`` rng
-  stream unless ``deterministic``. The backend is cuDNN flash attention where it supports the configuration on this
-  machine, else plain jnp (``backend_for`` says which, and why). The compute dtype is ``dtype``, else the query's.
+  Masks follow Flax: **True (or nonzero) = attend**, unless ``mask_convention="te"``. Dropout draws from the
+  ``dropout_rng_name`` rng stream unless ``deterministic``. The backend is cuDNN flash attention where it supports
+  the configuration on this machine, else plain jnp (``backend_for`` says which, and why). The compute dtype is
+  ``dtype``, else the query's.
 
   >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
   >>> attn = te_flax.DotProductAttention(head_dim=32, num_attention_heads=4, num_gqa_groups=2)
@@ -75,6 +78,8 @@ class DotProductAttention(nn.Module):
     backend: "auto", "fused" or "unfused".
     fp8_dpa: the forward pass in FP8 through cuDNN (``te_jax.attention_backend`` says where it runs); None
       (default): as the autocast recipe's ``fp8_dpa`` asks, where this configuration allows it.
+    mask_convention: what the call's ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA
+      Transformer Engine's), True or nonzero = masked out.
   """
 
   head_dim: int
@@ -92,6 +97,7 @@ class DotProductAttention(nn.Module):
   dtype: Any = None
   backend: str = "auto"
   fp8_dpa: bool | None = None
+  mask_convention: str = "flax"
 
   def _layout(self) -> str:
     return layout_for(self.qkv_layout, self.transpose_batch_sequence)
@@ -114,7 +120,7 @@ class DotProductAttention(nn.Module):
   def _kwargs(self, layout: str) -> dict:
     return dict(attn_mask_type=self.attn_mask_type, attn_bias_type=self.attn_bias_type,
                 scale_factor=self.scale_factor, window_size=self.window_size, qkv_layout=layout,
-                backend=self.backend)
+                backend=self.backend, mask_convention=check_mask_convention(self.mask_convention))
 
   def backend_for(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
                   deterministic: bool | None = None) -> AttentionBackend:
@@ -135,7 +141,8 @@ class DotProductAttention(nn.Module):
 
     Args:
       query, key, value: in ``qkv_layout`` (sequence-first with ``transpose_batch_sequence``).
-      mask: boolean, True = masked out, broadcastable to (B, H, T, S): the padding or the "arbitrary" mask.
+      mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
+        padding or the "arbitrary" mask.
       bias: the post-scale bias, broadcastable to (B, H, T, S).
       segment_ids: (B, S) or (q_ids, kv_ids) packed-sequence ids, 0 = padding.
       deterministic: no dropout.
@@ -144,13 +151,14 @@ class DotProductAttention(nn.Module):
       The attention output, shaped as ``query`` (heads and head dim of value).
     """
     layout = self._layout()
+    kw = self._kwargs(layout)  # checks the attributes before anything is traced
     self._check_heads(query, key, value, layout)
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
     if self.dtype is not None:
       query, key, value = (None if x is None else x.astype(self.dtype) for x in (query, key, value))
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
-    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
+    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **kw)
     fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw)
     return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
 
@@ -274,7 +282,8 @@ class MultiHeadAttention(nn.Module):
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
     window_size: a sliding window (left, right), -1 = unbounded.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
-    kernel_init, bias_init: the projections' initializers.
+    kernel_init, bias_init: the projections' initializers; a fused kernel's q, k and v (or k and v) parts are each
+      initialized as a kernel of its own (one projection's fan, as Flax's separate query, key and value kernels).
     logical_axes: name the parameters' axes with the logical names of ``te_jax.flax.LOGICAL_AXES`` (map them to
       mesh axes with ``flax.linen.logical_axis_rules`` for tensor parallelism: heads and mlp sharded, embed
       replicated); in TransformerLayer also the residual stream's (batch, seq, act_embed).
@@ -283,6 +292,8 @@ class MultiHeadAttention(nn.Module):
     param_dtype, backend: the parameters' dtype; the attention backend ("auto", "fused", "unfused").
     fp8_dpa: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks, where
       the configuration allows it.
+    mask_convention: what the call's ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA
+      Transformer Engine's), True or nonzero = masked out.
   """
 
   head_dim: int
@@ -314,6 +325,7 @@ class MultiHeadAttention(nn.Module):
   param_dtype: Any = jnp.float32
   backend: str = "auto"
   fp8_dpa: bool | None = None
+  mask_convention: str = "flax"
 
   def _check(self):
     if self.attn_mask_type not in ATTN_MASK_TYPES:
@@ -382,9 +394,10 @@ class MultiHeadAttention(nn.Module):
     return cached_k.value, cached_v.value, i
 
   def _decode_mask_and_bias(self, offset, steps: int, max_len: int, mask, bias, bias_type):
-    """The attention's mask and bias for ``steps`` queries at positions ``offset + t`` over the ``max_len`` cached
-    keys, with the query positions the attention itself cannot know: causal over the keys filled so far, the sliding
-    window, ALiBi's distances. Returns (mask, bias, bias_type)."""
+    """The attention's mask (``mask`` and the result: bool, True = masked out) and bias for ``steps`` queries at
+    positions ``offset + t`` over the ``max_len`` cached keys, with the query positions the attention itself cannot
+    know: causal over the keys filled so far, the sliding window, ALiBi's distances. Returns (mask, bias,
+    bias_type)."""
     query_pos = offset + jnp.arange(steps)[:, None]
     key_pos = jnp.arange(max_len)[None, :]
     masked = key_pos > query_pos  # query t sees the cached keys 0 .. offset + t
@@ -405,8 +418,8 @@ class MultiHeadAttention(nn.Module):
     Args:
       inputs_q: (B, T, hidden), or (T, B, hidden) with ``transpose_batch_sequence``.
       inputs_kv: (B, S, hidden) for cross attention; None (or ``inputs_q``) for self attention.
-      mask: boolean, True = masked out, broadcastable to (B, H, T, S): the padding of a padding mask type or the
-        "arbitrary" mask.
+      mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
+        padding of a padding mask type or the "arbitrary" mask (``nn.make_attention_mask`` makes one).
       bias: a post-scale bias, broadcastable to (B, H, T, S).
       segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding.
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
@@ -426,6 +439,9 @@ class MultiHeadAttention(nn.Module):
     if decode and segment_ids is not None:
       raise ValueError("decode=True does not take segment_ids")
     kv_heads, rotary_dim = self._check()
+    # The caller's mask in the one representation the attention computes with (True = masked out), converted once
+    # here: the KV-cache path adds its own masked positions to it, and the attention below takes it as "te".
+    mask = masked_out(mask, self.mask_convention)
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
     for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
       if x is not None and x.ndim != 3:
@@ -474,7 +490,7 @@ class MultiHeadAttention(nn.Module):
         head_dim=d, num_attention_heads=h, num_gqa_groups=kv_heads, attn_mask_type=mask_type, attn_bias_type=bias_type,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
         scale_factor=self.scale_factor, window_size=window, backend=self.backend, fp8_dpa=self.fp8_dpa,
-        name="attention")
+        mask_convention="te", name="attention")
     out = attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic)
     if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
       out = jnp.where(offset + q.shape[1] <= k.shape[1], out, jnp.asarray(jnp.nan, out.dtype))

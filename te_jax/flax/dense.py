@@ -12,8 +12,9 @@ import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, logical, reshaped
+from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped
 from te_jax.fused.dense import dense, normalize_axes
+from te_jax.fused.linear import Unstack
 from te_jax.recipe import Recipe
 
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
@@ -43,9 +44,12 @@ class DenseGeneral(nn.Module):
     features: the output features (int or tuple).
     axis: the input axes to contract.
     batch_dims: leading input axes the kernel has too (one kernel per index), as in ``nn.DenseGeneral``.
-    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
+    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``); the
+      kernel is then a stack of separate projections (a fused QKV kernel), and ``kernel_init`` initializes each part
+      as a kernel of its own (its 2-D shape without the unstacked axis, its own key of ``jax.random.split``).
     use_bias: add a bias.
-    kernel_init: initializer of the kernel, called on its 2-D (inputs, outputs) shape as Flax does.
+    kernel_init: initializer of the kernel, called on its 2-D (inputs, outputs) shape as Flax does (per part with
+      ``unstack_axis``).
     bias_init: initializer of the bias.
     dtype: the compute dtype (None: the promotion of the input's and ``param_dtype``, as in Flax).
     param_dtype: the dtype of the parameters.
@@ -89,10 +93,9 @@ class DenseGeneral(nn.Module):
     batch_shape = tuple(inputs.shape[a] for a in batch_dims)
     kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
 
-    def kernel_init(rng, shape, dtype):
-      flat = (int(np.prod(shape[:n_batch + n_in])), int(np.prod(shape[n_batch + n_in:])))
-      return reshaped(self.kernel_init(rng, flat, dtype), shape)
-
+    unstack = Unstack.of(self.unstack_axis, inputs.ndim - n_in + len(features), features)
+    part_axis = None if unstack is None else n_batch + n_in + unstack.feature_axis
+    kernel_init = flat_init(self.kernel_init, n_batch + n_in, part_axis)
     kernel = self.param("kernel", logical(kernel_init, self.kernel_axes), kernel_shape, self.param_dtype)
     bias = None
     if self.use_bias:

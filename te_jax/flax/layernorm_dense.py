@@ -13,6 +13,7 @@ from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, norm_params
 from te_jax.fused.layernorm_dense import layernorm_dense
+from te_jax.fused.linear import Unstack
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNormDenseGeneral"]
@@ -32,8 +33,10 @@ class LayerNormDenseGeneral(nn.Module):
     norm_type: "layernorm" or "rmsnorm"; epsilon; zero_centered_gamma (store ``ln_scale - 1``).
     use_bias: add a bias after the GEMM.
     return_layernorm_output: also return the normalized input (for a post-LN residual).
-    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
-    kernel_init, bias_init: the dense layer's initializers (the kernel's on its 2-D shape, as Flax's DenseGeneral).
+    unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``); the
+      kernel is then a stack of separate projections, each part initialized as a kernel of its own.
+    kernel_init, bias_init: the dense layer's initializers (the kernel's on its 2-D shape, as Flax's DenseGeneral;
+      with ``unstack_axis``, on each part's, with its own key of ``jax.random.split``).
     kernel_axes, bias_axes: the dense layer's logical axis names.
     ln_scale_init, ln_scale_axes, ln_bias_init, ln_bias_axes: the norm's, as ``LayerNorm``'s ``scale_init``, ...
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
@@ -67,8 +70,10 @@ class LayerNormDenseGeneral(nn.Module):
     features = features_tuple(self.features)
     hidden = inputs.shape[-1]
     gamma, beta = norm_params(self, hidden, prefix="ln_")
-    kernel = self.param("kernel", logical(flat_init(self.kernel_init, 1), self.kernel_axes), (hidden, *features),
-                        self.param_dtype)
+    unstack = Unstack.of(self.unstack_axis, inputs.ndim - 1 + len(features), features)
+    part_axis = None if unstack is None else 1 + unstack.feature_axis
+    kernel = self.param("kernel", logical(flat_init(self.kernel_init, 1, part_axis), self.kernel_axes),
+                        (hidden, *features), self.param_dtype)
     bias = None
     if self.use_bias:
       bias = self.param("bias", logical(self.bias_init, self.bias_axes), features, self.param_dtype)

@@ -89,7 +89,7 @@ class LayerNormMLP(nn.Module):
     n_act = 2 if gated else 1
     hidden, f = inputs.shape[-1], self.intermediate_dim
     gamma, beta = norm_params(self, hidden, prefix="ln_")
-    k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1), self.wi_kernel_axes), (hidden, n_act, f),
+    k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1, 1 if n_act > 1 else None), self.wi_kernel_axes), (hidden, n_act, f),
                     self.param_dtype)
     k2 = self.param("wo_kernel", logical(flat_init(self.kernel_init, 1), self.wo_kernel_axes), (f, hidden),
                     self.param_dtype)

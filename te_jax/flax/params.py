@@ -86,12 +86,25 @@ def norm_params(module: nn.Module, hidden: int, prefix: str = ""):
   return scale, bias
 
 
-def flat_init(init: Initializer, n_in: int) -> Initializer:
-  """``init`` on the 2-D (inputs, outputs) shape, reshaped: fan-in and fan-out as for a plain dense kernel."""
+def flat_init(init: Initializer, n_in: int, part_axis: int | None = None) -> Initializer:
+  """``init`` on the 2-D (inputs, outputs) shape, reshaped: fan-in and fan-out as for a plain dense kernel.
+
+  With ``part_axis`` (a feature axis, counted from the kernel's first axis), the kernel stacks separate projections
+  along that axis (a fused QKV kernel's q, k and v): each part is initialized as a dense kernel of its own, ``init``
+  on ``(inputs, outputs of one part)`` with key ``jax.random.split(rng, parts)[i]``, so that a fan-based initializer
+  sees one projection's fan, as for Flax's separate query, key and value kernels. An ``init`` that names its axes
+  (``nn.with_logical_partitioning``) keeps its names on the stacked kernel.
+  """
 
   def wrapped(rng, shape, dtype):
-    flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
-    return reshaped(init(rng, flat, dtype), shape)
+    inputs = int(np.prod(shape[:n_in]))
+    if part_axis is None:
+      return reshaped(init(rng, (inputs, int(np.prod(shape[n_in:]))), dtype), shape)
+    part_shape = tuple(shape[:part_axis]) + tuple(shape[part_axis + 1:])
+    flat = (inputs, int(np.prod(part_shape[n_in:])))
+    parts = [init(key, flat, dtype) for key in jax.random.split(rng, shape[part_axis])]
+    stacked = jnp.stack([jnp.reshape(meta.unbox(p), part_shape) for p in parts], axis=part_axis)
+    return meta.replace_boxed(parts[0], stacked) if isinstance(parts[0], meta.AxisMetadata) else stacked
 
   return wrapped
 

@@ -1,7 +1,8 @@
 """Flax linen ``TransformerLayer``: self attention, (decoder) cross attention and an MLP, each with dropout and a
 residual connection, pre-LN (norms fused into the FP8 GEMMs after them) or post-LN.
 
-Conventions (NVIDIA Transformer Engine's): masks are **True where attention is masked out**; tensors are
+Conventions: masks are Flax's, **True (or nonzero) where attention is allowed** (``nn.make_attention_mask``), unless
+``mask_convention="te"`` asks for NVIDIA Transformer Engine's (True = masked out); tensors are
 ``(batch, sequence, hidden)`` unless ``transpose_batch_sequence`` makes them ``(sequence, batch, hidden)``. Dropout
 draws from the ``dropout_rng_name`` rng stream unless ``deterministic``.
 """
@@ -62,8 +63,8 @@ class TransformerLayer(nn.Module):
     window_size: sliding window of self attention.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
-    dtype, param_dtype, backend, logical_axes, fp8_dpa: as in MultiHeadAttention; kernel_init: every kernel's
-      initializer.
+    dtype, param_dtype, backend, logical_axes, fp8_dpa, mask_convention: as in MultiHeadAttention; kernel_init:
+      every kernel's initializer (each of q, k and v initialized as a kernel of its own).
   """
 
   hidden_size: int = 512
@@ -101,6 +102,7 @@ class TransformerLayer(nn.Module):
   backend: str = "auto"
   logical_axes: bool = False
   fp8_dpa: bool | None = None
+  mask_convention: str = "flax"
 
   def _check(self):
     if self.layer_type not in LAYER_TYPES:
@@ -121,7 +123,8 @@ class TransformerLayer(nn.Module):
         attn_mask_type=mask_type, attn_bias_type=bias_type, enable_rotary_pos_emb=rope,
         rotary_base=self.rotary_base, rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved,
         use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype,
-        backend=self.backend, logical_axes=self.logical_axes, fp8_dpa=self.fp8_dpa, name=name, **kw)
+        backend=self.backend, logical_axes=self.logical_axes, fp8_dpa=self.fp8_dpa,
+        mask_convention=self.mask_convention, name=name, **kw)
 
   def _axes(self, *names: str | None) -> tuple[str | None, ...]:
     return axes(self.logical_axes, *names)
@@ -177,8 +180,8 @@ class TransformerLayer(nn.Module):
     Args:
       inputs: (B, S, hidden), or (S, B, hidden) with ``transpose_batch_sequence``.
       encoded: the encoder output a decoder attends to (cross attention); None for none.
-      attention_mask: self attention's padding / arbitrary mask, True = masked out.
-      encoder_decoder_mask: cross attention's mask, True = masked out.
+      attention_mask: self attention's padding / arbitrary mask, True (nonzero) = attend (``mask_convention``).
+      encoder_decoder_mask: cross attention's mask, True (nonzero) = attend (``mask_convention``).
       segment_ids: packed-sequence ids for self attention.
       positions: RoPE positions.
       deterministic: no dropout (here or as the module's attribute; needed when there is dropout).

@@ -7,14 +7,18 @@ The math, per batch ``b`` and query head ``h`` (key/value head ``h // (H // Hk)`
     P            = P * keep / (1 - rate)                         dropout, keep ~ Bernoulli(1 - rate)
     out[i]       = sum_j P[i, j] v[j]
 
-**A mask is True where attention is masked out** (NVIDIA Transformer Engine's convention since 1.7; the opposite of
-``jax.nn.dot_product_attention``'s). What is masked, for query ``i`` of ``T`` and key ``j`` of ``S``:
+**A mask is True (or nonzero) where attention is allowed**, as in Flax (``nn.make_attention_mask``,
+``nn.make_causal_mask``, whose float32 0/1 masks go in as they are) and ``jax.nn.dot_product_attention``: the default
+``mask_convention="flax"``. NVIDIA Transformer Engine's masks are the opposite, True where attention is masked out:
+pass them with ``mask_convention="te"``. The convention is never guessed from the values. What is masked, for query
+``i`` of ``T`` and key ``j`` of ``S``:
 
-- ``"padding"`` (and the ``padding_*`` types): the explicit ``mask``, or, from ``segment_ids``, every pair in
-  different segments or touching a token of segment 0 (padding); packed sequences attend within their segment only.
+- ``"padding"`` (and the ``padding_*`` types): where the explicit ``mask`` does not attend, or, from ``segment_ids``,
+  every pair in different segments or touching a token of segment 0 (padding); packed sequences attend within their
+  segment only.
 - ``"causal"``: ``j > i`` (top-left aligned); ``"causal_bottom_right"``: ``j > i + (S - T)`` (the last query sees
   every key, as in decoding with a KV cache); ``"padding_causal"``, ``"padding_causal_bottom_right"``: both.
-- ``"arbitrary"``: the explicit ``mask`` only (plus ``segment_ids`` when given).
+- ``"arbitrary"``: where the explicit ``mask`` does not attend (plus ``segment_ids`` when given).
 - ``window_size=(left, right)``: keys outside ``i + a - left <= j <= i + a + right`` (``a = S - T`` for the bottom-right
   types, else 0; -1 leaves that side unbounded). With a causal type ``right`` must be 0 or -1.
 
@@ -47,15 +51,16 @@ import jax.numpy as jnp
 from te_jax._core import native
 from te_jax._core.autocast import resolve_recipe
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.attention_config import (ATTN_BIAS_TYPES, ATTN_MASK_TYPES, BACKENDS, QKV_LAYOUTS, AttentionConfig,
-                                           configure, unpack, unpack_shapes)
+from te_jax.fused.attention_config import (ATTN_BIAS_TYPES, ATTN_MASK_TYPES, BACKENDS, MASK_CONVENTIONS, QKV_LAYOUTS,
+                                           AttentionConfig, configure, masked_out, unpack, unpack_shapes)
 from te_jax.fused.attention_cudnn import (fp8_attention, fp8_attention_support, fp8_unsupported, fused, fused_reason,
                                           fused_unsupported, native_window)
 from te_jax.fused.attention_masks import band_mask, combine, segment_mask
 from te_jax.fused.attention_unfused import unfused
 
-__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "QKV_LAYOUTS", "attention_backend",
-           "backend_report", "dot_product_attention", "fp8_dpa_enabled", "layout_for", "make_attention_mask"]
+__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "MASK_CONVENTIONS", "QKV_LAYOUTS",
+           "attention_backend", "backend_report", "dot_product_attention", "fp8_dpa_enabled", "layout_for",
+           "make_attention_mask"]
 
 
 class AttentionBackend(NamedTuple):
@@ -67,18 +72,26 @@ class AttentionBackend(NamedTuple):
 
 
 def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, attn_mask_type: str = "no_mask",
-                        window_size=None, qkv_layout: str = "BSHD") -> jax.Array | None:
-  """The boolean mask (True = masked out) that ``dot_product_attention`` applies, broadcastable to (B, H, T, S).
+                        window_size=None, qkv_layout: str = "BSHD", mask_convention: str = "flax") -> jax.Array | None:
+  """The mask ``dot_product_attention`` applies, boolean, broadcastable to (B, H, T, S), in ``mask_convention``:
+  True = attend for "flax" (the default), True = masked out for "te". Given back to ``dot_product_attention`` as an
+  "arbitrary" mask with the same ``mask_convention``, it gives the same attention.
 
   Takes the same arguments as ``dot_product_attention`` (the arrays only for their shapes). None when nothing is
   masked.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> q = jnp.zeros((1, 3, 1, 8))
+  >>> te_jax.make_attention_mask(q, q, q, attn_mask_type="causal")[0, 0].astype(int).tolist()
+  [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
   """
   q, k, v = unpack(query, key, value, qkv_layout)
   cfg = configure(q, k, v, None, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=None,
-                   scale_factor=None, dropout_rate=0.0, window_size=window_size,
-                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False)
+                  scale_factor=None, dropout_rate=0.0, window_size=window_size,
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False, mask_convention=mask_convention)
   seg = None if segment_ids is None else segment_mask(segment_ids, cfg)
-  return combine(mask, seg, band_mask(cfg))
+  out = combine(masked_out(mask, mask_convention), seg, band_mask(cfg))
+  return out if out is None or mask_convention == "te" else jnp.logical_not(out)
 
 
 def _choose(cfg: AttentionConfig, backend: str) -> AttentionBackend:
@@ -113,7 +126,7 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
                       attn_mask_type: str = "no_mask", attn_bias_type: str | None = None,
                       scale_factor: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
                       window_size: tuple[int, int] | None = None, qkv_layout: str = "BSHD", backend: str = "auto",
-                      fp8_dpa: bool = False) -> AttentionBackend:
+                      fp8_dpa: bool = False, mask_convention: str = "flax") -> AttentionBackend:
   """The backend ``dot_product_attention`` runs with these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read).
@@ -132,7 +145,7 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
     q, k, v = unpack_shapes(query, key, value, qkv_layout)
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
-                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa)
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa, mask_convention=mask_convention)
   return _choose(cfg, backend)
 
 
@@ -142,7 +155,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
                           attn_mask_type: str = "no_mask", attn_bias_type: str | None = None,
                           scale_factor: float | None = None, dropout_rate: float = 0.0,
                           dropout_rng: jax.Array | None = None, window_size: tuple[int, int] | None = None,
-                          qkv_layout: str = "BSHD", backend: str = "auto", fp8_dpa: bool = False) -> jax.Array:
+                          qkv_layout: str = "BSHD", backend: str = "auto", fp8_dpa: bool = False,
+                          mask_convention: str = "flax") -> jax.Array:
   """Scaled dot-product attention (see the module docstring for the math and the mask conventions).
 
   >>> import jax, jax.numpy as jnp, te_jax
@@ -158,8 +172,10 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
       "SBHD_SB2HD" (then value is None).
     value: (B, S, Hk, Dv).
     bias: the "post_scale_bias", broadcastable to (B, H, T, S) (each of B and H full or 1); float.
-    mask: boolean, **True = masked out**, broadcastable to (B, H, T, S) (each of B, H and T full or 1; (B, 1, 1, S)
-      masks padded keys for every query): the padding of a padding mask type, or the mask of "arbitrary".
+    mask: bool, int or float, **True (nonzero) = attend** (Flax's convention; see ``mask_convention``),
+      broadcastable to (B, H, T, S) (each of B, H and T full or 1; (B, 1, 1, S) masks padded keys for every query):
+      the padding of a padding mask type, or the mask of "arbitrary". ``nn.make_attention_mask(q_valid, kv_valid)``
+      makes one.
     segment_ids: int, (B, S) for self-attention or a pair ``(q_ids (B, T), kv_ids (B, S))``: tokens attend only
       within their segment; id 0 is padding. An alternative to ``mask`` for the padding mask types (packed sequences),
       or combined with "arbitrary"'s mask.
@@ -175,6 +191,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
       when the function is traced, from ``jax.default_backend()``: to run a computation on CPU devices of a GPU
       machine, ask for "unfused" (cuDNN's custom call has no CPU lowering).
     fp8_dpa: the forward pass in FP8 through cuDNN (see ``fp8_attention_support``); the backward in the input precision.
+    mask_convention: what ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA Transformer
+      Engine's), True or nonzero = masked out. One of ``MASK_CONVENTIONS``.
 
   Returns:
     The attention output in the query's layout ((B, T, H, Dv) or (T, B, H, Dv)) and dtype.
@@ -183,7 +201,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
   tensor_format = QKV_LAYOUTS[qkv_layout][0]
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
-                  tensor_format=tensor_format, fp8_dpa=fp8_dpa)
+                  tensor_format=tensor_format, fp8_dpa=fp8_dpa, mask_convention=mask_convention)
+  mask = masked_out(mask, mask_convention)  # from here on, one representation: True = masked out
   if cfg.dropout_rate > 0 and dropout_rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng (a jax PRNG key)")
   choice = _choose(cfg, backend)

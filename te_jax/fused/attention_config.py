@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionConfig", "BACKENDS", "BOTTOM_RIGHT_TYPES", "CAUSAL_TYPES",
-           "PADDING_TYPES", "QKV_LAYOUTS", "configure", "segment_pair", "unpack", "unpack_shapes"]
+           "MASK_CONVENTIONS", "PADDING_TYPES", "QKV_LAYOUTS", "check_mask_convention", "configure", "masked_out",
+           "segment_pair", "unpack", "unpack_shapes"]
 
 ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
                    "padding_causal_bottom_right", "arbitrary")
@@ -25,6 +26,9 @@ QKV_LAYOUTS = {
     "BSHD_BS2HD": ("BSHD", "kv"), "SBHD_SB2HD": ("SBHD", "kv"),
 }
 BACKENDS = ("auto", "fused", "unfused")
+#: What a caller's ``mask`` means: "flax" (the default): True, or nonzero, = attend, as in ``flax.linen`` and
+#: ``jax.nn.dot_product_attention``; "te": True, or nonzero, = masked out, as in NVIDIA Transformer Engine.
+MASK_CONVENTIONS = ("flax", "te")
 PADDING_TYPES = ("padding", "padding_causal", "padding_causal_bottom_right")
 CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right")
 BOTTOM_RIGHT_TYPES = ("causal_bottom_right", "padding_causal_bottom_right")
@@ -123,9 +127,27 @@ def segment_pair(segment_ids, batch: int, q_len: int, kv_len: int):
   return q_ids, kv_ids
 
 
+def check_mask_convention(mask_convention: str) -> str:
+  if not isinstance(mask_convention, str) or mask_convention not in MASK_CONVENTIONS:
+    raise ValueError(f"mask_convention must be one of {MASK_CONVENTIONS}, got {mask_convention!r} ('flax': True = "
+                     "attend, as in Flax; 'te': True = masked out, as in Transformer Engine)")
+  return mask_convention
+
+
+def masked_out(mask, mask_convention: str):
+  """A caller's ``mask`` (bool, int or float, in ``mask_convention``) as the one representation the attention
+  computes with: bool, True where attention is masked out. None stays None."""
+  check_mask_convention(mask_convention)
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  return jnp.logical_not(mask) if mask_convention == "flax" else mask.astype(jnp.bool_)
+
+
 def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_type, scale_factor, dropout_rate,
-               window_size, tensor_format, fp8_dpa) -> AttentionConfig:
+               window_size, tensor_format, fp8_dpa, mask_convention) -> AttentionConfig:
   """Checks every argument (clear errors before XLA sees anything) and returns the static configuration."""
+  check_mask_convention(mask_convention)
   for name, x in (("query", q), ("key", k), ("value", v)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be 4-D ({tensor_format}) after unpacking, got shape {tuple(x.shape)}")
@@ -164,8 +186,10 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
     if attn_mask_type not in PADDING_TYPES + ("arbitrary",):
       raise ValueError(f"a mask was given with attn_mask_type={attn_mask_type!r}, which takes none: use 'arbitrary' "
                        "or a padding type")
-    if mask.dtype != jnp.bool_:
-      raise TypeError(f"mask must be boolean (True = masked out), got {mask.dtype}")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)
+            or jnp.issubdtype(mask.dtype, jnp.floating)):
+      raise TypeError(f"mask must be a bool, integer or floating-point array (mask_convention={mask_convention!r}: "
+                      f"nonzero = {'attend' if mask_convention == 'flax' else 'masked out'}), got {mask.dtype}")
     _check_broadcastable("mask", mask.shape, (b, h, t, s), query_broadcast=True)
   if segment_ids is not None:
     if attn_mask_type not in PADDING_TYPES + ("arbitrary",):
@@ -177,7 +201,7 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
   if attn_mask_type in PADDING_TYPES and mask is None and segment_ids is None:
     raise ValueError(f"attn_mask_type={attn_mask_type!r} needs the padding: a `mask` or `segment_ids`")
   if attn_mask_type == "arbitrary" and mask is None:
-    raise ValueError("attn_mask_type='arbitrary' needs a boolean `mask` (True = masked out)")
+    raise ValueError("attn_mask_type='arbitrary' needs a `mask`")
   if not 0.0 <= float(dropout_rate) < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
   window = _check_window(window_size, attn_mask_type)

@@ -1,7 +1,8 @@
 """NNX attention: ``DotProductAttention`` (``te_jax.dot_product_attention`` as a module, no parameters) and
 ``MultiHeadAttention`` (norm, fused QKV projection, RoPE, attention, output projection), composed as
-``te_jax.flax``'s are, from the same fused ops. Masks are **True where attention is masked out** (Transformer
-Engine's convention); tensors are ``(batch, sequence, hidden)`` unless ``transpose_batch_sequence``. The KV cache
+``te_jax.flax``'s are, from the same fused ops. Masks follow Flax: **True (or nonzero) =
+attend**, unless a module's ``mask_convention="te"`` asks for NVIDIA Transformer Engine's (True = masked out);
+tensors are ``(batch, sequence, hidden)`` unless ``transpose_batch_sequence``. The KV cache
 (``decode``) is linen's only."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flax import nnx
 from te_jax.flax.params import EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, seq_first_to_batch_first
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, dot_product_attention, fp8_dpa_enabled,
                                     layout_for)
+from te_jax.fused.attention_config import check_mask_convention
 from te_jax.nnx.dense import DenseGeneral
 from te_jax.nnx.layernorm import LayerNormDenseGeneral
 from te_jax.nnx.params import resolve_deterministic
@@ -42,12 +44,13 @@ class DotProductAttention(nnx.Module):
                dropout_rng_name: str = "dropout", qkv_layout: str = "BSHD", scale_factor: float | None = None,
                window_size: tuple[int, int] | None = None, transpose_batch_sequence: bool = False,
                deterministic: bool | None = None, dtype: Any = None, backend: str = "auto",
-               fp8_dpa: bool | None = None, rngs: nnx.Rngs | None = None):
+               fp8_dpa: bool | None = None, mask_convention: str = "flax", rngs: nnx.Rngs | None = None):
     self.head_dim, self.num_attention_heads, self.num_gqa_groups = head_dim, num_attention_heads, num_gqa_groups
     self.attn_mask_type, self.attn_bias_type, self.attention_dropout = attn_mask_type, attn_bias_type, attention_dropout
     self.qkv_layout, self.scale_factor, self.window_size = qkv_layout, scale_factor, window_size
     self.transpose_batch_sequence, self.deterministic, self.dtype = transpose_batch_sequence, deterministic, dtype
     self.backend, self.fp8_dpa = backend, fp8_dpa
+    self.mask_convention = check_mask_convention(mask_convention)
     layout_for(qkv_layout, transpose_batch_sequence)
     if attention_dropout > 0 and rngs is None:
       raise ValueError("DotProductAttention with attention_dropout needs rngs (the dropout masks' stream)")
@@ -71,7 +74,7 @@ class DotProductAttention(nnx.Module):
     rng = self.rngs() if rate > 0 else None
     kw = dict(segment_ids=segment_ids, dropout_rate=rate, attn_mask_type=attn_mask_type or self.attn_mask_type,
               attn_bias_type=self.attn_bias_type, scale_factor=self.scale_factor, window_size=self.window_size,
-              qkv_layout=layout, backend=self.backend)
+              qkv_layout=layout, backend=self.backend, mask_convention=self.mask_convention)
     fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw)
     return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
 
@@ -106,7 +109,8 @@ class MultiHeadAttention(nnx.Module):
                kernel_init: Initializer = nnx.initializers.variance_scaling(1.0, "fan_in", "normal"),
                bias_init: Initializer = nnx.initializers.zeros_init(), logical_axes: bool = False,
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
-               backend: str = "auto", fp8_dpa: bool | None = None, recipe: Recipe | None = None, rngs: nnx.Rngs):
+               backend: str = "auto", fp8_dpa: bool | None = None, mask_convention: str = "flax",
+               recipe: Recipe | None = None, rngs: nnx.Rngs):
     if attn_mask_type not in ATTN_MASK_TYPES:
       raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
     if attention_type not in ("self", "cross"):
@@ -149,7 +153,8 @@ class MultiHeadAttention(nnx.Module):
     self.attention = DotProductAttention(
         d, h, num_gqa_groups=kv_heads, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
         attention_dropout=attention_dropout, dropout_rng_name=dropout_rng_name, scale_factor=scale_factor,
-        window_size=window_size, backend=backend, fp8_dpa=fp8_dpa, rngs=rngs)
+        window_size=window_size, backend=backend, fp8_dpa=fp8_dpa, mask_convention=mask_convention,
+        rngs=rngs)
     self.out = DenseGeneral((h, d), in_features, axis=(-2, -1), kernel_axes=ax(HEADS, HEAD_DIM, EMBED),
                             bias_axes=ax(EMBED), **dense_kw)
 

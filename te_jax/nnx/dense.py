@@ -14,7 +14,7 @@ from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.params import Initializer
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.nnx.fp8_state import declare_fp8_state, fp8_metas
-from te_jax.nnx.params import as_tuple, make_param
+from te_jax.nnx.params import as_tuple, make_param, part_axis
 from te_jax.recipe import Recipe
 
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
@@ -68,7 +68,7 @@ class DenseGeneral(nnx.Module):
     self.unstack_axis = unstack_axis
     self.dtype, self.param_dtype, self.precision, self.recipe = dtype, param_dtype, precision, recipe
     self.kernel = make_param(kernel_init, rngs.params(), self.in_features + self.out_features, param_dtype,
-                             n_in=len(self.in_features), axes=kernel_axes, metadata=kernel_metadata)
+                             n_in=len(self.in_features), part_axis=part_axis(unstack_axis, len(self.in_features), self.out_features), axes=kernel_axes, metadata=kernel_metadata)
     self.bias = nnx.data(None)
     if use_bias:
       self.bias = make_param(bias_init, rngs.params(), self.out_features, param_dtype, n_in=0, axes=bias_axes,

@@ -16,7 +16,7 @@ from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
 from te_jax.nnx.fp8_state import declare_fp8_state, fp8_metas
-from te_jax.nnx.params import as_tuple, make_param, resolve_deterministic
+from te_jax.nnx.params import as_tuple, make_param, part_axis, resolve_deterministic
 from te_jax.ops.activation import activation, parse_activation_type
 from te_jax.ops.norm import check_norm_args, layernorm
 from te_jax.recipe import Recipe
@@ -110,6 +110,7 @@ class LayerNormDenseGeneral(nnx.Module):
     self.dtype, self.param_dtype, self.recipe = dtype, param_dtype, recipe
     norm_params(self, hidden, rngs, "ln_", ln_scale_init, ln_bias_init, ln_scale_axes, ln_bias_axes)
     self.kernel = make_param(kernel_init, rngs.params(), (hidden, *self.out_features), param_dtype, n_in=1,
+                             part_axis=part_axis(unstack_axis, 1, self.out_features),
                              axes=kernel_axes)
     self.bias = nnx.data(None)
     if use_bias:
@@ -169,7 +170,7 @@ class LayerNormMLP(nnx.Module):
     self.dtype, self.param_dtype, self.recipe = dtype, param_dtype, recipe
     norm_params(self, hidden, rngs, "ln_", ln_scale_init, ln_bias_init, ln_scale_axes, ln_bias_axes)
     self.wi_kernel = make_param(kernel_init, rngs.params(), (hidden, n_act, f), param_dtype, n_in=1,
-                                axes=wi_kernel_axes)
+                                part_axis=1 if gated else None, axes=wi_kernel_axes)
     self.wo_kernel = make_param(kernel_init, rngs.params(), (f, hidden), param_dtype, n_in=1, axes=wo_kernel_axes)
     self.wi_bias = self.wo_bias = nnx.data(None)
     if use_bias:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
 from te_jax.flax.params import Initializer, is_int
+from te_jax.fused.linear import Unstack
 
-__all__ = ["as_tuple", "make_param", "resolve_deterministic"]
+__all__ = ["as_tuple", "make_param", "part_axis", "resolve_deterministic"]
 
 
 def as_tuple(x, name: str) -> tuple[int, ...]:
@@ -23,21 +25,44 @@ def as_tuple(x, name: str) -> tuple[int, ...]:
   return tuple(int(f) for f in out)
 
 
+def part_axis(unstack_axis: int | None, n_in: int, out_features: tuple[int, ...]) -> int | None:
+  """The kernel axis a layer's ``unstack_axis`` stacks its parts on (``make_param``'s ``part_axis``), or None. The
+  inputs' rank is not known when an NNX module is built, so ``unstack_axis`` counts from the output's end."""
+  if unstack_axis is None:
+    return None
+  if not isinstance(unstack_axis, int) or unstack_axis >= 0:
+    raise ValueError(f"unstack_axis must count from the output's end (one of {tuple(range(-len(out_features), 0))}), "
+                     f"got {unstack_axis!r}")
+  return n_in + Unstack.of(unstack_axis, len(out_features), out_features).feature_axis
+
+
 def make_param(init: Initializer, rng, shape: tuple[int, ...], dtype, *, n_in: int | None = None,
-               axes: tuple[str | None, ...] = (), metadata=None) -> nnx.Param:
+               part_axis: int | None = None, axes: tuple[str | None, ...] = (), metadata=None) -> nnx.Param:
   """``nnx.Param`` of ``init(rng, shape, dtype)``; with ``n_in``, ``init`` sees the 2-D ``(prod(shape[:n_in]),
   prod(shape[n_in:]))`` shape (``n_in=0``: the flat
   ``(prod(shape),)``) and its value is reshaped (fan-in and fan-out as for a plain dense kernel, as
   ``nnx.LinearGeneral`` and te_jax.flax's modules do). Sharding: an initializer wrapped in ``nnx.with_partitioning``
   keeps its names; ``axes`` (logical names from a module's ``logical_axes``) become ``out_sharding`` metadata; both
-  at once raise. ``metadata``: more metadata for the variable (``kernel_metadata`` of ``nnx.LinearGeneral``)."""
+  at once raise. ``metadata``: more metadata for the variable (``kernel_metadata`` of ``nnx.LinearGeneral``).
+  ``part_axis`` (a feature axis of a kernel, with ``n_in``): the kernel stacks separate projections along it (a fused
+  QKV kernel's q, k and v; a gated MLP's two inputs), each initialized as a kernel of its own with key
+  ``jax.random.split(rng, parts)[i]``, as te_jax.flax's ``flat_init`` does."""
   if n_in is None:
     init_shape = shape
   elif n_in == 0:  # a bias: its flat (features,) shape, as Flax's dense layers initialize it
     init_shape = (int(np.prod(shape)),)
   else:
     init_shape = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
-  value = init(rng, init_shape, dtype)
+  if part_axis is None:
+    value = init(rng, init_shape, dtype)
+  else:
+    part_shape = tuple(shape[:part_axis]) + tuple(shape[part_axis + 1:])
+    flat = (init_shape[0], int(np.prod(part_shape[n_in:])))
+    parts = [init(key, flat, dtype) for key in jax.random.split(rng, shape[part_axis])]
+    raw = [p.raw_value if isinstance(p, variablelib.VariableMetadata) else p for p in parts]
+    value = jnp.stack([jnp.reshape(r, part_shape) for r in raw], axis=part_axis)
+    if isinstance(parts[0], variablelib.VariableMetadata):
+      parts[0].raw_value, value = value, parts[0]
   extra = dict(metadata or {})
   if isinstance(value, variablelib.VariableMetadata):
     if axes:

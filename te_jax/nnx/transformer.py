@@ -1,6 +1,7 @@
 """NNX ``TransformerLayer``: self attention, optional cross attention and an MLP, each with dropout and a residual,
 pre-LN (norms fused into the FP8 GEMMs after them) or post-LN, composed as te_jax.flax.TransformerLayer is (same
-arguments, parameter tree and math). Masks are **True where attention is masked out**."""
+arguments, parameter tree and math). Masks follow Flax (True or nonzero = attend)
+unless ``mask_convention="te"``."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = nnx.initializers.variance_scaling(1.0, "fan_in", "normal"),
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                backend: str = "auto", logical_axes: bool = False, fp8_dpa: bool | None = None,
-               recipe: Recipe | None = None, rngs: nnx.Rngs):
+               mask_convention: str = "flax", recipe: Recipe | None = None, rngs: nnx.Rngs):
     if layer_type not in ("encoder", "decoder"):
       raise ValueError(f"layer_type must be one of ('encoder', 'decoder'), got {layer_type!r}")
     if cross_attention and layer_type != "decoder":
@@ -83,7 +84,7 @@ class TransformerLayer(nnx.Module):
         zero_centered_gamma=zero_centered_gamma, rotary_base=rotary_base, rotary_percent=rotary_percent,
         rotary_interleaved=rotary_interleaved, use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
         param_dtype=param_dtype, backend=backend, logical_axes=logical_axes, fp8_dpa=fp8_dpa, recipe=recipe,
-        return_layernorm_output=apply_residual_connection_post_layernorm,
+        mask_convention=mask_convention, return_layernorm_output=apply_residual_connection_post_layernorm,
         transpose_batch_sequence=transpose_batch_sequence, rngs=rngs)
     # The mask type is the call's (padding without a mask is no mask): attention takes it per call, see __call__.
     self.self_attention = mha(attn_mask_type=self.mask_type, attn_bias_type=self_attn_bias_type,

@@ -12,7 +12,8 @@ whatever the input dtype (float32, bfloat16 or float16; the outputs have the inp
   dx_j = (scale * y_j) * (dy_j - sum_k dy_k * y_k)
 
 Masks: ``"plain"`` masks nothing; ``"masked"`` masks where the boolean ``mask`` is True (Transformer Engine's
-convention: True means masked out), ``mask`` having logits' rank and each leading dim either 1 (broadcast) or
+convention, **True means masked out**, kept here as in the kernels it mirrors; the attention API takes Flax's masks,
+True = attend, and converts them), ``mask`` having logits' rank and each leading dim either 1 (broadcast) or
 logits' size, its last dim equal to ``Sk`` (the handlers broadcast by index math; nothing is materialized);
 ``"causal"`` masks key ``j > i`` for query ``i`` (top-left aligned: row ``i`` of the ``(..., Sq, Sk)`` logits sees
 keys ``0..i``; ``i`` counts from the scalar operand ``q_offset``, which is 0 except in a shard of a sharded query
@@ -447,9 +448,10 @@ def scaled_masked_softmax(logits: jax.Array, mask: jax.Array, scale_factor: floa
 
   Args:
     logits: ``(..., Sq, Sk)``, rank >= 2, float32, bfloat16 or float16, e.g. ``(B, H, Sq, Sk)``.
-    mask: bool, True means masked out (Transformer Engine's convention); broadcastable to ``logits`` along the
-      leading dims, e.g. ``(B, 1, Sq, Sk)``, ``(B, H, Sq, Sk)`` or ``(B, 1, 1, Sk)``: each dim 1 or the logits', the
-      last one equal to ``Sk``. The broadcast is not materialized. It gets no gradient.
+    mask: bool, **True means masked out** (Transformer Engine's convention, as its softmax kernels; the opposite
+      of Flax's and of ``te_jax.dot_product_attention``'s default, where True = attend); broadcastable to
+      ``logits`` along the leading dims, e.g. ``(B, 1, Sq, Sk)``, ``(B, H, Sq, Sk)`` or ``(B, 1, 1, Sk)``: each dim
+      1 or the logits', the last one equal to ``Sk``. The broadcast is not materialized. It gets no gradient.
     scale_factor: a static Python float multiplying the logits.
 
   Returns:
