@@ -3,6 +3,13 @@
 from te_jax.flax.attention import DotProductAttention as DotProductAttention
 from te_jax.flax.attention import MultiHeadAttention as MultiHeadAttention
 from te_jax.flax.attention import RelativePositionBiases as RelativePositionBiases
+from te_jax.flax.checkpoint import FlaxLayout as FlaxLayout
+from te_jax.flax.checkpoint import convert_blocks as convert_blocks
+from te_jax.flax.checkpoint import convert_like as convert_like
+from te_jax.flax.checkpoint import convert_train_state as convert_train_state
+from te_jax.flax.checkpoint import flax_block_to_te as flax_block_to_te
+from te_jax.flax.checkpoint import restore_into_fp8 as restore_into_fp8
+from te_jax.flax.checkpoint import te_block_to_flax as te_block_to_flax
 from te_jax.flax.dense import DenseGeneral as DenseGeneral
 from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
 from te_jax.flax.fp8_state import accumulate_gradients as accumulate_gradients
@@ -15,7 +22,8 @@ from te_jax.flax.params import LOGICAL_AXES as LOGICAL_AXES
 from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
-    "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm", "LayerNormDenseGeneral",
-    "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "accumulate_gradients",
-    "calibrate", "split_fp8_state",
+    "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
+    "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
+    "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state", "flax_block_to_te",
+    "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
 ]
