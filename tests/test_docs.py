@@ -15,7 +15,7 @@ import te_jax.flax
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(te_jax.__path__, "te_jax.") if not m.name.split(".")[-1]
                  .startswith("_te_"))
-PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.recipe")
+PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.recipe", "te_jax.compare")
 
 
 @pytest.mark.parametrize("name", MODULES)
