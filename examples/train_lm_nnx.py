@@ -1,6 +1,6 @@
 """The byte-level language model of ``examples/train_lm.py`` in Flax NNX (te_jax.nnx.TransformerLayer), trained in
-BF16 and in FP8 side by side on the same corpus and batches (``train_lm``'s data code). Reports the held-out loss,
-tokens per second and memory of both.
+BF16 and in FP8 side by side on the same corpus and batches (``te_jax.compare.lm``'s data code). Reports the held-out
+loss, tokens per second and memory of both.
 
 The FP8 run differs from the BF16 run only in ``te_jax.autocast(enabled=True, recipe=DelayedScaling())`` around the
 model's construction (which gives its layers their FP8 state) and the steps. Both differentiate with
@@ -26,7 +26,8 @@ from flax import nnx
 import te_jax
 import te_jax.nnx as te_nnx
 from te_jax import recipe
-from train_lm import SIZES, VOCAB, batches, load_corpus
+from te_jax.compare.lm import VOCAB, batches, load_corpus
+from train_lm import SIZES
 
 
 class LM(nnx.Module):

@@ -7,7 +7,8 @@
 #                                             # example;
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
-#                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; ncu, Nsight
+#                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; DEMO_ARGS for
+#                                             # python -m te_jax.compare, DEMO_S its limit; ncu, Nsight
 #                                             # Compute counters of profile_layer.py's single ops:
 #                                             # NCU_KERNELS, NCU_SKIP, NCU_SECTIONS)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
@@ -161,7 +162,8 @@ want doctor && step "doctor" 60 doctor.log 40 doctor
 want bench && step "benchmarks" "${GPU_BENCH_S:-420}" bench.log 60 "python3 benchmarks/run.py ${GPU_BENCH_ARGS:-}"
 want tests && step "tests -m gpu" "${GPU_TESTS_S:-240}" tests_gpu.log 25 gpu_tests
 want sanitize && step "compute-sanitizer (te_jax kernels)" "${SANITIZE_S:-300}" sanitize.log 60 sanitize
-want demo && step "demo (BF16 vs FP8 MLP)" 120 demo.log 12 'python3 examples/train_mlp.py'
+want demo && step "demo (te_jax.compare, BF16 vs FP8 LM)" "${DEMO_S:-360}" demo.log 16 \
+  "python3 -m te_jax.compare --out $LOGS/compare ${DEMO_ARGS:---preset gpt-small --steps 500}"
 want profile && step "profile (kernel times per layer step)" 180 profile.log 200 \
   "cd benchmarks && python3 profile_layer.py ${PROFILE_ARGS:-}"
 want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
@@ -210,9 +212,10 @@ PY
   printf '%s\n' "${STEPS[@]}"
 } > "$LOGS/summary.txt"
 
-if [ -n "${OUT:-}" ]; then  # at most 10 files: 8 logs, the summary and the benchmark results file
+if [ -n "${OUT:-}" ]; then  # 8 logs, the summary, the benchmark results file and the compare report folder
   mkdir -p "$OUT"
   cp "$LOGS"/{build,doctor,tests_gpu,sanitize,bench,demo,profile,ncu}.log "$LOGS/summary.txt" "$OUT"/ 2>/dev/null
+  [ -d "$LOGS/compare" ] && cp -r "$LOGS/compare" "$OUT"/
   find benchmarks/results -maxdepth 1 -type f -name '*.json' -newer "$LOGS/.start" | head -n 1 | xargs -r cp -t "$OUT"/
 fi
 

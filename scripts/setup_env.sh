@@ -20,7 +20,7 @@
 TE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TE_REQUIREMENTS=(
   "jax==0.11.2" "jaxlib==0.11.2" "flax==0.12.10" "optax==0.2.8" numpy ml_dtypes pytest
-  scikit-build-core nanobind cmake ninja nvidia-cublas
+  scikit-build-core nanobind cmake ninja nvidia-cublas tqdm matplotlib
 )
 
 # Prints the absolute path of a working Python 3.12 (pyenv shims exist for versions that are not selected, so each

@@ -17,7 +17,7 @@ import te_jax.nnx
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(te_jax.__path__, "te_jax.") if not m.name.split(".")[-1]
                  .startswith("_te_"))
-PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.nnx", "te_jax.recipe")
+PUBLIC_PACKAGES = ("te_jax", "te_jax.flax", "te_jax.nnx", "te_jax.recipe", "te_jax.compare")
 
 
 @pytest.mark.parametrize("name", MODULES)

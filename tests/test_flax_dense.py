@@ -207,7 +207,7 @@ BATCH, FEATURES, HIDDEN, LAYERS, CLASSES = 256, 64, 128, 2, 16
 
 
 class MLP(nn.Module):
-  """examples/train_mlp.py's classifier: te_flax.DenseGeneral hidden layers in bf16, a float32 Flax head."""
+  """A classifier: te_flax.DenseGeneral hidden layers in bf16, a float32 Flax head."""
 
   @nn.compact
   def __call__(self, x):

@@ -5,7 +5,7 @@ touches JAX's private APIs.
 Layers, bottom to top: ``te_jax._core`` and ``te_jax.recipe`` (infrastructure); ``te_jax.ops`` (primitives);
 ``te_jax.fused`` (differentiable ops built from several primitives); ``te_jax.flax`` (Flax linen modules) and beside it
 ``te_jax.nnx`` (Flax NNX modules, which may use ``te_jax.flax.params``' axis names and checks); then the package
-itself and ``te_jax.doctor``, which may use everything.
+itself and ``te_jax.doctor``; then ``te_jax.compare`` (BF16 against FP8 on a model), which may use everything.
 """
 
 import ast
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "te_jax"
 LAYERS = {"te_jax._core": 0, "te_jax.recipe": 0, "te_jax.ops": 1, "te_jax.fused": 2, "te_jax.flax": 3,
-          "te_jax.nnx": 3, "te_jax.doctor": 4, "te_jax": 4}
+          "te_jax.nnx": 3, "te_jax.doctor": 4, "te_jax": 4, "te_jax.compare": 5}
 JAX_COMPAT = "te_jax._core.jax_compat"
 
 
@@ -68,7 +68,7 @@ def edges():
 
 
 def test_every_module_is_in_a_layer():
-  assert {layer(m) for m in MODULES} == {0, 1, 2, 3, 4}
+  assert {layer(m) for m in MODULES} == {0, 1, 2, 3, 4, 5}
 
 
 def test_imports_go_down_the_layers():

@@ -1,0 +1,136 @@
+"""``python -m te_jax.compare`` (``te-jax-compare``): BF16 against FP8 side by side on the embedded byte-level LM
+(``--preset``) or on the user's own Flax model (``--module path:attr``), with a table, plots and a JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import itertools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from te_jax.compare import lm
+from te_jax.compare.api import RECIPES, emulation_note, run
+from te_jax.compare.train import Run, train_run
+
+__all__ = ["load_model_fn", "main"]
+
+
+def load_model_fn(spec: str):
+  """``path/to/file.py:attr`` or ``package.module:attr`` -> the object ``attr`` names there (a ``model_fn``)."""
+  path, sep, attr = spec.rpartition(":")
+  if not sep or not path or not attr:
+    raise ValueError(f"--module must be path:attr (a file or module, then the model_fn's name), got {spec!r}")
+  if path.endswith(".py"):
+    file = pathlib.Path(path)
+    if not file.is_file():
+      raise FileNotFoundError(f"--module: no file {path}")
+    loaded = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[file.stem] = module
+    loaded.loader.exec_module(module)
+  else:
+    module = importlib.import_module(path)
+  if not hasattr(module, attr):
+    raise AttributeError(f"--module: {path} has no attribute {attr!r}")
+  return getattr(module, attr)
+
+
+def _distill_loss(outputs, batch):
+  """Cross-entropy against the teacher's distribution ``batch[2]`` (its logits)."""
+  targets = jax.nn.softmax(batch[2].astype(jnp.float32), axis=-1)
+  return optax.softmax_cross_entropy(outputs.astype(jnp.float32), targets).mean()
+
+
+def _parser():
+  parser = argparse.ArgumentParser(prog="python -m te_jax.compare", description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", choices=sorted(lm.PRESETS), default=None,
+                      help="the embedded LM's size: tiny (CPU, about a minute), gpt-small and gpt-1b (GPU), "
+                           "distill-tiny (a BF16 teacher, then FP8 and BF16 students); default: tiny on CPU, "
+                           "gpt-small on a GPU")
+  parser.add_argument("--module", default=None, metavar="PATH:ATTR",
+                      help="your own model instead: a model_fn(fp8: bool) returning a Flax module that takes the "
+                           "LM's (batch, seq) int32 byte tokens and returns (batch, seq, 256) logits")
+  parser.add_argument("--recipe", choices=sorted(RECIPES), default="delayed", help="the FP8 run's recipe")
+  parser.add_argument("--steps", type=int, default=None, help="train steps of each run (default: the preset's)")
+  parser.add_argument("--batch", type=int, default=None, help="sequences per batch (default: the preset's)")
+  parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
+  parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+  parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+  parser.add_argument("--evals", type=int, default=10, help="held-out evaluations along each run")
+  parser.add_argument("--health", type=int, default=5, help="steps at which to take the FP8 health counters (0: none)")
+  parser.add_argument("--seed", type=int, default=0, help="the initial parameters' and the batches' seed")
+  parser.add_argument("--out", default=None, help="the report's folder (default: a fresh compare-<date> folder)")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """The command line: ``argv`` (default ``sys.argv[1:]``) parsed as ``python -m te_jax.compare --help`` shows; runs
+  the comparison, prints its table and the report's folder last, and returns the report (``run``'s)."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  for name in ("steps", "batch", "seq"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+  for name in ("eval_batches", "evals"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+  if args.health < 0 or args.seed < 0:
+    parser.error(f"--health and --seed must be at least 0, got {args.health} and {args.seed}")
+  if args.lr is not None and not args.lr > 0:
+    parser.error(f"--lr must be positive, got {args.lr}")
+  on_gpu = jax.default_backend() == "gpu"
+  preset_name = args.preset or ("gpt-small" if on_gpu else "tiny")
+  preset = lm.PRESETS[preset_name]
+  if args.module and preset.distill:
+    parser.error(f"--module and --preset {preset_name} (a distillation preset) exclude each other")
+  steps, batch, seq = args.steps or preset.steps, args.batch or preset.batch, args.seq or preset.seq
+  lr = args.lr or preset.lr
+  out = pathlib.Path(args.out or f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+  note = emulation_note()
+  print(f"NOTE: {note}; the run still completes." if note else
+        f"FP8 runs natively on {jax.devices()[0].device_kind}.")
+
+  train_data, eval_data = lm.load_corpus(preset.corpus_bytes)
+  train = list(itertools.islice(lm.batches(train_data, batch, seq, seed=1 + args.seed), steps))
+  held_out = list(itertools.islice(lm.batches(eval_data, batch, seq, seed=10_000), args.eval_batches))
+  student = preset.distill or preset.model
+  if args.module:
+    model_fn, what = load_model_fn(args.module), f"model {args.module}"
+  else:
+    model_fn, what = (lambda fp8: lm.LM(**student)), (
+        f"byte-level LM {student['layers']} x {student['hidden']} (heads {student['heads']}, mlp {student['mlp']})")
+  loss = None
+  if preset.distill:  # a BF16 teacher first; the students learn its distribution
+    teacher = lm.LM(**preset.model)
+    params = teacher.init(jax.random.key(args.seed + 1), train[0][0])["params"]
+    result = train_run(Run("teacher", teacher, None, steps), params, train, held_out, lr=lr,
+                       tokens_per_batch=batch * seq)
+    logits = jax.jit(lambda v, x: teacher.apply(v, x).astype(jnp.bfloat16))
+    variables = result["final_variables"]
+    train = [(x, y, logits(variables, x)) for x, y in train]
+    held_out = [(x, y, logits(variables, x)) for x, y in held_out]
+    loss = _distill_loss
+    what += f", distilled from a BF16 teacher {preset.model['layers']} x {preset.model['hidden']} " \
+            f"(held-out loss {result['heldout_loss']:.4f})"
+  description = (f"{what}; {batch} x {seq} tokens a step, {steps} steps; corpus {len(train_data) / 1e6:.1f} MB of "
+                 f"Python standard library source; preset {preset_name}")
+  print(description)
+  result = run(model_fn, train, steps=steps, eval_batches=held_out, recipe=args.recipe, lr=lr,
+               eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
+               out=out, seed=args.seed, description=description, quiet=True,
+               **({"loss": loss} if loss else {}))
+  print("\n" + result["table"])
+  print(f"report and plots: {out.resolve()}")
+  return result
+
+
+def console_main() -> None:
+  """The ``te-jax-compare`` console script."""
+  main()

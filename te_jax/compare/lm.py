@@ -1,0 +1,118 @@
+"""The embedded default of ``te_jax.compare``: a byte-level decoder-only language model built from
+``te_jax.flax.TransformerLayer``, trained on a corpus that is on every machine, the Python standard library's own
+source files (bytes as tokens), so nothing needs a download.
+
+>>> train, held_out = load_corpus(1 << 16)
+>>> x, y = next(batches(train, batch=2, seq=16, seed=0))
+>>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
+((2, 16), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+from collections.abc import Iterator
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+import te_jax.flax as te_flax
+
+__all__ = ["LM", "PRESETS", "Preset", "VOCAB", "batches", "load_corpus"]
+
+VOCAB = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A model size (``LM``'s fields), its batch, default step count and corpus bytes."""
+
+  model: dict
+  batch: int
+  seq: int
+  steps: int
+  corpus_bytes: int
+  lr: float = 1e-3
+  distill: dict | None = None  # the student's LM fields: a BF16 teacher of ``model`` is trained first
+
+
+PRESETS = {
+    # ~0.4M params: two runs of 60 steps, compiles included, in about a minute on a 2-core CPU.
+    "tiny": Preset(dict(hidden=128, layers=2, heads=4, mlp=512), batch=8, seq=128, steps=60, corpus_bytes=4 << 20),
+    # ~85M params (12 x 768, GPT-2 small's body; the byte vocabulary has no big embedding): 32 x 1024 tokens a step.
+    "gpt-small": Preset(dict(hidden=768, layers=12, heads=12, mlp=3072), batch=32, seq=1024, steps=500,
+                        corpus_bytes=32 << 20, lr=6e-4),
+    # ~1.2B params: 24 x 2048, 16 x 2048 tokens a step.
+    "gpt-1b": Preset(dict(hidden=2048, layers=24, heads=16, mlp=8192), batch=16, seq=2048, steps=300,
+                     corpus_bytes=64 << 20, lr=3e-4),
+    # Distillation (the classic mixed-precision tutorial): a BF16 teacher of the tiny size, then FP8 and BF16
+    # students of half its width learn its output distribution.
+    "distill-tiny": Preset(dict(hidden=128, layers=2, heads=4, mlp=512), batch=8, seq=128, steps=40,
+                           corpus_bytes=4 << 20, distill=dict(hidden=64, layers=2, heads=4, mlp=256)),
+}
+
+
+def load_corpus(limit_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+  """The standard library's .py files (tests and site-packages left out), concatenated in sorted order (the same
+  bytes on every run) up to ``limit_bytes``: 95% to train on, the last 5% held out."""
+  if limit_bytes < 1:
+    raise ValueError(f"load_corpus: limit_bytes must be positive, got {limit_bytes}")
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  chunks, total = [], 0
+  for path in sorted(root.rglob("*.py")):
+    if "test" in path.parts or "site-packages" in path.parts:
+      continue
+    try:
+      data = path.read_bytes()
+    except OSError:
+      continue
+    chunks.append(np.frombuffer(data, np.uint8))
+    total += len(data)
+    if total >= limit_bytes:
+      break
+  if not chunks:
+    raise FileNotFoundError(f"load_corpus: no .py files under the standard library's folder {root}")
+  corpus = np.concatenate(chunks)
+  split = int(len(corpus) * 0.95)
+  return corpus[:split], corpus[split:]
+
+
+class LM(nn.Module):
+  """Byte embedding, pre-LN causal TransformerLayers with RoPE and GELU, a final LayerNorm, tied output head.
+
+  >>> import jax, jax.numpy as jnp
+  >>> model = LM(hidden=32, layers=1, heads=2, mlp=64)
+  >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  >>> sorted(variables["params"])
+  ['embed', 'final_norm', 'layer_0']
+  """
+
+  hidden: int
+  layers: int
+  heads: int
+  mlp: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, self.hidden, embedding_init=nn.initializers.normal(0.02), name="embed")
+    x = embed(tokens).astype(jnp.bfloat16)
+    for i in range(self.layers):
+      x = te_flax.TransformerLayer(hidden_size=self.hidden, intermediate_dim=self.mlp, num_attention_heads=self.heads,
+                                   layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16,
+                                   kernel_init=nn.initializers.normal(0.02), name=f"layer_{i}")(x, deterministic=True)
+    x = te_flax.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
+    return embed.attend(x.astype(jnp.float32))  # logits in float32: the head is narrow (256) and wants precision
+
+
+def batches(data: np.ndarray, batch: int, seq: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """Endless ``(tokens, next tokens)`` pairs of shape ``(batch, seq)``, from windows at random offsets of ``data``."""
+  if len(data) <= seq + 1:
+    raise ValueError(f"batches: data has {len(data)} tokens, fewer than seq + 2 = {seq + 2}")
+  rng = np.random.default_rng(seed)
+  while True:
+    starts = rng.integers(0, len(data) - seq - 1, batch)
+    window = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int32)
+    yield window[:, :-1], window[:, 1:]

@@ -1,0 +1,138 @@
+"""The outputs of ``te_jax.compare``: the table printed at the end, the JSON report and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed, none opened
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["PLOTS", "ratios", "table", "write_json", "write_plots"]
+
+#: The PNG files ``write_plots`` writes, and what each shows.
+PLOTS = {
+    "loss.png": "train loss per step (thin) and held-out loss (markers) of every run, on one axis",
+    "step_time.png": "step time per step of every run (ms)",
+    "memory.png": "peak memory of every run (MiB): the device's measure where it has one, else XLA's estimate",
+    "fp8_health.png": "the most recent amax over the measured steps of the worst FP8 operands (by saturated + flushed "
+                      "share), and those shares",
+}
+
+
+def _mib(n):
+  return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def _memory_bytes(r):
+  m = r["memory"]
+  return m["device_peak_bytes"] if m["device_peak_bytes"] is not None else m["xla_estimate_bytes"]
+
+
+def table(runs: list[dict], baseline: str) -> str:
+  """The Markdown table of the runs, then each run's ratios to ``baseline``."""
+  lines = ["| run | train loss | held-out loss | tokens/s | step ms (median) | step ms (p90) | compile s | peak MiB |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    lines.append(f"| {r['name']} | {r['train_loss']:.4f} | {r['heldout_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
+                 f"{1e3 * r['step_s_median']:.2f} | {1e3 * r['step_s_p90']:.2f} | {r['compile_s']:.1f} | "
+                 f"{_mib(_memory_bytes(r))} |")
+  base = next(r for r in runs if r["name"] == baseline)
+  for r in runs:
+    if r is base or "ratios" not in r:
+      continue
+    q = r["ratios"]
+    lines.append(f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s "
+                 f"{q['tokens_per_s']:.2f}x, peak memory {q['memory']:.2f}x" if q["memory"] is not None else
+                 f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s "
+                 f"{q['tokens_per_s']:.2f}x")
+  lines.append(f"memory: {base['memory']['source']}")
+  return "\n".join(lines)
+
+
+def ratios(run: dict, base: dict) -> dict:
+  """``run``'s held-out loss, tokens/s and peak memory over ``base``'s."""
+  a, b = _memory_bytes(run), _memory_bytes(base)
+  return {"heldout_loss": run["heldout_loss"] / base["heldout_loss"],
+          "tokens_per_s": run["tokens_per_s"] / base["tokens_per_s"],
+          "memory": None if a is None or not b else a / b}
+
+
+def write_json(report: dict, path: pathlib.Path) -> None:
+  path.write_text(json.dumps(report, indent=1, default=float) + "\n")
+
+
+def _worst(runs: list[dict], count: int):
+  """The ``count`` operands with the largest saturated + flushed share at any measured step, over all runs."""
+  score = {}
+  for r in runs:
+    for row in r["health"]:
+      for name, (sat, flush) in row["shares"].items():
+        score[(r["name"], name)] = max(score.get((r["name"], name), 0.0), sat + flush)
+  return sorted(score, key=lambda k: -score[k])[:count], score
+
+
+def write_plots(runs: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+  """Writes ``PLOTS`` into ``out``; returns their paths."""
+  paths = []
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, r in enumerate(runs):
+    color = f"C{i}"
+    ax.plot(np.arange(1, len(r["train_curve"]) + 1), r["train_curve"], color=color, lw=0.8, alpha=0.6,
+            label=f"{r['name']} train")
+    steps, values = zip(*r["heldout_curve"])
+    ax.plot(steps, values, "o-", color=color, lw=2, label=f"{r['name']} held-out")
+  ax.set(xlabel="step", ylabel="loss", title="loss")
+  ax.legend()
+  paths.append(_save(fig, out / "loss.png"))
+
+  fig, ax = plt.subplots(figsize=(8, 4))
+  for i, r in enumerate(runs):
+    ax.plot(1e3 * np.asarray(r["step_times_s"]), color=f"C{i}", lw=0.8,
+            label=f"{r['name']} (median {1e3 * r['step_s_median']:.1f} ms)")
+  ax.set(xlabel="timed step", ylabel="ms", title="step time")
+  ax.legend()
+  paths.append(_save(fig, out / "step_time.png"))
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  names = [r["name"] for r in runs]
+  device = [r["memory"]["device_peak_bytes"] for r in runs]
+  xla = [r["memory"]["xla_estimate_bytes"] or 0 for r in runs]
+  pos = np.arange(len(runs))
+  if all(d is not None for d in device):
+    ax.bar(pos - 0.2, np.asarray(device) / 2**20, 0.4, label="device peak_bytes_in_use")
+  ax.bar(pos + 0.2, np.asarray(xla) / 2**20, 0.4, label="XLA estimate of the step")
+  ax.set_xticks(pos, names)
+  ax.set(ylabel="MiB", title="peak memory")
+  ax.legend()
+  paths.append(_save(fig, out / "memory.png"))
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  worst, score = _worst(runs, 6)
+  for k, (run_name, name) in enumerate(worst):
+    r = next(r for r in runs if r["name"] == run_name)
+    steps = [row["step"] for row in r["health"]]
+    amax = [row["amax"].get(name, np.nan) for row in r["health"]]
+    ax1.plot(steps, amax, "o-", color=f"C{k}", label=f"{run_name} {name}")
+  ax1.set(xlabel="step", ylabel="amax (most recent)", title="amax of the worst operands", yscale="log")
+  if worst:
+    ax1.legend(fontsize=7)
+    ax2.barh([f"{a} {b}" for a, b in worst][::-1], [100 * score[k] for k in worst][::-1])
+  else:
+    ax1.text(0.5, 0.5, "no delayed-scaling run measured", ha="center", transform=ax1.transAxes)
+  ax2.set(xlabel="% saturated + flushed (worst measured step)", title="FP8 health")
+  ax2.tick_params(axis="y", labelsize=7)
+  paths.append(_save(fig, out / "fp8_health.png"))
+  return paths
+
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -1,0 +1,178 @@
+"""One run of ``te_jax.compare``: a model trained for a number of steps under one precision, from given parameters
+on given batches, with its step times, losses, compile time, memory and (under delayed scaling) FP8 health."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from tqdm.auto import tqdm
+
+import te_jax
+import te_jax.flax as te_flax
+from te_jax import recipe as te_recipe
+from te_jax.compare import health
+
+__all__ = ["Run", "check_batches", "cross_entropy", "tokens_in", "train_run"]
+
+
+def cross_entropy(outputs: jax.Array, batch: tuple) -> jax.Array:
+  """The default loss: softmax cross-entropy of ``outputs`` (logits) against the integer labels ``batch[1]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), batch[1]).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a run trains: its name, model, FP8 recipe (None: BF16) and step count."""
+
+  name: str
+  model: nn.Module
+  recipe: te_recipe.Recipe | None
+  steps: int
+
+
+def _memory_peak(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
+
+
+def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence[tuple], *,
+              loss: Callable = cross_entropy, lr: float = 1e-3, eval_every: int = 0, health_every: int = 0,
+              tokens_per_batch: int, position: int = 0) -> dict:
+  """Trains ``run.model`` from ``params`` on ``batches[:run.steps]``; returns the run's numbers (JSON-ready).
+
+  ``eval_every``: the held-out loss (mean over ``eval_batches``) every that many steps and after the last (0: after
+  the last only). ``health_every``: the FP8 health counters from the step itself every that many steps (0: never;
+  only under DelayedScaling, the one recipe whose scale exists before the step).
+  """
+  steps = run.steps
+  device = jax.devices()[0]
+  fp8 = run.recipe is not None
+  delayed = isinstance(run.recipe, te_recipe.DelayedScaling)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 2), lr / 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  x0 = batches[0]
+
+  def precision():
+    return te_jax.autocast(enabled=fp8, recipe=run.recipe)
+
+  def loss_fn(v, batch):
+    return loss(run.model.apply(v, batch[0]), batch)
+
+  def loss_with_health(v, batch):
+    with health.input_health():
+      outputs, sown = run.model.apply(v, batch[0], mutable=[health.HEALTH_COLLECTION])
+    return loss(outputs, batch), health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {}))
+
+  def step(state, batch):
+    value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), value
+
+  def step_with_health(state, batch):
+    (value, inputs), grads = jax.value_and_grad(loss_with_health, has_aux=True)(state.params, batch)
+    return state.apply_gradients(grads=grads), value, {**health.kernel_health(state.params), **inputs}
+
+  peak_before = _memory_peak(device)
+  params = jax.tree.map(jnp.copy, params)  # the step donates its state; the caller's parameters start other runs
+  with precision():
+    variables = run.model.init(jax.random.key(0), x0[0])
+    variables = {**variables, "params": params}
+    variables = te_flax.calibrate(loss_fn, variables, x0)  # FP8: the first step's scales; BF16: as it is
+    state = train_state.TrainState.create(apply_fn=run.model.apply, params=variables, tx=tx)
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=0).lower(state, x0).compile()
+    compile_s = time.perf_counter() - t0
+    evaluate = jax.jit(loss_fn)
+    measure = jax.jit(step_with_health, donate_argnums=0) if delayed and health_every else None
+  analysis = compiled.memory_analysis()
+  xla_bytes = None if analysis is None else int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                                                + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+
+  def eval_loss(state):
+    with precision():
+      return float(np.mean([float(evaluate(state.params, b)) for b in eval_batches]))
+
+  times, losses, evals, health_rows = [], [], [], []
+  bar = tqdm(range(steps), desc=f"{run.name:<5}", position=position, leave=True, dynamic_ncols=True)
+  for i in bar:
+    batch = batches[i]
+    t0 = time.perf_counter()
+    if measure is not None and i % health_every == 0:
+      with precision():
+        state, value, shares = measure(state, batch)
+      health_rows.append({"step": i, "shares": {k: [float(s), float(f)] for k, (s, f) in shares.items()}})
+    else:
+      state, value = compiled(state, batch)
+      times.append(None)
+    value = float(value)  # waits for the step
+    if times and times[-1] is None:
+      times[-1] = time.perf_counter() - t0
+    if not np.isfinite(value):
+      raise FloatingPointError(f"{run.name}: the train loss is {value} at step {i}")
+    losses.append(value)
+    if health_rows and health_rows[-1]["step"] == i:
+      health_rows[-1]["amax"] = health.latest_amaxes(state.params)
+    if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
+      evals.append([i + 1, eval_loss(state)])
+    median = float(np.median([t for t in times if t is not None])) if any(t is not None for t in times) else None
+    bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_batch / median:,.0f}" if median else "-")
+  bar.close()
+  evals.append([steps, eval_loss(state)])
+  step_times = np.asarray([t for t in times if t is not None] or [np.nan])
+  peak_after = _memory_peak(device)
+  median = float(np.median(step_times))
+  return {
+      "name": run.name,
+      "recipe": None if run.recipe is None else type(run.recipe).__name__,
+      "steps": steps,
+      "train_loss": float(np.mean(losses[-max(1, steps // 10):])),
+      "heldout_loss": evals[-1][1],
+      "train_curve": losses,
+      "heldout_curve": evals,
+      "step_times_s": [float(t) for t in step_times],
+      "step_s_median": median,
+      "step_s_p90": float(np.percentile(step_times, 90)),
+      "tokens_per_s": tokens_per_batch / median,
+      "compile_s": compile_s,
+      "memory": {
+          # The allocator's peak over the process: exact for this run only when this run raised it.
+          "device_peak_bytes": peak_after,
+          "device_peak_raised_by_this_run": None if peak_after is None else peak_after > (peak_before or 0),
+          "xla_estimate_bytes": xla_bytes,
+          "source": "device (jax.Device.memory_stats peak_bytes_in_use)" if peak_after is not None else
+                    "XLA's compiled memory_analysis (arguments + outputs + temp - aliased): the device reports none",
+      },
+      "health": health_rows,
+      "final_variables": state.params,
+  }
+
+
+def tokens_in(batch: tuple) -> int:
+  """The tokens of a batch: every element of an integer input (token ids), the leading axes of a float input (the
+  last axis is features)."""
+  x = np.asarray(batch[0]) if not isinstance(batch[0], jax.Array) else batch[0]
+  return int(x.size if jnp.issubdtype(x.dtype, jnp.integer) else int(np.prod(x.shape[:-1])))
+
+
+def check_batches(batches, steps: int, what: str) -> list[tuple]:
+  """``batches`` as a list of at least ``steps`` tuples (a sequence is kept, an iterable is read ``steps`` times)."""
+  if isinstance(batches, Mapping) or not hasattr(batches, "__iter__"):
+    raise TypeError(f"{what} must be a sequence or an iterable of batches (tuples, inputs first), "
+                    f"got {type(batches).__name__}")
+  out = []
+  for b in batches:
+    if len(out) == steps:
+      break
+    if not isinstance(b, tuple) or not b:
+      raise TypeError(f"{what}: each batch must be a non-empty tuple (inputs, targets, ...), got {type(b).__name__}")
+    out.append(b)
+  if len(out) < steps:
+    raise ValueError(f"{what}: {steps} batches needed, got {len(out)}")
+  return out
