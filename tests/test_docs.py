@@ -5,7 +5,9 @@ with an example."""
 import doctest
 import importlib
 import inspect
+import pathlib
 import pkgutil
+import re
 
 import flax.linen as nn
 import pytest
@@ -46,3 +48,15 @@ def test_every_module_is_covered():
   """The doctest run above walks the whole package, so a new module cannot be missed."""
   assert "te_jax.fused.dense" in MODULES and "te_jax.flax.transformer" in MODULES and "te_jax.ops.gemm" in MODULES
   assert "te_jax.nnx.transformer" in MODULES
+
+
+def _readme_blocks():
+  text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_readme_examples_run(index, tmp_path, monkeypatch):
+  """Every Python block of the README runs as it is written (in a fresh namespace, in a scratch folder)."""
+  monkeypatch.chdir(tmp_path)
+  exec(compile(_readme_blocks()[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})
