@@ -136,26 +136,32 @@ def _entry(axes: tuple[str, ...]):
 def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M).
 
-  When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match; a mesh axis used twice
-  (say M and N both on 'model') is kept on M only. With parts, rhs's part dim is never sharded (each shard computes
-  its block of every part).
+  When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match, except that a mesh axis
+  sharding lhs's rows is kept there and rhs is all-gathered over it instead (FSDP: a weight sharded over the axis that
+  shards the batch is gathered where it is used, in the dtype it has here, FP8 under an FP8 recipe, rather than the
+  activations being resharded). A mesh axis used twice (say M and N both on 'model') is kept where the output is
+  wanted sharded over it, else on M. With parts, rhs's part dim is never sharded (each shard computes its block of
+  every part).
   """
   lhs_spec = full_spec(arg_shapes[0].sharding, 2)
   rhs_spec = full_spec(arg_shapes[1].sharding, 3 if config.parts > 1 else 2)[-2:]
   m_l, k_l = (lhs_spec[1], lhs_spec[0]) if config.transpose_lhs else lhs_spec
   n_r, k_r = (rhs_spec[1], rhs_spec[0]) if config.transpose_rhs else rhs_spec
-  k_axes = mesh_axes(k_l) or mesh_axes(k_r)
-  m_axes = tuple(a for a in mesh_axes(m_l) if a not in k_axes)
-  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes)
+  k_axes = mesh_axes(k_l) or tuple(a for a in mesh_axes(k_r) if a not in mesh_axes(m_l))
+  n_out = mesh_axes(full_spec(result_shape[0].sharding, 2)[1])
+  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a in n_out)
+  m_axes = tuple(a for a in mesh_axes(m_l) if a not in k_axes and a not in n_axes)
+  n_axes += tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes and a not in n_axes)
   m, k, n = _entry(m_axes), _entry(k_axes), _entry(n_axes)
   lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
   rhs_sharding = NamedSharding(mesh, P(*((None,) if config.parts > 1 else ()), *((k, n) if config.transpose_rhs
                                                                                    else (n, k))))
   scalar = NamedSharding(mesh, P())
-  # Sequence parallelism: when the output is wanted with M sharded over the K axes, reduce-scatter instead.
+  # Sequence parallelism: when the output is wanted with M sharded over the K axes too (after M's own), reduce-scatter
+  # over M instead of all-reducing.
   out_m = full_spec(result_shape[0].sharding, 2)[0]
-  scatter = bool(k_axes) and not m_axes and mesh_axes(out_m) == k_axes
-  out_sharding = NamedSharding(mesh, P(k if scatter else m, n))
+  scatter = bool(k_axes) and mesh_axes(out_m) == m_axes + k_axes
+  out_sharding = NamedSharding(mesh, P(_entry(m_axes + k_axes) if scatter else m, n))
   arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
   if config.has_bias:
     arg_shardings.append(NamedSharding(mesh, P(n)))
