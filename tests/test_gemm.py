@@ -418,6 +418,10 @@ SHARDING_CASES = {
     "column-parallel": (P(), P("x", None), None, P(None, "x"), {}),
     "row-parallel": (P(None, "x"), P(None, "x"), None, P(), {"all-reduce": 1}),
     "row-parallel-scatter": (P(None, "x"), P(None, "x"), P("x", None), P("x", None), {"reduce-scatter": 1}),
+    # a weight gradient whose columns are sharded: scattered over N
+    "row-parallel-scatter-n": (P(None, "x"), P(None, "x"), P(None, "x"), P(None, "x"), {"reduce-scatter": 1}),
+    # FSDP: lhs's rows and rhs's K on the same axis; the rows stay sharded and rhs is all-gathered (in its dtype)
+    "fsdp": (P("x", None), P(None, "x"), None, P("x", None), {"all-gather": 1}),
 }
 
 

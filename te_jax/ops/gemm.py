@@ -134,7 +134,7 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
-  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M).
+  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M or N).
 
   When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match, except that a mesh axis
   sharding lhs's rows is kept there and rhs is all-gathered over it instead (FSDP: a weight sharded over the axis that
@@ -158,13 +158,16 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
                                                                                    else (n, k))))
   scalar = NamedSharding(mesh, P())
   # Sequence parallelism: when the output is wanted with M sharded over the K axes too (after M's own), reduce-scatter
-  # over M instead of all-reducing.
-  out_m = full_spec(result_shape[0].sharding, 2)[0]
-  scatter = bool(k_axes) and mesh_axes(out_m) == m_axes + k_axes
-  out_sharding = NamedSharding(mesh, P(_entry(m_axes + k_axes) if scatter else m, n))
+  # over M instead of all-reducing (the result's dim then sharded over M's axes and K's, in that order).
+  # Likewise over N (FSDP: a weight gradient whose columns are the sharded dim of the weight).
+  out_m, out_n = full_spec(result_shape[0].sharding, 2)
+  scatter = 0 if k_axes and mesh_axes(out_m) == m_axes + k_axes else (
+      1 if k_axes and mesh_axes(out_n) == n_axes + k_axes else None)
+  out_sharding = NamedSharding(mesh, P(_entry(m_axes + k_axes) if scatter == 0 else m,
+                                       _entry(n_axes + k_axes) if scatter == 1 else n))
   arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
   if config.has_bias:
-    arg_shardings.append(NamedSharding(mesh, P(n)))
+    arg_shardings.append(NamedSharding(mesh, P(out_sharding.spec[1])))
   if config.has_residual:
     arg_shardings.append(out_sharding)
   # With K sharded, the epilogues go on once, after the reduction.
@@ -173,8 +176,8 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
 
   def reduce(out, addends):
     # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; bias and residual go on after.
-    if scatter:
-      out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=0, tiled=True)
+    if scatter is not None:
+      out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=scatter, tiled=True)
     else:
       out = jax.lax.psum(out, k_axes)
     if addends:
