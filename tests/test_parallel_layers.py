@@ -122,8 +122,9 @@ def _step_fn(model):
   return step
 
 
-def run_case(kind, mesh_name):
-  """(the sharded steps' results, the unsharded ones', the compiled sharded step's HLO)."""
+def run_case(kind, mesh_name, dump_dir):
+  """(the sharded steps' results, the unsharded ones', the compiled sharded step's HLO, its HLO after SPMD
+  partitioning)."""
   shape, names, rule_args = MESHES[mesh_name]
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(shape), names)
   rules = te_flax.logical_axis_rules(**rule_args)
@@ -143,31 +144,23 @@ def run_case(kind, mesh_name):
       vs, xs = jax.device_put(v, shardings), jax.device_put(x, act)
       out_names = ("batch", None, "mlp") if kind == "dense" else ("batch", "seq", "act_embed")
       ts = jax.device_put(target, NamedSharding(mesh, nn.logical_to_mesh_axes(out_names, rules)))
-      hlo = sharded.lower(vs, xs, ts).compile().as_text()
+      hlo, spmd = partitioned_hlo(sharded.lower(vs, xs, ts), dump_dir)
       results["mesh"] = []
       for _ in range(STEPS):
         vs, loss, g = sharded(vs, xs, ts)
         results["mesh"].append((vs, loss, g))
-  return results["mesh"], results["one"], hlo
+  return results["mesh"], results["one"], hlo, spmd
 
 
-def kernel_gather_sources(hlo: str) -> list[str]:
-  """For each all-gather of a rank >= 2 array: the dtype of what it gathers. XLA:CPU moves FP8 collectives as f16
-  (a lossless convert before, one back after); such an all-gather reports the FP8 dtype its operand was converted
-  from."""
-  types = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", hlo, re.M)}
-  sources = []
-  for m in re.finditer(r"= (\w+)\[(\d+(?:,\d+)+)\]\S* all-gather(?:-start)?\(%([\w.\-]+)\)", hlo):
-    dtype, operand = m.group(1), m.group(3)
-    line = re.search(rf"^\s*%{re.escape(operand)} = .*$", hlo, re.M).group(0)
-    called = re.search(r"calls=%([\w.\-]+)", line)
-    inputs = re.findall(r"\(%([\w.\-]+)", line) + re.findall(r", %([\w.\-]+)", line.split("calls=")[0])
-    widened = [types.get(i) for i in inputs if types.get(i, "").startswith("f8")]
-    if called:
-      body = re.search(rf"^%{re.escape(called.group(1))} \((.*?)\) ->", hlo, re.M).group(1)
-      widened += re.findall(r": (f8\w+)\[", body)
-    sources.append(widened[0] if dtype == "f16" and widened else dtype)
-  return sources
+def partitioned_hlo(lowered, dump_dir) -> tuple[str, str]:
+  """(the compiled HLO, the HLO right after SPMD partitioning). The second holds the collectives as the partitioner
+  wrote them, in their dtypes: XLA:CPU later moves FP8 collectives as f16 (a lossless convert on each side), which a
+  GPU does not."""
+  compiled = lowered.compile(compiler_options={"xla_dump_to": str(dump_dir),
+                                               "xla_dump_hlo_pass_re": "spmd-partitioning"})
+  suffix = ".after_spmd-partitioning.before_control-dep-rewriter.txt"
+  (path,) = [p for p in dump_dir.iterdir() if p.name.endswith(suffix)]
+  return compiled.as_text(), path.read_text()
 
 
 # ---- the cases -----------------------------------------------------------------------------------------------------
@@ -186,9 +179,9 @@ def _c(**counts) -> collections.Counter:
 # The compiled train step's collectives, per operand (see ``collectives``), as measured and reviewed:
 # - dp8: the amaxes max-reduced (x, grad, plus kernel where it is sharded) and every gradient sum all-reduced, with the
 #   loss's; no all-gather.
-# - fsdp8: the kernels all-gathered in FP8 (XLA:CPU widens FP8 collectives to f16: ag_f16, checked to come from an
-#   f8 tensor), once for the forward GEMM and once for dgrad; the norm scales and biases (1-D) gathered in f32;
-#   the kernel gradients whose rows are the sharded dim reduce-scattered, the others all-reduced and sliced.
+# - fsdp8: the kernels all-gathered in FP8 (XLA:CPU widens FP8 collectives to f16: ag_f16; _check_layout finds them
+#   f8e4m3fn in the partitioned program), once for the forward GEMM and once for dgrad; the norm scales and biases
+#   (1-D) gathered in f32; every kernel gradient reduce-scattered, the 1-D ones all-reduced and sliced.
 # - dp2xtp4-sp: the sequence all-gathered before each block's first GEMM and the output gradient before its backward
 #   (f32 activations); the row-parallel GEMMs' partial sums all-reduced (the partitioner does not pass the
 #   sequence-sharded output layout to the GEMM, so the reduce-scatter Megatron uses is an all-reduce and a slice).
@@ -197,14 +190,18 @@ EXPECTED = {
     ("dense", "fsdp8"): _c(ar_max=3, ag_f16=1, rs_add=1, ar_add=2),
     ("dense", "dp2xtp4-sp"): _c(ag_f32=1, ar_max=3, ar_add=4),
     ("mlp", "dp8"): _c(ar_max=4, ar_add=7),
-    ("mlp", "fsdp8"): _c(ag_f32=3, ag_f16=4, ar_max=6, rs_add=1, ar_add=6),
+    ("mlp", "fsdp8"): _c(ag_f32=3, ag_f16=4, ar_max=6, rs_add=2, ar_add=5),
     ("mlp", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, ar_add=10),
     ("mha", "dp8"): _c(ar_max=4, ar_add=5),
-    ("mha", "fsdp8"): _c(ag_f32=2, ag_f16=4, rs_add=1, ar_max=6, ar_add=4),
+    ("mha", "fsdp8"): _c(ag_f32=2, ag_f16=4, rs_add=2, ar_max=6, ar_add=3),
     ("mha", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, ar_add=8),
     ("layer", "dp8"): _c(ar_max=8, ar_add=9),
-    ("layer", "fsdp8"): _c(ag_f32=4, ag_f16=8, rs_add=2, ar_max=12, ar_add=7),
+    ("layer", "fsdp8"): _c(ag_f32=4, ag_f16=8, rs_add=4, ar_max=12, ar_add=5),
     ("layer", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
+    # nn.scan: the layer's collectives once, in the loop body (run once per layer), plus the loss's.
+    ("scan", "dp8"): _c(ar_max=8, ar_add=9),
+    ("scan", "fsdp8"): _c(ag_f32=6, ag_f16=8, ar_max=12, rs_add=2, ar_add=7),
+    ("scan", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
 }
 
 
@@ -243,24 +240,65 @@ def _check_steps(got, want):
   return bitwise, total
 
 
-def _check_layout(mesh_name, hlo):
-  """What the layout requires, whatever the counts: no all-gather of activations under dp8 and fsdp8 (only
-  parameters: FSDP kernels in FP8, 1-D vectors in f32); under sequence parallelism only (batch shard, S, hidden)
-  activations are all-gathered, in f32."""
-  gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather(?:-start)?\(", hlo)
+def _check_layout(mesh_name, spmd):
+  """What the layout requires, whatever the counts, in the partitioned program: no all-gather of activations under
+  dp8 and fsdp8 (only parameters: every FSDP kernel in FP8, E4M3 bytes (its scale is replicated), the 1-D norm
+  parameters and biases in f32); under sequence parallelism only (batch shard, S, hidden) activations, in f32."""
+  gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather(?:-start)?\(", spmd)
   if mesh_name == "dp8":
     assert not gathers, gathers
   elif mesh_name == "fsdp8":
-    sources = kernel_gather_sources(hlo)
-    assert sources and all(s == "f8e4m3fn" for s in sources), sources
-    assert all(dtype != "f32" or "," not in shape for dtype, shape in gathers), gathers
+    kernels = [dtype for dtype, shape in gathers if "," in shape]
+    assert kernels and all(dtype == "f8e4m3fn" for dtype in kernels), gathers
+    assert all(dtype == "f32" for dtype, shape in gathers if "," not in shape), gathers
   else:
     assert gathers and all((dtype, shape) == ("f32", f"{B // 2},{S},{HIDDEN}") for dtype, shape in gathers), gathers
 
 
 @pytest.mark.parametrize("kind,mesh_name", list(_params()))
-def test_sharded_steps_match_one_device(kind, mesh_name):
-  got, want, hlo = run_case(kind, mesh_name)
+def test_sharded_steps_match_one_device(kind, mesh_name, tmp_path):
+  got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
   _check_steps(got, want)
-  _check_layout(mesh_name, hlo)
+  _check_layout(mesh_name, spmd)
   assert collectives(hlo) == EXPECTED[kind, mesh_name], dict(collectives(hlo))
+
+
+# ---- the rule table ------------------------------------------------------------------------------------------------
+
+
+def test_logical_axis_rules_table():
+  rules = te_flax.logical_axis_rules(data="data", fsdp="fsdp", tensor="tensor", sequence_parallel=True)
+  assert sorted(name for name, _ in rules) == sorted(te_flax.LOGICAL_AXES)  # one rule per logical name
+  assert dict(rules) == {"batch": ("data", "fsdp"), "seq": "tensor", "act_embed": None, "embed": "fsdp",
+                         "heads": "tensor", "kv": None, "qkv": None, "mlp": "tensor", "act": None}
+  assert dict(te_flax.logical_axis_rules())["batch"] is None  # nothing sharded: every name replicated
+  assert dict(te_flax.logical_axis_rules(tensor="t"))["seq"] is None  # no sequence parallelism unless asked
+  assert dict(te_flax.logical_axis_rules(context="cp"))["seq"] == "cp"
+  assert dict(te_flax.logical_axis_rules(data=("replica", "data")))["batch"] == ("replica", "data")
+  # MaxText-style: a plain list, usable as nn.logical_axis_rules with a model's own names appended
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "tensor"))
+  table = te_flax.logical_axis_rules(data="data", tensor="tensor") + [("vocab", "tensor")]
+  assert nn.logical_to_mesh_sharding(P("embed", "vocab"), mesh, table).spec == P(None, "tensor")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(data="x", fsdp="x"), "one kind of parallelism"),
+    (dict(tensor="t", context="t"), "one kind of parallelism"),
+    (dict(sequence_parallel=True), "give tensor="),
+    (dict(tensor="t", context="c", sequence_parallel=True), "give one of them"),
+    (dict(fsdp=""), "non-empty strings"),
+    (dict(data=("a", 3)), "non-empty strings"),
+])
+def test_logical_axis_rules_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    te_flax.logical_axis_rules(**kwargs)
+
+
+def test_layernorm_mlp_logical_axes():
+  mlp = te_flax.LayerNormMLP(intermediate_dim=32, activation_type=("silu", "linear"), logical_axes=True)
+  specs = nn.get_partition_spec(mlp.init(jax.random.key(0), jnp.ones((2, 4, 16))))["params"]
+  assert specs == {"ln_scale": P("embed"), "ln_bias": P("embed"), "wi_kernel": P("embed", "act", "mlp"),
+                   "wi_bias": P("act", "mlp"), "wo_kernel": P("mlp", "embed"), "wo_bias": P("embed")}
+  both = te_flax.LayerNormMLP(intermediate_dim=32, logical_axes=True, wo_kernel_axes=("mlp", None))
+  with pytest.raises(ValueError, match="wo_kernel_axes"):
+    both.init(jax.random.key(0), jnp.ones((2, 4, 16)))

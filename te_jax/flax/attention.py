@@ -33,8 +33,8 @@ import numpy as np
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral
-from te_jax.flax.params import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, Initializer, axes, is_int, logical, resolve_deterministic,
-                                seq_first_to_batch_first)
+from te_jax.flax.params import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, Initializer, axes, is_int, logical,
+                                resolve_deterministic, seq_first_to_batch_first)
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
                                     dot_product_attention)
 from te_jax.fused.attention_masks import alibi_bias_at
