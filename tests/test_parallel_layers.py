@@ -200,7 +200,7 @@ EXPECTED = {
     ("layer", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
     # nn.scan: the layer's collectives once, in the loop body (run once per layer), plus the loss's.
     ("scan", "dp8"): _c(ar_max=8, ar_add=9),
-    ("scan", "fsdp8"): _c(ag_f32=6, ag_f16=8, ar_max=12, rs_add=2, ar_add=7),
+    ("scan", "fsdp8"): _c(ag_f32=6, ag_f16=8, ar_max=12, rs_add=4, ar_add=5),
     ("scan", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
 }
 
