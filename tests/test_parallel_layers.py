@@ -183,25 +183,28 @@ def _c(**counts) -> collections.Counter:
 #   f8e4m3fn in the partitioned program), once for the forward GEMM and once for dgrad; the norm scales and biases
 #   (1-D) gathered in f32; every kernel gradient reduce-scattered, the 1-D ones all-reduced and sliced.
 # - dp2xtp4-sp: the sequence all-gathered before each block's first GEMM and the output gradient before its backward
-#   (f32 activations); the row-parallel GEMMs' partial sums all-reduced (the partitioner does not pass the
-#   sequence-sharded output layout to the GEMM, so the reduce-scatter Megatron uses is an all-reduce and a slice).
+#   (f32 activations); each block's row-parallel GEMM (attention out-projection, MLP fc2) reduce-scattered onto the
+#   sequence-sharded residual stream (rs_add: one per block, where an all-reduce and a slice were before the GEMM took
+#   its (batch, seq) output sharding from the stream's constraint). In the backward pass the column-parallel GEMMs'
+#   input gradients are still all-reduced and then sliced onto the stream: their norm's backward runs on whole rows
+#   inside the fused layer, whose 2-D (batch * seq, hidden) rows cannot be sharded over batch and sequence at once.
 EXPECTED = {
     ("dense", "dp8"): _c(ar_max=2, ar_add=3),
     ("dense", "fsdp8"): _c(ar_max=3, ag_f16=1, rs_add=1, ar_add=2),
     ("dense", "dp2xtp4-sp"): _c(ag_f32=1, ar_max=3, ar_add=4),
     ("mlp", "dp8"): _c(ar_max=4, ar_add=7),
     ("mlp", "fsdp8"): _c(ag_f32=3, ag_f16=4, ar_max=6, rs_add=2, ar_add=5),
-    ("mlp", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, ar_add=10),
+    ("mlp", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, rs_add=1, ar_add=9),
     ("mha", "dp8"): _c(ar_max=4, ar_add=5),
     ("mha", "fsdp8"): _c(ag_f32=2, ag_f16=4, rs_add=2, ar_max=6, ar_add=3),
-    ("mha", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, ar_add=8),
+    ("mha", "dp2xtp4-sp"): _c(ag_f32=2, ar_max=6, rs_add=1, ar_add=7),
     ("layer", "dp8"): _c(ar_max=8, ar_add=9),
     ("layer", "fsdp8"): _c(ag_f32=4, ag_f16=8, rs_add=4, ar_max=12, ar_add=5),
-    ("layer", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
+    ("layer", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, rs_add=2, ar_add=12),
     # nn.scan: the layer's collectives once, in the loop body (run once per layer), plus the loss's.
     ("scan", "dp8"): _c(ar_max=8, ar_add=9),
     ("scan", "fsdp8"): _c(ag_f32=6, ag_f16=8, ar_max=12, rs_add=4, ar_add=5),
-    ("scan", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, ar_add=14),
+    ("scan", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, rs_add=2, ar_add=12),
 }
 
 
@@ -240,10 +243,16 @@ def _check_steps(got, want):
   return bitwise, total
 
 
-def _check_layout(mesh_name, spmd):
+# Row-parallel GEMMs per kind: the blocks whose output is the residual stream.
+ROW_PARALLEL = {"dense": 0, "mlp": 1, "mha": 1, "layer": 2, "scan": 2}
+
+
+def _check_layout(kind, mesh_name, spmd):
   """What the layout requires, whatever the counts, in the partitioned program: no all-gather of activations under
   dp8 and fsdp8 (only parameters: every FSDP kernel in FP8, E4M3 bytes (its scale is replicated), the 1-D norm
-  parameters and biases in f32); under sequence parallelism only (batch shard, S, hidden) activations, in f32."""
+  parameters and biases in f32); under sequence parallelism only (batch shard, S, hidden) activations, in f32, and
+  each row-parallel GEMM ending in one reduce-scatter over the tensor axis onto the stream's (batch shard, sequence
+  shard, hidden) blocks, the forward pass all-reducing no activation (only scalars: amaxes and the loss)."""
   gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather(?:-start)?\(", spmd)
   if mesh_name == "dp8":
     assert not gathers, gathers
@@ -253,13 +262,20 @@ def _check_layout(mesh_name, spmd):
     assert all(dtype == "f32" for dtype, shape in gathers if "," not in shape), gathers
   else:
     assert gathers and all((dtype, shape) == ("f32", f"{B // 2},{S},{HIDDEN}") for dtype, shape in gathers), gathers
+    scatters = re.findall(r"= (\w+)\[([\d,]+)\]\S* reduce-scatter\(.*replica_groups=\S+ (\{\S*\}),.*dimensions="
+                          r"\{(\d+)\}", spmd)
+    stream_block = ("f32", f"{B // 2},{S // 4},{HIDDEN}", "{'tensor'}", "1")
+    assert scatters == [stream_block] * ROW_PARALLEL[kind], scatters
+    forward_sums = [line for line in spmd.splitlines() if re.search(r"= f32\[\d[\d,]*\]\S* all-reduce\(", line)
+                    and "transpose(" not in line]
+    assert not forward_sums, forward_sums
 
 
 @pytest.mark.parametrize("kind,mesh_name", list(_params()))
 def test_sharded_steps_match_one_device(kind, mesh_name, tmp_path):
   got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
   _check_steps(got, want)
-  _check_layout(mesh_name, spmd)
+  _check_layout(kind, mesh_name, spmd)
   assert collectives(hlo) == EXPECTED[kind, mesh_name], dict(collectives(hlo))
 
 

@@ -518,10 +518,10 @@ class MultiHeadAttention(nn.Module):
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
+                       # the residual stream's sharding (sequence parallel: the projection reduce-scatters onto it)
+                       output_axes=self._axes(BATCH, SEQ, ACT_EMBED),
                        name="out")(out, x_passed if pass_input else
                                    seq_first_to_batch_first(residual, self.transpose_batch_sequence))
-    if self.logical_axes:  # the residual stream's sharding (sequence parallel: the projection reduce-scatters)
-      out = nn.with_logical_constraint(out, (BATCH, SEQ, ACT_EMBED))
     out = seq_first_to_batch_first(out, self.transpose_batch_sequence)
     if self.return_layernorm_output:
       return out, seq_first_to_batch_first(ln_out, self.transpose_batch_sequence)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
-                                norm_params, resolve_deterministic)
+                                norm_params, resolve_deterministic, rule_shards)
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
@@ -144,6 +144,9 @@ class LayerNormMLP(nn.Module):
       y = nn.with_logical_constraint(out[0] if self.return_layernorm_output else out, stream)
       return (y, out[1]) if self.return_layernorm_output else y
 
+    # Batch first with the sequence sharded (sequence parallel): fc2 takes its rows' sharding from finish's
+    # constraint, so under tensor parallelism it reduce-scatters onto the stream rather than all-reducing.
+    scatter = bool(stream) and not self.transpose_batch_sequence and rule_shards(SEQ)
     x, (meta_1, meta_2) = fp8_state(self, recipe, inputs.astype(dtype), ("wi_", "wo_"))
     if residual is inputs and x.dtype == inputs.dtype:
       residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
@@ -151,7 +154,8 @@ class LayerNormMLP(nn.Module):
     dropout = self.intermediate_dropout > 0.0 and not deterministic
     if not dropout and not self.return_layernorm_output:
       return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
-                                  fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args))
+                                  fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, scatter_rows=scatter,
+                                  **norm_args))
     # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
     h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
                         return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
@@ -160,5 +164,5 @@ class LayerNormMLP(nn.Module):
     a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
     if dropout:
       a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=False)
-    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
+    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, scatter_rows=scatter)
     return finish((y, z) if self.return_layernorm_output else y)

@@ -15,7 +15,7 @@ from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "reshaped",
-           "resolve_deterministic", "seq_first_to_batch_first"]
+           "resolve_deterministic", "rule_shards", "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -31,6 +31,11 @@ LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
 def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
   """The logical axis names of a parameter, or () (no names) when the module does not name its axes."""
   return names if enabled else ()
+
+
+def rule_shards(name: str | None) -> bool:
+  """Whether the logical axis rules in effect (``nn.logical_axis_rules``) map logical axis ``name`` to a mesh axis."""
+  return name is not None and nn.logical_to_mesh_axes((name,))[0] is not None
 
 
 def seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:

@@ -54,7 +54,7 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
   ...     y = jax.jit(lambda v, x: layer.apply(v, x, deterministic=True))(
   ...         variables, jax.device_put(x, NamedSharding(mesh, P("data", "model"))))
   >>> shardings["params"]["mlp"]["wi_kernel"].spec, y.sharding.spec
-  (PartitionSpec(None, None, 'model'), PartitionSpec('data', 'model', None))
+  (P(None, None, 'model'), P('data', 'model'))
 
   Args:
     data: the data-parallel mesh axis (or axes).
