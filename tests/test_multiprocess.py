@@ -23,12 +23,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from conftest import rel_error
 from jax.sharding import Mesh, NamedSharding
+from parallel_model import RECIPE, STEPS, init_case, train_step
 
 import te_jax
 import te_jax.flax as te_flax
-from conftest import rel_error
-from parallel_model import RECIPE, STEPS, init_case, train_step
 
 PROCESSES, LOCAL_DEVICES = 2, 4
 KIND = "scan"
@@ -60,7 +60,7 @@ def _to_host(tree):
   """Every leaf's whole value as NumPy, in every process (gathered from both processes when there are two)."""
   if jax.process_count() == 1:
     return jax.tree.map(np.asarray, tree)
-  from jax.experimental import multihost_utils  # noqa: PLC0415 - only the workers gather across processes
+  from jax.experimental import multihost_utils
 
   return multihost_utils.process_allgather(tree, tiled=True)  # global arrays: their whole value
 
