@@ -141,7 +141,7 @@ def _run_workers(tmp_path: Path) -> Path:
   return out_file
 
 
-@pytest.mark.slow  # two processes compiling the scanned stack, then the same in-process: ~22 s on 2 cores
+@pytest.mark.slow  # two processes compiling the scanned stack, then the same in-process: 22-40 s on 2 cores
 def test_two_processes_train_as_one(tmp_path):
   with np.load(_run_workers(tmp_path)) as f:
     got = {name: f[name] for name in f.files}
