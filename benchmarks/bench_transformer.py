@@ -7,7 +7,9 @@ Layer: hidden 4096, 32 heads of 128, MLP 16384 with gelu (tanh form), causal sel
 parameters, bfloat16 compute; one more te_jax row also runs attention's forward in FP8 (the recipe's ``fp8_dpa``,
 where cuDNN supports it), another runs every FP8 GEMM with fast accumulation (the recipe's ``fp8_gemm_*``). The timed
 function is ``jax.vjp`` of ``apply`` w.r.t. the variables and the input, applied to a random output gradient, with the
-output. The same layer from ``te_jax.nnx`` (FP8) gets a row too: ``jax.vjp`` of ``nnx.merge(graphdef, state)(x)``
+output. The te_jax layer also runs with ``logical_axes=True`` under a (data, fsdp, tensor) mesh of one device and
+every rule of ``te_flax.logical_axis_rules`` (sequence parallel included): the sharded code path at mesh size 1. The
+same layer from ``te_jax.nnx`` (FP8) gets a row too: ``jax.vjp`` of ``nnx.merge(graphdef, state)(x)``
 w.r.t. the state (parameters and ``Fp8State``) and the input; it and the linen te_jax row also record the time of
 their first compile (``compile_s``: tracing, lowering and compiling a new jitted function of the same computation).
 Rates count the GEMMs and causal attention (half the score matrix), forward and backward (``_flops``). Each row also
@@ -18,17 +20,20 @@ records the SM clock and power while it ran (``harness.ClockSampler``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
+import bench_dense
 import flax.linen as nn
+import harness
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops
+from jax.sharding import Mesh
 
-import bench_dense
-import harness
 import te_jax
 import te_jax.flax as te_flax
 import te_jax.nnx as te_nnx
@@ -133,6 +138,7 @@ def _flops(c) -> float:
 # 2026-12-04; its stack 8,487 MiB) is no longer measured here: a compile of a layer and of a stack that no comparison
 # used; bench_layernorm_mlp and bench_dense keep te_jax's BF16 rows.
 NNX_IMPL = "te_jax.nnx TransformerLayer fp8"
+MESH_IMPL = "te_jax TransformerLayer fp8, 1-device mesh, every rule"
 STACK_IMPLS = ("te_jax TransformerLayer fp8", "flax layer fp8", "flax layer bf16")
 
 
@@ -188,39 +194,55 @@ def bench_layer(ctx: harness.Context, key) -> list[dict]:
   dy = jax.random.normal(kd, shape, jnp.float32).astype(jnp.bfloat16)
   rows = []
   delayed = recipe.DelayedScaling()
-  layers = {**impls(c), NNX_IMPL: (None, delayed)}
+  layers = {**impls(c), NNX_IMPL: (None, delayed), MESH_IMPL: (_te_layer(c, logical_axes=True), delayed)}
   for name, (model, rec) in layers.items():
-    kw = {"deterministic": True} if name.startswith("te_jax") else {}
-    if name == NNX_IMPL:
-      nnx_model = _te_nnx_layer(c, rec)
-      state, fn, out = warm_nnx_layer(nnx_model, rec, x, dy)
-      args = (state, x, dy)
-    else:
-      fn = harness.layer_fwd_bwd(model, rec, **kw)
-      variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
-      args = (variables, x, dy)
-    problems = []
-    row = harness.layer_row(ctx, fn, args, flops=_flops(c), out=out, problems=problems)
-    if name == NNX_IMPL:  # a new jitted function: traced, lowered and compiled anew
-      row["compile_s"] = compile_seconds(nnx_fwd_bwd(nnx.graphdef(nnx_model), rec), *args)
-    elif name == "te_jax TransformerLayer fp8":
-      row["compile_s"] = compile_seconds(harness.layer_fwd_bwd(model, rec, **kw), *args)
-    targets = row.pop("targets")
-    if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
-      problems.append("no cuDNN attention in HLO")
-    if ctx.gpu and name.startswith(("te_jax TransformerLayer fp8", NNX_IMPL)) and "te_gemm_cuda" not in targets:
-      problems.append("no te_gemm_cuda in HLO")
-    if ctx.gpu and name.endswith("fp8 attention") and not any("F8" in t for t in targets if "fmha" in t):
-      problems.append("no cuDNN FP8 attention in HLO")
-    acceptance = "acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16" if name == "te_jax TransformerLayer fp8" else ""
-    if name == NNX_IMPL:
-      acceptance = "acceptance: the linen te_jax row's time and memory"
-    rows.append({"bench": "transformer", "impl": name, **row, "ok": not problems,
-                 "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads "
-                         "causal fwd+bwd",
-                 "note": "; ".join(problems) or acceptance})
+    with _mesh_of_one() if name == MESH_IMPL else contextlib.nullcontext():
+      rows.append(_layer_row(ctx, c, name, model, rec, ki, x, dy))
   harness.add_ratios(rows, bf16="flax layer bf16", fp8="flax layer fp8")
   return rows
+
+
+@contextlib.contextmanager
+def _mesh_of_one():
+  """The sharded code path at mesh size 1: a (data, fsdp, tensor) mesh of one device with every logical axis rule of
+  ``te_flax.logical_axis_rules`` (sequence parallel included) applied to the layer's parameters and activations."""
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  rules = te_flax.logical_axis_rules(data="data", fsdp="fsdp", tensor="tensor", sequence_parallel=True)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+def _layer_row(ctx, c, name, model, rec, ki, x, dy) -> dict:
+  """One layer's row: its timing, memory and the problems its compiled program shows."""
+  kw = {"deterministic": True} if name.startswith("te_jax") else {}
+  if name == NNX_IMPL:
+    nnx_model = _te_nnx_layer(c, rec)
+    state, fn, out = warm_nnx_layer(nnx_model, rec, x, dy)
+    args = (state, x, dy)
+  else:
+    fn = harness.layer_fwd_bwd(model, rec, **kw)
+    variables, out = harness.warm_layer(model, rec, fn, ki, x, dy, **kw)
+    args = (variables, x, dy)
+  problems = []
+  row = harness.layer_row(ctx, fn, args, flops=_flops(c), out=out, problems=problems)
+  if name == NNX_IMPL:  # a new jitted function: traced, lowered and compiled anew
+    row["compile_s"] = compile_seconds(nnx_fwd_bwd(nnx.graphdef(nnx_model), rec), *args)
+  elif name in ("te_jax TransformerLayer fp8", MESH_IMPL):
+    row["compile_s"] = compile_seconds(harness.layer_fwd_bwd(model, rec, **kw), *args)
+  targets = row.pop("targets")
+  if ctx.gpu and not any(t.startswith("__cudnn$fmha") for t in targets):
+    problems.append("no cuDNN attention in HLO")
+  if ctx.gpu and name.startswith(("te_jax TransformerLayer fp8", NNX_IMPL)) and "te_gemm_cuda" not in targets:
+    problems.append("no te_gemm_cuda in HLO")
+  if ctx.gpu and name.endswith("fp8 attention") and not any("F8" in t for t in targets if "fmha" in t):
+    problems.append("no cuDNN FP8 attention in HLO")
+  acceptance = "acceptance: >= 1.1x Flax fp8, >= 1.65x Flax bf16" if name == "te_jax TransformerLayer fp8" else ""
+  if name in (NNX_IMPL, MESH_IMPL):
+    acceptance = "acceptance: the linen te_jax row's time and memory"
+  return {"bench": "transformer", "impl": name, **row, "ok": not problems,
+          "case": f"GPT layer b{c['batch']} s{c['seq']} h{c['hidden']} mlp{c['mlp']} {c['heads']} heads "
+                  "causal fwd+bwd",
+          "note": "; ".join(problems) or acceptance}
 
 
 def stack_memory(ctx: harness.Context, key) -> list[dict]:
@@ -262,6 +284,6 @@ def run(ctx: harness.Context) -> list[dict]:
 
 
 if __name__ == "__main__":
-  import run as runner  # noqa: PLC0415 - the driver lives beside this file
+  import run as runner
 
   sys.exit(runner.main(["--only", "bench_transformer", "--no-write"]))

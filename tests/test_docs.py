@@ -52,11 +52,12 @@ def test_every_module_is_covered():
 
 def _readme_blocks():
   text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)  # whole examples; indented ones are fragments
 
 
 @pytest.mark.parametrize("index", range(len(_readme_blocks())))
 def test_readme_examples_run(index, tmp_path, monkeypatch):
-  """Every Python block of the README runs as it is written (in a fresh namespace, in a scratch folder)."""
+  """Every whole Python example of the README (a block not indented into a list) runs as it is written, in a fresh
+  namespace, in a scratch folder."""
   monkeypatch.chdir(tmp_path)
   exec(compile(_readme_blocks()[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})

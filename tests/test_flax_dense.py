@@ -200,6 +200,19 @@ def test_fp8_dot_general_rejects_batch_dims():
       dot.init(jax.random.key(0), lhs, rhs, (((2,), (1,)), ((0,), (0,))))
 
 
+def test_output_axes():
+  """output_axes constrains the output (a no-op without logical axis rules: the same values) and must name each of
+  its dims; the row-parallel reduce-scatter it enables is checked in test_gemm and test_parallel_layers."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 4, 16)), jnp.float32)
+  plain = te_flax.DenseGeneral(32, axis=(-2, -1))
+  named = te_flax.DenseGeneral(32, axis=(-2, -1), output_axes=("batch", "seq", "act_embed"))
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+    variables = plain.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(named.apply(variables, x), plain.apply(variables, x))
+    with pytest.raises(ValueError, match=r"output_axes \('batch', 'act_embed'\) must name each of the output's 3"):
+      te_flax.DenseGeneral(32, axis=(-2, -1), output_axes=("batch", "act_embed")).init(jax.random.key(0), x)
+
+
 # ---- training ------------------------------------------------------------------------------------------------------
 
 # (batch, input features, hidden, hidden layers, classes): small enough for ~3 s per run on 2 CPU cores.

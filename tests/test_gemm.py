@@ -397,6 +397,12 @@ ERROR_CASES = {
                            ValueError, r"multiples of 16, got K=32, N=8"),
     "parts-k-mismatch": (lambda: gemm(BF((16, 32)), BF((3, 16, 48)), rhs_parts=True),
                          ValueError, r"contracting dims differ"),
+    "scatter-rows-2d-lhs": (lambda: gemm(BF((16, 32)), BF((16, 32)), scatter_rows=True),
+                            ValueError, r"scatter_rows needs lhs \(B, S, K\), untransposed, and no rhs_parts"),
+    "scatter-rows-transposed": (lambda: gemm(BF((32, 2, 8)), BF((16, 32)), transpose_lhs=True, scatter_rows=True),
+                                ValueError, r"scatter_rows needs lhs .* transposed"),
+    "scatter-rows-parts": (lambda: gemm(BF((2, 8, 32)), BF((3, 16, 32)), rhs_parts=True, scatter_rows=True),
+                           ValueError, r"scatter_rows needs lhs .* with rhs_parts"),
 }
 
 
@@ -418,6 +424,10 @@ SHARDING_CASES = {
     "column-parallel": (P(), P("x", None), None, P(None, "x"), {}),
     "row-parallel": (P(None, "x"), P(None, "x"), None, P(), {"all-reduce": 1}),
     "row-parallel-scatter": (P(None, "x"), P(None, "x"), P("x", None), P("x", None), {"reduce-scatter": 1}),
+    # a weight gradient whose columns are sharded: scattered over N
+    "row-parallel-scatter-n": (P(None, "x"), P(None, "x"), P(None, "x"), P(None, "x"), {"reduce-scatter": 1}),
+    # FSDP: lhs's rows and rhs's K on the same axis; the rows stay sharded and rhs is all-gathered (in its dtype)
+    "fsdp": (P("x", None), P(None, "x"), None, P("x", None), {"all-gather": 1}),
 }
 
 
@@ -481,6 +491,46 @@ def test_sharded_gemm_adds_the_residual_once(case):
   k = 256
   bound = 2 * (k - 1) * F32_U / (1 - (k - 1) * F32_U) * abs_prod + 1000.0 * F32_U * 2
   assert np.all(np.abs(np.asarray(out) - exact) <= bound)
+
+
+def test_scatter_rows_unsharded_is_the_gemm():
+  """scatter_rows changes only how the output's rows may be sharded: on one device the same values, bit for bit, with
+  the bias and a residual in the epilogue."""
+  lhs, rhs = fp8_operand((4, 8), 64, E4M3, seed=25), fp8_operand((32,), 64, E4M3, seed=26)
+  bias, residual = random_bias(32, seed=27), np.random.default_rng(28).standard_normal((4, 8, 32)).astype(np.float32)
+  plain, _ = run_gemm(lhs, rhs, bias, jnp.float32, residual=residual)
+  split, _ = run_gemm(lhs, rhs, bias, jnp.float32, residual=residual, scatter_rows=True)
+  assert split.shape == plain.shape == (4, 8, 32)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(plain))
+
+
+@pytest.mark.parametrize("scatter_rows", [True, False], ids=["scatter-rows", "merged-rows"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_sequence_parallel_row_parallel_gemm(scatter_rows, with_bias):
+  """A row-parallel GEMM onto a sequence-parallel stream: lhs (B, S, K) with B over 'data' and K over 'tensor', the
+  output (and residual) wanted (B, S, N) with B over 'data' and S over 'tensor'. With scatter_rows the partial sums
+  are reduce-scattered onto S; without, the (B * S, N) rows cannot carry that sharding: the partitioner all-gathers
+  the residual onto them, all-reduces, then slices. The same values either way, bias and residual added once."""
+  mesh = Mesh(np.array(CPU_DEVICES).reshape(2, 4), ("data", "tensor"))
+  b, s, k, n = 4, 16, 128, 32
+  lhs, rhs = fp8_operand((b, s), k, E4M3, seed=29), fp8_operand((n,), k, E4M3, seed=30)
+  residual = np.full((b, s, n), 1000.0, np.float32)
+  bias = random_bias(n, seed=31) if with_bias else np.zeros(n, np.float32)
+  stream = NamedSharding(mesh, P("data", "tensor", None))
+  args = (jax.device_put(lhs.array, NamedSharding(mesh, P("data", None, "tensor"))),
+          jax.device_put(rhs.array, NamedSharding(mesh, P(None, "tensor"))), jax.device_put(residual, stream))
+  f = jax.jit(lambda a, w, r: gemm(a, w, lhs_scale_inv=lhs.scale_inv, rhs_scale_inv=rhs.scale_inv, residual=r,
+                                   bias=bias if with_bias else None, dtype=jnp.float32, scatter_rows=scatter_rows),
+              out_shardings=stream)
+  compiled = f.lower(*args).compile()
+  out = compiled(*args)
+  found = collections.Counter(_COLLECTIVE.findall(compiled.as_text()))
+  assert found == collections.Counter({"reduce-scatter": 1} if scatter_rows else {"all-gather": 1, "all-reduce": 1})
+  assert "dynamic-slice" in compiled.as_text() or scatter_rows
+  assert out.sharding.is_equivalent_to(stream, 3)
+  exact, abs_prod = exact64(lhs, rhs, bias.astype(np.float64))
+  bound = 2 * (k - 1) * F32_U / (1 - (k - 1) * F32_U) * (abs_prod + np.abs(bias)) + 1000.0 * F32_U * 2  # as above
+  assert np.all(np.abs(np.asarray(out).reshape(b * s, n) - 1000.0 - exact) <= bound)
 
 
 # (lhs spec, rhs spec (P, N, K), collectives expected): each part's rows sharded (column parallel, as with the heads
@@ -688,6 +738,19 @@ def test_gpu_residual(kind, out, with_bias, mkn, gpu):
   ours = cuda_gemm(lhs, rhs, bias, out_dtype, gpu, residual=residual)
   base = gpu_reference(lhs, rhs, bias, out_dtype, gpu, residual=residual)
   assert_gemm_close(ours, base, lhs, rhs, added64, accum_u=FP8_ACCUM_U if kind == "fp8" else F32_U)
+
+
+@pytest.mark.gpu
+def test_gpu_scatter_rows(gpu):
+  """With scatter_rows the handler still writes (M, N) and the lowering reshapes it to (B, S, N): the same bytes as
+  without, bias and residual included."""
+  lhs, rhs = fp8_operand((4, 24), 64, E4M3, seed=66), fp8_operand((48,), 64, E4M3, seed=67)
+  bias = random_bias(48, seed=68)
+  residual = np.random.default_rng(69).standard_normal((4, 24, 48)).astype(np.float32)
+  plain = cuda_gemm(lhs, rhs, bias, jnp.bfloat16, gpu, residual=residual)
+  split = cuda_gemm(lhs, rhs, bias, jnp.bfloat16, gpu, residual=residual, scatter_rows=True)
+  assert split.shape == (4, 24, 48)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(plain))
 
 
 @pytest.mark.gpu

@@ -160,7 +160,8 @@ class NativeSignature(NamedTuple):
   Attributes:
     extra_operands: constant arrays appended to the primitive's operands (e.g. an empty optional bias).
     result_avals: every result the handler returns (workspaces included: XLA allocates them with the outputs).
-    keep: which of those results the primitive returns, in order.
+    keep: which of those results the primitive returns, in order; one whose shape differs from the primitive's
+      result (same size: a handler that sees 2-D rows) is reshaped to it.
     operand_order: the handler's operands as indices into (the primitive's operands, then ``extra_operands``);
       None: in that order.
   """
@@ -185,9 +186,15 @@ def _native_lowering(name, platform, target, ffi_attributes, native_signature, r
     avals_in, operands = [*ctx.avals_in, *extra_avals], [*args, *extra]
     if sig.operand_order is not None:
       avals_in, operands = [avals_in[i] for i in sig.operand_order], [operands[i] for i in sig.operand_order]
-    ctx = ctx.replace(avals_in=avals_in, avals_out=list(sig.result_avals))
-    results = call(ctx, *operands, **ffi_attributes(config))
-    return [results[i] for i in sig.keep]
+    results = call(ctx.replace(avals_in=avals_in, avals_out=list(sig.result_avals)), *operands,
+                   **ffi_attributes(config))
+    kept = [results[i] for i in sig.keep]
+    handler_avals = [sig.result_avals[i] for i in sig.keep]
+    if all(h.shape == a.shape for h, a in zip(handler_avals, ctx.avals_out)):
+      return kept
+    reshape = mlir.lower_fun(lambda *vs: [v.reshape(a.shape) for v, a in zip(vs, ctx.avals_out)],
+                             multiple_results=True)
+    return reshape(ctx.replace(avals_in=handler_avals), *kept)
 
   return lowering
 

@@ -88,21 +88,31 @@ class LM(nn.Module):
   >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   >>> sorted(variables["params"])
   ['embed', 'final_norm', 'layer_0']
+
+  With ``logical_axes`` every parameter and the residual stream carry logical axis names (te_jax's, and "vocab" for
+  the embedding's rows), for ``te_jax.flax.logical_axis_rules`` (examples/sharded_lm.py).
   """
 
   hidden: int
   layers: int
   heads: int
   mlp: int
+  logical_axes: bool = False
 
   @nn.compact
   def __call__(self, tokens):
-    embed = nn.Embed(VOCAB, self.hidden, embedding_init=nn.initializers.normal(0.02), name="embed")
+    init = nn.initializers.normal(0.02)
+    if self.logical_axes:
+      init = nn.with_logical_partitioning(init, ("vocab", "embed"))
+    embed = nn.Embed(VOCAB, self.hidden, embedding_init=init, name="embed")
     x = embed(tokens).astype(jnp.bfloat16)
+    if self.logical_axes:
+      x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
     for i in range(self.layers):
       x = te_flax.TransformerLayer(hidden_size=self.hidden, intermediate_dim=self.mlp, num_attention_heads=self.heads,
                                    layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16,
-                                   kernel_init=nn.initializers.normal(0.02), name=f"layer_{i}")(x, deterministic=True)
+                                   kernel_init=nn.initializers.normal(0.02), logical_axes=self.logical_axes,
+                                   name=f"layer_{i}")(x, deterministic=True)
     x = te_flax.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
     return embed.attend(x.astype(jnp.float32))  # logits in float32: the head is narrow (256) and wants precision
 

@@ -19,11 +19,12 @@ from te_jax.flax.layernorm_dense import LayerNormDenseGeneral as LayerNormDenseG
 from te_jax.flax.layernorm_mlp import LayerNormMLP as LayerNormMLP
 from te_jax.flax.normalization import LayerNorm as LayerNorm
 from te_jax.flax.params import LOGICAL_AXES as LOGICAL_AXES
+from te_jax.flax.sharding import logical_axis_rules as logical_axis_rules
 from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
     "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
     "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
     "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state", "flax_block_to_te",
-    "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
+    "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
 ]

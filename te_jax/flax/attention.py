@@ -33,8 +33,8 @@ import numpy as np
 
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral
-from te_jax.flax.params import (EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, is_int, logical, resolve_deterministic,
-                                seq_first_to_batch_first)
+from te_jax.flax.params import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, Initializer, axes, is_int, logical,
+                                resolve_deterministic, seq_first_to_batch_first)
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
                                     dot_product_attention, fp8_dpa_enabled, layout_for)
 from te_jax.fused.attention_config import check_mask_convention, masked_out
@@ -343,6 +343,14 @@ class MultiHeadAttention(nn.Module):
   def _axes(self, *names: str | None) -> tuple[str | None, ...]:
     return axes(self.logical_axes, *names)
 
+  def _gathered(self, x, *names: str | None):
+    """With ``logical_axes``, ``x`` (batch first) constrained to the batch sharding with its sequence whole (gathered
+    here under sequence parallelism: every tensor-parallel shard projects its heads over the whole sequence), its
+    other axes named by ``names`` (default: the hidden axis, unsharded)."""
+    if not self.logical_axes:
+      return x
+    return nn.with_logical_constraint(x, (BATCH, None, *(names or (ACT_EMBED,))))
+
   def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
                   with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None,
                   pass_input: bool = False):
@@ -449,8 +457,8 @@ class MultiHeadAttention(nn.Module):
                          f"got shape {x.shape}")
     hidden = inputs_q.shape[-1]
     h = self.num_attention_heads
-    xq = seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
-    xkv = xq if self_attention else seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
+    xq = self._gathered(seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence))
+    xkv = xq if self_attention else self._gathered(seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence))
 
     d = self.head_dim
     # A residual that is the input itself (a pre-LN block) is taken from the input norm's layer, which then adds its
@@ -486,17 +494,21 @@ class MultiHeadAttention(nn.Module):
     elif self.enable_rotary_pos_emb:
       q, k = self._rope(q, k, positions, rotary_dim, None)
 
+    q, k, v = (self._gathered(t, HEADS, HEAD_DIM) for t in (q, k, v))
     attention = DotProductAttention(
         head_dim=d, num_attention_heads=h, num_gqa_groups=kv_heads, attn_mask_type=mask_type, attn_bias_type=bias_type,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
         scale_factor=self.scale_factor, window_size=window, backend=self.backend, fp8_dpa=self.fp8_dpa,
         mask_convention="te", name="attention")
-    out = attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic)
+    out = self._gathered(attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic), HEADS,
+                         HEAD_DIM)
     if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
       out = jnp.where(offset + q.shape[1] <= k.shape[1], out, jnp.asarray(jnp.nan, out.dtype))
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
+                       # the residual stream's sharding (sequence parallel: the projection reduce-scatters onto it)
+                       output_axes=self._axes(BATCH, SEQ, ACT_EMBED),
                        name="out")(out, x_passed if pass_input else
                                    seq_first_to_batch_first(residual, self.transpose_batch_sequence))
     out = seq_first_to_batch_first(out, self.transpose_batch_sequence)

@@ -12,7 +12,7 @@ import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped
+from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped, rule_shards
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import Unstack
 from te_jax.recipe import Recipe
@@ -57,6 +57,11 @@ class DenseGeneral(nn.Module):
     dot_general, dot_general_cls: a GEMM of the caller's instead of te_jax's (as in Flax; it runs in high precision).
     kernel_axes: logical axis names of the kernel (``(*input axes, *feature axes)``).
     bias_axes: logical axis names of the bias.
+    output_axes: logical axis names of the output (one per dim): the output is constrained to them
+      (``nn.with_logical_constraint``). When the output has two non-feature dims (B, S) and the rules shard S (a
+      sequence-parallel residual stream), the FP8 GEMM takes its rows' sharding from that constraint rather than from
+      the input's, so a row-parallel layer (its contraction sharded over the tensor axis) ends in one reduce-scatter
+      onto the stream instead of an all-reduce and a slice (``te_jax.dense``'s ``scatter_rows``).
     recipe: an FP8 recipe for this layer, overriding autocast's.
   """
 
@@ -74,7 +79,11 @@ class DenseGeneral(nn.Module):
   dot_general_cls: Any = None
   kernel_axes: tuple[str | None, ...] = ()
   bias_axes: tuple[str | None, ...] = ()
+  output_axes: tuple[str | None, ...] = ()
   recipe: Recipe | None = None
+
+  def _constrained(self, y):
+    return nn.with_logical_constraint(y, tuple(self.output_axes)) if self.output_axes else y
 
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
@@ -90,6 +99,10 @@ class DenseGeneral(nn.Module):
     if self.dot_general is not None and self.dot_general_cls is not None:
       raise ValueError("give dot_general or dot_general_cls, not both")
     n_batch, n_in = len(batch_dims), len(axis)
+    if self.output_axes and (len(self.output_axes) != inputs.ndim - n_in + len(features) or
+                             self.unstack_axis is not None):
+      raise ValueError(f"output_axes {self.output_axes} must name each of the output's "
+                       f"{inputs.ndim - n_in + len(features)} dims, and not with unstack_axis")
     batch_shape = tuple(inputs.shape[a] for a in batch_dims)
     kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
 
@@ -110,8 +123,10 @@ class DenseGeneral(nn.Module):
     if custom is None and not batch_dims:
       recipe = resolve_recipe(self.recipe)
       x, (meta,) = fp8_state(self, recipe, x)
-      return dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual, fp8_meta=meta,
-                   recipe=recipe, precision=self.precision)
+      rows = inputs.ndim - n_in
+      scatter = rows == 2 and bool(self.output_axes) and rule_shards(self.output_axes[1])
+      return self._constrained(dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,
+                                     fp8_meta=meta, recipe=recipe, precision=self.precision, scatter_rows=scatter))
     # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
     if self.unstack_axis is not None:
       raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")
@@ -120,7 +135,7 @@ class DenseGeneral(nn.Module):
     y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=self.precision)
     if bias is not None:
       y = y + jnp.reshape(bias.astype(y.dtype), batch_shape + (1,) * (x.ndim - n_batch - n_in) + features)
-    return y if residual is None else y + residual.astype(y.dtype)
+    return self._constrained(y if residual is None else y + residual.astype(y.dtype))
 
 
 class Fp8DotGeneral(nn.Module):

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, flat_init, is_int, logical, norm_params, resolve_deterministic
+from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
+                                norm_params, resolve_deterministic, rule_shards)
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
@@ -20,6 +21,8 @@ from te_jax.ops.activation import activation, parse_activation_type
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNormMLP"]
+
+_AXES_ATTRS = ("ln_scale_axes", "ln_bias_axes", "wi_kernel_axes", "wi_bias_axes", "wo_kernel_axes", "wo_bias_axes")
 
 
 class LayerNormMLP(nn.Module):
@@ -50,6 +53,12 @@ class LayerNormMLP(nn.Module):
     kernel_init, bias_init: the initializers of both GEMMs' parameters (``wi_kernel`` is (hidden, n_activations,
       intermediate), ``wo_kernel`` (intermediate, hidden)).
     wi_kernel_axes, wi_bias_axes, wo_kernel_axes, wo_bias_axes: their logical axis names.
+    logical_axes: name every parameter's axes with te_jax's logical names instead (``te_jax.flax.LOGICAL_AXES``:
+      ``wi_kernel`` (embed, act, mlp), ``wo_kernel`` (mlp, embed), the norm's (embed,)), for
+      ``te_jax.flax.logical_axis_rules``; not together with the ``*_axes`` attributes. A 3-D input (batch, seq,
+      hidden) is then constrained to its batch sharding with the sequence whole (gathered under sequence parallelism)
+      and the output to the residual stream's (batch, seq, act_embed) sharding (fc2 reduce-scatters).
+    transpose_batch_sequence: with ``logical_axes``, a 3-D input is (seq, batch, hidden).
     dtype, param_dtype, recipe: as in DenseGeneral.
   """
 
@@ -73,9 +82,27 @@ class LayerNormMLP(nn.Module):
   wi_bias_axes: tuple[str | None, ...] = ()
   wo_kernel_axes: tuple[str | None, ...] = ()
   wo_bias_axes: tuple[str | None, ...] = ()
+  logical_axes: bool = False
+  transpose_batch_sequence: bool = False
   dtype: Any = None
   param_dtype: Any = jnp.float32
   recipe: Recipe | None = None
+
+  def _axis_names(self) -> dict[str, tuple[str, ...]]:
+    """With ``logical_axes``, the parameters' logical axis names by attribute; else {} (the attributes')."""
+    if not self.logical_axes:
+      return {}
+    given = [a for a in _AXES_ATTRS if getattr(self, a)]
+    if given:
+      raise ValueError(f"LayerNormMLP: logical_axes=True names every parameter's axes; {', '.join(given)} too: "
+                       "give one of the two")
+    return {"ln_scale_axes": (EMBED,), "ln_bias_axes": (EMBED,), "wi_kernel_axes": (EMBED, ACT, MLP),
+            "wi_bias_axes": (ACT, MLP), "wo_kernel_axes": (MLP, EMBED), "wo_bias_axes": (EMBED,)}
+
+  def _activation_names(self, ndim: int) -> tuple[str, ...] | None:
+    if not self.logical_axes or ndim != 3:
+      return None
+    return (SEQ, BATCH, ACT_EMBED) if self.transpose_batch_sequence else (BATCH, SEQ, ACT_EMBED)
 
   @nn.compact
   def __call__(self, inputs: jax.Array, deterministic: bool | None = None, residual: jax.Array | None = None):
@@ -88,25 +115,47 @@ class LayerNormMLP(nn.Module):
     act = (name, "linear") if gated else (name,)
     n_act = 2 if gated else 1
     hidden, f = inputs.shape[-1], self.intermediate_dim
-    gamma, beta = norm_params(self, hidden, prefix="ln_")
-    k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1, 1 if n_act > 1 else None), self.wi_kernel_axes), (hidden, n_act, f),
-                    self.param_dtype)
-    k2 = self.param("wo_kernel", logical(flat_init(self.kernel_init, 1), self.wo_kernel_axes), (f, hidden),
-                    self.param_dtype)
+    names = self._axis_names()
+    gamma, beta = norm_params(self, hidden, prefix="ln_", scale_axes=names.get("ln_scale_axes"),
+                              bias_axes=names.get("ln_bias_axes"))
+    k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1, 1 if n_act > 1 else None),
+                                          names.get("wi_kernel_axes", self.wi_kernel_axes)),
+                    (hidden, n_act, f), self.param_dtype)
+    k2 = self.param("wo_kernel", logical(flat_init(self.kernel_init, 1), names.get("wo_kernel_axes",
+                                                                                    self.wo_kernel_axes)),
+                    (f, hidden), self.param_dtype)
     b1 = b2 = None
     if self.use_bias:
-      b1 = self.param("wi_bias", logical(self.bias_init, self.wi_bias_axes), (n_act, f), self.param_dtype)
-      b2 = self.param("wo_bias", logical(self.bias_init, self.wo_bias_axes), (hidden,), self.param_dtype)
+      b1 = self.param("wi_bias", logical(self.bias_init, names.get("wi_bias_axes", self.wi_bias_axes)), (n_act, f),
+                      self.param_dtype)
+      b2 = self.param("wo_bias", logical(self.bias_init, names.get("wo_bias_axes", self.wo_bias_axes)), (hidden,),
+                      self.param_dtype)
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
+    stream = self._activation_names(inputs.ndim)
+    if stream:
+      own_residual = residual is inputs
+      inputs = nn.with_logical_constraint(inputs, tuple(None if n == SEQ else n for n in stream))
+      residual = inputs if own_residual else residual
+
+    def finish(out):
+      if not stream:
+        return out
+      y = nn.with_logical_constraint(out[0] if self.return_layernorm_output else out, stream)
+      return (y, out[1]) if self.return_layernorm_output else y
+
+    # Batch first with the sequence sharded (sequence parallel): fc2 takes its rows' sharding from finish's
+    # constraint, so under tensor parallelism it reduce-scatters onto the stream rather than all-reducing.
+    scatter = bool(stream) and not self.transpose_batch_sequence and rule_shards(SEQ)
     x, (meta_1, meta_2) = fp8_state(self, recipe, inputs.astype(dtype), ("wi_", "wo_"))
     if residual is inputs and x.dtype == inputs.dtype:
       residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
     norm_args = dict(norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
     dropout = self.intermediate_dropout > 0.0 and not deterministic
     if not dropout and not self.return_layernorm_output:
-      return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
-                           fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args)
+      return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
+                                  fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, scatter_rows=scatter,
+                                  **norm_args))
     # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
     h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
                         return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
@@ -115,5 +164,5 @@ class LayerNormMLP(nn.Module):
     a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
     if dropout:
       a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=False)
-    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
-    return (y, z) if self.return_layernorm_output else y
+    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, scatter_rows=scatter)
+    return finish((y, z) if self.return_layernorm_output else y)

@@ -15,7 +15,7 @@ from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "reshaped",
-           "resolve_deterministic", "seq_first_to_batch_first"]
+           "resolve_deterministic", "rule_shards", "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -31,6 +31,11 @@ LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
 def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
   """The logical axis names of a parameter, or () (no names) when the module does not name its axes."""
   return names if enabled else ()
+
+
+def rule_shards(name: str | None) -> bool:
+  """Whether the logical axis rules in effect (``nn.logical_axis_rules``) map logical axis ``name`` to a mesh axis."""
+  return name is not None and nn.logical_to_mesh_axes((name,))[0] is not None
 
 
 def seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:
@@ -70,19 +75,23 @@ def logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
   return named
 
 
-def norm_params(module: nn.Module, hidden: int, prefix: str = ""):
+def norm_params(module: nn.Module, hidden: int, prefix: str = "", scale_axes: tuple[str | None, ...] | None = None,
+                bias_axes: tuple[str | None, ...] | None = None):
   """The ``(hidden,)`` parameters of a norm: ``{prefix}scale`` and, for LayerNorm, ``{prefix}bias``, from the
   module's ``{prefix}scale_init``, ``{prefix}scale_axes``, ``{prefix}bias_init`` and ``{prefix}bias_axes``
   (``LayerNorm``'s own, or, with ``prefix="ln_"``, those of the norm inside a fused module). The scale's initializer
-  defaults to ones, or zeros under ``zero_centered_gamma`` (the module multiplies by ``scale + 1``)."""
+  defaults to ones, or zeros under ``zero_centered_gamma`` (the module multiplies by ``scale + 1``). ``scale_axes``
+  and ``bias_axes``, when given, replace the module's axis names."""
   check_norm_args(module.norm_type, module.epsilon)
   attr = lambda name: getattr(module, prefix + name)  # noqa: E731
   scale_init = attr("scale_init") or (nn.initializers.zeros_init() if module.zero_centered_gamma
                                       else nn.initializers.ones_init())
-  scale = module.param(f"{prefix}scale", logical(scale_init, attr("scale_axes")), (hidden,), module.param_dtype)
+  scale_axes = attr("scale_axes") if scale_axes is None else scale_axes
+  bias_axes = attr("bias_axes") if bias_axes is None else bias_axes
+  scale = module.param(f"{prefix}scale", logical(scale_init, scale_axes), (hidden,), module.param_dtype)
   bias = None
   if module.norm_type == "layernorm":
-    bias = module.param(f"{prefix}bias", logical(attr("bias_init"), attr("bias_axes")), (hidden,), module.param_dtype)
+    bias = module.param(f"{prefix}bias", logical(attr("bias_init"), bias_axes), (hidden,), module.param_dtype)
   return scale, bias
 
 

@@ -241,9 +241,8 @@ class TransformerLayer(nn.Module):
                          use_bias=self.use_bias, return_layernorm_output=post_residual,
                          norm_type=self.norm_type, epsilon=self.epsilon,
                          zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
-                         wi_kernel_axes=self._axes(EMBED, ACT, MLP), wo_kernel_axes=self._axes(MLP, EMBED),
-                         wi_bias_axes=self._axes(ACT, MLP), wo_bias_axes=self._axes(EMBED),
-                         ln_scale_axes=self._axes(EMBED), ln_bias_axes=self._axes(EMBED), dtype=self.dtype,
+                         logical_axes=self.logical_axes, transpose_batch_sequence=self.transpose_batch_sequence,
+                         dtype=self.dtype,
                          param_dtype=self.param_dtype, name="mlp")
       x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
     if self.output_layernorm:

@@ -40,6 +40,7 @@ class _Config:
   fp8: Fp8Config
   unstack: Unstack | None
   has_residual: bool
+  out_rows: tuple[int, int] | None  # (B, S): the output (B, S, N), its rows sharded as the caller constrains them
 
 
 class _Residuals(NamedTuple):
@@ -62,12 +63,16 @@ def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
   meta = state_as_float32(meta_in)
   sx = fp8.scale(meta and meta.x, x, fp8.fwd_dtype)
   qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
-  out, res = linear_fwd(fp8, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, cfg.unstack)
+  out, res = linear_fwd(fp8, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, cfg.unstack,
+                        cfg.out_rows)
   return out, _Residuals(res, qx.amax, meta_in)
 
 
 def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
   g = tuple(map(instantiate, g)) if isinstance(g, tuple) else instantiate(g)
+  g_out = g
+  if cfg.out_rows is not None:  # (B, S, N), sharded like the output
+    g = g.reshape(-1, g.shape[-1])
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
   sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
@@ -77,7 +82,7 @@ def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
   new_meta = None
   if meta is not None:
     new_meta = state_like(fp8.update_metas([(meta, r.amax_x, r.linear.amax_w, qg.amax)])[0], r.meta)
-  return dx, dw, dbias, (g if cfg.has_residual else None), new_meta
+  return dx, dw, dbias, (g_out if cfg.has_residual else None), new_meta
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd, symbolic_zeros=True)
@@ -106,6 +111,7 @@ def dense(
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
     precision=None,
+    scatter_rows: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
 
@@ -129,6 +135,11 @@ def dense(
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
     recipe: overrides the autocast recipe for this call.
     precision: ``lax.dot_general``'s precision for the high-precision GEMM (FP8 GEMMs accumulate as the recipe says).
+    scatter_rows: ``x``'s dims other than ``axis`` are two, (B, S), and the caller constrains the output, whose (B, S)
+      sharding the GEMM then takes from that constraint (``te_jax.ops.gemm.gemm``'s ``scatter_rows``): a row-parallel
+      GEMM (K sharded over the tensor axis) reduce-scatters onto a sequence-parallel residual stream. Under FP8 only,
+      and only where B * S needs no padding (a multiple of 16); otherwise it all-reduces and XLA slices (the same
+      values).
 
   A GEMM whose contracted or output size is not a multiple of 16 (which FP8 GEMMs need: a classifier's 4-way head,
   an odd hidden size) runs in high precision even under FP8, and its state is handed back unchanged.
@@ -149,6 +160,9 @@ def dense(
   unstack = Unstack.of(unstack_axis, x.ndim - n_contract + len(features), features)
   if unstack is not None and residual is not None:
     raise ValueError("dense: unstack_axis and residual exclude each other")
+  if scatter_rows and (unstack is not None or x.ndim - n_contract != 2):
+    raise ValueError(f"dense: scatter_rows needs two non-contracted dims of x (B, S) and no unstack_axis; x is "
+                     f"{x.shape}, axis={axis}, unstack_axis={unstack_axis}")
   check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   k, n = math.prod(kernel.shape[:n_contract]), math.prod(features)
@@ -171,7 +185,10 @@ def dense(
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
-  r = residual_rows(residual, m, n, pad, x.dtype)
+  out_rows = batch_shape if scatter_rows and not pad else None
+  r = residual_rows(residual, m, n, pad, x.dtype, out_rows)
   x2d, k2d, b, r = to_common_varying(x2d, kernel.reshape(k, n), b, r)  # inside shard_map: as jax's dot would
-  y = _dense_fp8(_Config(cfg, unstack, r is not None), x2d, k2d, b, r, meta)
+  y = _dense_fp8(_Config(cfg, unstack, r is not None, out_rows), x2d, k2d, b, r, meta)
+  if out_rows is not None:
+    return y.reshape(*batch_shape, *features)
   return layer_output(y, m, batch_shape, features, unstack)

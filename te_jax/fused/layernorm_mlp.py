@@ -43,6 +43,7 @@ class _Config:
   gated: bool
   intermediate: int
   residual_kind: str  # one of the three above
+  out_rows: tuple[int, int] | None  # (B, S): fc2's output (B, S, H), its rows sharded as the caller constrains them
 
 
 class _Residuals(NamedTuple):
@@ -85,12 +86,14 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
     a_hp = activation_fwd(h, cfg.activation_type).data
     s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
     a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
-  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual)
+  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual,
+                        out_rows=cfg.out_rows)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
 
 def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   g = instantiate(g)
+  g_out, g = g, g.reshape(-1, g.shape[-1])  # with out_rows g is (B, S, H), sharded like the output
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
   meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
@@ -118,7 +121,7 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
     new = fc1.update_metas([(meta_1, r.amax_z, res_1.amax_w, dh.amax), (meta_2, r.amax_a, res_2.amax_w, qg.amax)])
     new_1, new_2 = state_like(tuple(new), (r.meta_1, r.meta_2))
   dbeta = None if dbeta is None else dbeta.astype(r.beta.dtype)
-  dres = g if cfg.residual_kind == _GIVEN_RESIDUAL else None
+  dres = g_out if cfg.residual_kind == _GIVEN_RESIDUAL else None
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
 
 
@@ -142,6 +145,7 @@ def layernorm_mlp(
     fp8_meta_1: DenseFp8Meta | None = None,
     fp8_meta_2: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
+    scatter_rows: bool = False,
 ) -> jax.Array:
   """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
 
@@ -164,6 +168,10 @@ def layernorm_mlp(
       kernel rather than by a separate pass.
     fp8_meta_1, fp8_meta_2: the delayed-scaling states of fc1 and fc2; required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
+    scatter_rows: ``x`` is (B, S, H) and the caller constrains the output, whose (B, S) sharding fc2 then takes from
+      that constraint (``te_jax.ops.gemm.gemm``'s ``scatter_rows``): under tensor parallelism with the residual stream
+      sequence-parallel, fc2's partial sums are reduce-scattered onto it. Under FP8 only, and only where B * S
+      needs no padding (a multiple of 16); otherwise fc2 all-reduces and XLA slices (the same values).
 
   Returns:
     ``x``'s shape and dtype.
@@ -186,6 +194,8 @@ def layernorm_mlp(
   if bias_2 is not None and bias_2.shape != (h_dim,):
     raise ValueError(f"bias_2 must be ({h_dim},), got {bias_2.shape}")
   check_residual(residual, x.shape)
+  if scatter_rows and x.ndim != 3:
+    raise ValueError(f"scatter_rows needs x of shape (B, S, H), got {x.shape}")
   recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
   k1 = kernel_1.reshape(h_dim, n_act * f_dim)
   b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
@@ -199,14 +209,15 @@ def layernorm_mlp(
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   delayed = isinstance(recipe, DelayedScaling)
+  out_rows = tuple(x.shape[:2]) if scatter_rows and not pad else None
   if residual is x:
     kind, r = _INPUT_RESIDUAL, None
   else:
-    r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype)
+    r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype, out_rows)
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
   cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
-                gated, f_dim, kind)
+                gated, f_dim, kind, out_rows)
   x2d, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x2d, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
-  return y[: x2d.shape[0] - pad].reshape(x.shape)
+  return y.reshape(x.shape) if out_rows else y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -281,11 +281,14 @@ def check_residual(residual: jax.Array | None, out_shape: tuple[int, ...]) -> No
     raise ValueError(f"residual must have the output's shape {tuple(out_shape)}, got {tuple(residual.shape)}")
 
 
-def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype):
+def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype,
+                  out_rows: tuple[int, int] | None = None):
   """A layer's (checked) ``residual`` argument as its GEMM's (M + pad, N) C input in the output dtype (None stays
-  None)."""
+  None); with ``out_rows`` (B, S) (no padding then), as (B, S, N)."""
   if residual is None:
     return None
+  if out_rows is not None:
+    return residual.astype(dtype).reshape(*out_rows, n)
   r = residual.astype(dtype).reshape(m, n)
   return jnp.pad(r, ((0, pad), (0, 0))) if pad else r
 
@@ -310,23 +313,27 @@ class LinearResiduals(NamedTuple):
 
 
 def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, residual=None,
-               unstack: Unstack | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
+               unstack: Unstack | None = None,
+               out_rows: tuple[int, int] | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
   """``x @ kernel + bias (+ residual)`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its
   transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
   ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each written
-  by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part."""
+  by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part. With
+  ``out_rows`` (B, S), M = B * S, the output is (B, S, N), its rows sharded as its consumer asks (``gemm``'s
+  ``scatter_rows``: a sequence-parallel row-parallel GEMM's reduce-scatter); a residual is then (B, S, N) too."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
   sw_inv = 1.0 / sw
-  fwd_gemm = functools.partial(gemm, x_q, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, dtype=cfg.out_dtype,
+  fwd_gemm = functools.partial(gemm, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, dtype=cfg.out_dtype,
                                fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
   if unstack is None or unstack.parts == 1:
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
-    out = fwd_gemm(qw.data_t, bias=bias, residual=residual)
+    lhs = x_q if out_rows is None else x_q.reshape(*out_rows, x_q.shape[-1])
+    out = fwd_gemm(lhs, qw.data_t, bias=bias, residual=residual, scatter_rows=out_rows is not None)
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
-    out = fwd_gemm(qw.data_t, bias=biases, rhs_parts=True)
+    out = fwd_gemm(x_q, qw.data_t, bias=biases, rhs_parts=True)
   x_t, w = (checkpoint_name(a, scaling.FP8_RESIDUAL) for a in (x_t, qw.data))
   return out, LinearResiduals(x_t, w, sx_inv, sw_inv, qw.amax)
 

@@ -17,6 +17,12 @@ add bias, cast.
 arrays (the q, k and v of a fused QKV projection, each where attention reads it) from one cuBLASLt launch, a
 pointer-array batched GEMM sharing lhs, with no slicing of a stacked output afterwards (the benchmark ``gemm``
 compares it with P GEMMs of N columns and with one of P * N).
+
+``gemm(lhs, rhs, scatter_rows=True)`` with ``lhs`` (B, S, K) keeps the output's rows as the two dims (B, S), sharded
+as the output's consumer asks rather than as lhs's rows are: a row-parallel GEMM whose caller constrains its output to
+a sequence-parallel residual stream (batch over the data axes, sequence over the tensor axis) ends in one
+reduce-scatter onto it. Its (M, N) view cannot say that: batch over 'data' and sequence over 'tensor' is no sharding of
+the merged rows, so the partitioner would all-reduce and then slice.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class GemmConfig:
     fast_accum: FP8 fast accumulation (cuBLASLt FAST_ACCUM): faster, with fewer accumulator promotions.
     has_residual: an (M, N) residual in ``out_dtype`` is the last operand, added in float32 before the output cast.
     parts: with ``parts`` > 1, rhs is (parts, N, K) and there are ``parts`` outputs (M, N); else one.
+    out_rows: (B, S) with B * S = M: the output is (B, S, N) and its rows' sharding is left to its consumer (the
+      sharding rule does not tie it to lhs's rows); a residual is (B, S, N) too. None: the output is (M, N).
   """
 
   out_dtype: np.dtype
@@ -66,6 +74,7 @@ class GemmConfig:
   fast_accum: bool = False
   has_residual: bool = False
   parts: int = 1
+  out_rows: tuple[int, int] | None = None
 
 
 def _mk(shape, transposed):
@@ -93,8 +102,9 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) 
   if config.has_bias:
     out = out + rest[0].astype(jnp.float32)
   if config.has_residual:
-    out = out + rest[-1].astype(jnp.float32)
-  return [out.astype(config.out_dtype)]
+    out = out + rest[-1].astype(jnp.float32).reshape(out.shape)
+  out = out.astype(config.out_dtype)
+  return [out if config.out_rows is None else out.reshape(*config.out_rows, out.shape[1])]
 
 
 # ---- primitive ---------------------------------------------------------------------------------------------------
@@ -104,7 +114,8 @@ def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmCo
   del lhs_scale_inv, rhs_scale_inv, rest
   m, _ = _mk(lhs.shape, config.transpose_lhs)
   n, _ = _mk(rhs.shape, config.transpose_rhs)
-  return [output_aval(lhs, (m, n), config.out_dtype)] * config.parts
+  rows = (m,) if config.out_rows is None else config.out_rows
+  return [output_aval(lhs, (*rows, n), config.out_dtype)] * config.parts
 
 
 def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) -> NativeSignature:
@@ -117,7 +128,9 @@ def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) ->
   residual = n - 1 if config.has_residual else n + (not config.has_bias)
   extra = (empty,) * ((not config.has_bias) + (not config.has_residual))
   workspace = native.workspace(platform, "gemm", config.parts)
-  return NativeSignature(extra_operands=extra, result_avals=(workspace, *avals_out),
+  # The handler writes (M, N) outputs; with out_rows the lowering reshapes them to (B, S, N) (the same bytes).
+  outs = [jax.core.ShapedArray((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype) for a in avals_out]
+  return NativeSignature(extra_operands=extra, result_avals=(workspace, *outs),
                          keep=tuple(range(1, 1 + len(avals_out))), operand_order=(0, 1, 2, 3, bias, residual))
 
 
@@ -134,41 +147,62 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
-  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M).
+  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M or N).
 
-  When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match; a mesh axis used twice
-  (say M and N both on 'model') is kept on M only. With parts, rhs's part dim is never sharded (each shard computes
-  its block of every part).
+  When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match, except that a mesh axis
+  sharding lhs's rows is kept there and rhs is all-gathered over it instead (FSDP: a weight sharded over the axis that
+  shards the batch is gathered where it is used, in the dtype it has here, FP8 under an FP8 recipe, rather than the
+  activations being resharded). A mesh axis used twice (say M and N both on 'model') is kept where the output is
+  wanted sharded over it, else on M. With parts, rhs's part dim is never sharded (each shard computes its block of
+  every part).
+
+  With ``out_rows`` (B, S), the output's (B, S) sharding is its consumer's: lhs's rows are sharded as B is (M's major
+  part), and when S is sharded over exactly K's axes the partial sums are reduce-scattered onto it (sequence
+  parallelism); any other S sharding is left to XLA (a local slice).
   """
   lhs_spec = full_spec(arg_shapes[0].sharding, 2)
   rhs_spec = full_spec(arg_shapes[1].sharding, 3 if config.parts > 1 else 2)[-2:]
   m_l, k_l = (lhs_spec[1], lhs_spec[0]) if config.transpose_lhs else lhs_spec
   n_r, k_r = (rhs_spec[1], rhs_spec[0]) if config.transpose_rhs else rhs_spec
-  k_axes = mesh_axes(k_l) or mesh_axes(k_r)
-  m_axes = tuple(a for a in mesh_axes(m_l) if a not in k_axes)
-  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes)
+  k_axes = mesh_axes(k_l) or tuple(a for a in mesh_axes(k_r) if a not in mesh_axes(m_l))
+  out_spec = full_spec(result_shape[0].sharding, 2 if config.out_rows is None else 3)
+  n_out = mesh_axes(out_spec[-1])
+  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a in n_out)
+  m_axes = tuple(a for a in mesh_axes(m_l if config.out_rows is None else out_spec[0])
+                 if a not in k_axes and a not in n_axes)
+  n_axes += tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes and a not in n_axes)
   m, k, n = _entry(m_axes), _entry(k_axes), _entry(n_axes)
   lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
   rhs_sharding = NamedSharding(mesh, P(*((None,) if config.parts > 1 else ()), *((k, n) if config.transpose_rhs
                                                                                    else (n, k))))
   scalar = NamedSharding(mesh, P())
-  # Sequence parallelism: when the output is wanted with M sharded over the K axes, reduce-scatter instead.
-  out_m = full_spec(result_shape[0].sharding, 2)[0]
-  scatter = bool(k_axes) and not m_axes and mesh_axes(out_m) == k_axes
-  out_sharding = NamedSharding(mesh, P(k if scatter else m, n))
+  # Sequence parallelism: when the output is wanted with M sharded over the K axes too (after M's own), reduce-scatter
+  # over M instead of all-reducing (the result's dim then sharded over M's axes and K's, in that order).
+  # Likewise over N (FSDP: a weight gradient whose columns are the sharded dim of the weight).
+  local_rows = None
+  if config.out_rows is not None:  # (B, S, N): reduce-scatter onto S (dim 1) when the consumer shards it over K's axes
+    scatter = 1 if k_axes and mesh_axes(out_spec[1]) == k_axes else None
+    out_sharding = NamedSharding(mesh, P(m, k if scatter == 1 else None, n))
+    local_rows = (config.out_rows[0] // math.prod(mesh.shape[a] for a in m_axes), config.out_rows[1])
+  else:
+    out_m, out_n = out_spec
+    scatter = 0 if k_axes and mesh_axes(out_m) == m_axes + k_axes else (
+        1 if k_axes and mesh_axes(out_n) == n_axes + k_axes else None)
+    out_sharding = NamedSharding(mesh, P(_entry(m_axes + k_axes) if scatter == 0 else m,
+                                         _entry(n_axes + k_axes) if scatter == 1 else n))
   arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
   if config.has_bias:
-    arg_shardings.append(NamedSharding(mesh, P(n)))
+    arg_shardings.append(NamedSharding(mesh, P(out_sharding.spec[-1])))
   if config.has_residual:
     arg_shardings.append(out_sharding)
   # With K sharded, the epilogues go on once, after the reduction.
   local_config = dataclasses.replace(config, has_bias=config.has_bias and not k_axes,
-                                     has_residual=config.has_residual and not k_axes)
+                                     has_residual=config.has_residual and not k_axes, out_rows=local_rows)
 
   def reduce(out, addends):
     # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; bias and residual go on after.
-    if scatter:
-      out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=0, tiled=True)
+    if scatter is not None:
+      out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=scatter, tiled=True)
     else:
       out = jax.lax.psum(out, k_axes)
     if addends:
@@ -192,9 +226,10 @@ def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
   del mesh, value_types, result_types
   lhs = "k m" if config.transpose_lhs else "m k"
   rhs = ("p " if config.parts > 1 else "") + ("k n" if config.transpose_rhs else "n k")
-  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else []) + (["m n"] if config.has_residual else [])
+  out = "m n" if config.out_rows is None else "b s n"  # out_rows: factors of their own, set by the consumer
+  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else []) + ([out] if config.has_residual else [])
   extra = {"need_replication_factors": ("p",)} if config.parts > 1 else {}
-  return ", ".join(operands) + " -> " + ", ".join(["m n"] * config.parts), {"reduction_factors": ("k",), **extra}
+  return ", ".join(operands) + " -> " + ", ".join([out] * config.parts), {"reduction_factors": ("k",), **extra}
 
 
 _GEMM = define_op(
@@ -254,6 +289,7 @@ def gemm(
     transpose_rhs: bool = False,
     fast_accum: bool = False,
     rhs_parts: bool = False,
+    scatter_rows: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
 
@@ -278,11 +314,18 @@ def gemm(
     rhs_parts: ``rhs`` is (P, ..., K) with 1 <= P <= MAX_PARTS, untransposed: returns the P products
       ``lhs @ rhs[p]^T`` as a tuple, from one batched cuBLASLt launch. ``bias`` is then (P, N), one row per part
       (cuBLASLt's batched GEMM has no bias epilogue, so with a bias each part is a GEMM of its own); no residual.
+    scatter_rows: ``lhs`` is (B, S, K), untransposed, and the output's (B, S) keep their own sharding, the one its
+      consumer asks for, not lhs's: with K sharded over the mesh axes that shard S there (a row-parallel GEMM whose
+      output the caller constrains to a sequence-parallel residual stream), one reduce-scatter onto S. Only for an
+      output its caller constrains: nothing else tells the partitioner how to shard the rows.
 
   Returns:
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
     ``(*lhs_rows, *rhs.shape[1:-1])``.
   """
+  if scatter_rows and (rhs_parts or transpose_lhs or lhs.ndim != 3):
+    raise ValueError(f"scatter_rows needs lhs (B, S, K), untransposed, and no rhs_parts; got lhs {lhs.shape}"
+                     f"{' transposed' if transpose_lhs else ''}{' with rhs_parts' if rhs_parts else ''}")
   if rhs_parts:
     return _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, dtype, transpose_lhs,
                        transpose_rhs, fast_accum)
@@ -315,13 +358,14 @@ def gemm(
   if residual is not None and tuple(residual.shape) not in ((*lhs_rows, *rhs_rows), (m, n)):
     raise ValueError(f"residual must have the output's shape {(*lhs_rows, *rhs_rows)} (or {(m, n)}), got "
                      f"{residual.shape}")
-  residual = None if residual is None else residual.reshape(m, n)
+  out_rows = tuple(lhs_rows) if scatter_rows else None
+  residual = None if residual is None else residual.reshape(*(out_rows or (m,)), n)
   gemm_dtype, fuse = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
   fuse = fuse and k > 0  # with K = 0 the handler only zeroes the output
   fuse_bias = fuse and bias is not None
   fuse_residual = k > 0 and gemm_dtype == out_dtype and residual is not None
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
-                      fuse_residual)
+                      fuse_residual, out_rows=out_rows)
   operands = [a, b, *_scales(lhs_fp8, lhs_scale_inv, rhs_scale_inv)]
   if fuse_bias:  # the bias is rounded to out_dtype first in every path
     operands.append(bias.astype(out_dtype).astype(gemm_dtype))

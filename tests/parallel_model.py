@@ -1,0 +1,78 @@
+"""The models and the train step that the sharding tests run (test_parallel_layers.py on 8 devices of one process,
+test_multiprocess.py across two processes): one te_jax module, or a 4-layer ``nn.scan`` stack of TransformerLayers,
+with logical axis names, and three SGD steps under DelayedScaling."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import te_jax
+import te_jax.flax as te_flax
+from conftest import random_normal
+from te_jax.recipe import DelayedScaling
+
+B, S, HIDDEN, HEADS, FFN = 8, 16, 64, 4, 128
+RECIPE = DelayedScaling(amax_history_len=4)
+STEPS = 3
+
+
+class Model(nn.Module):
+  """One module of te_jax as a model's caller uses it: the input constrained as the residual stream is (batch, seq,
+  hidden), the module's parameters named with logical axes."""
+
+  kind: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
+    if self.kind == "dense":  # column parallel: the features over the tensor axis
+      y = te_flax.DenseGeneral(FFN, kernel_axes=("embed", "mlp"), bias_axes=("mlp",), dtype=jnp.float32)(x)
+      return nn.with_logical_constraint(y, ("batch", None, "mlp"))
+    if self.kind == "mlp":
+      return te_flax.LayerNormMLP(intermediate_dim=FFN, dtype=jnp.float32, logical_axes=True)(x, deterministic=True)
+    if self.kind == "mha":
+      return te_flax.MultiHeadAttention(head_dim=HIDDEN // HEADS, num_attention_heads=HEADS, dtype=jnp.float32,
+                                        backend="unfused", logical_axes=True)(x, deterministic=True)
+    layer = dict(hidden_size=HIDDEN, intermediate_dim=FFN, num_attention_heads=HEADS, layer_type="decoder",
+                 dtype=jnp.float32, backend="unfused", logical_axes=True)
+    if self.kind == "layer":
+      return te_flax.TransformerLayer(**layer)(x, deterministic=True)
+    assert self.kind == "scan", self.kind
+    stack = nn.scan(_ScanBody, variable_axes={"params": 0, te_jax.FP8_COLLECTION: 0}, split_rngs={"params": True},
+                    length=4, metadata_params={nn.PARTITION_NAME: None})
+    return stack(layer, name="layers")(x, None)[0]
+
+
+class _ScanBody(nn.Module):
+  layer: dict
+
+  @nn.compact
+  def __call__(self, x, _):
+    return te_flax.TransformerLayer(**self.layer, name="layer")(x, deterministic=True), None
+
+
+def init_case(kind, mesh, rules):
+  """(model, its variables (unboxed, on one device), their shardings on ``mesh`` under ``rules``, input, target)."""
+  model = Model(kind)
+  x = random_normal(1, (B, S, HIDDEN))
+  target = random_normal(2, (B, S, FFN if kind == "dense" else HIDDEN))
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    boxed = model.init(jax.random.key(0), x)
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  return model, nn.meta.unbox(boxed), shardings, x, target
+
+
+def train_step(model):
+  """``step(variables, x, target) -> (new variables, loss, gradients)``: SGD on the parameters, the FP8 state
+  overwritten by its update, as ``TrainState.apply_gradients`` does."""
+
+  def step(v, x, target):
+    def loss_fn(v):
+      return jnp.mean(model.apply(v, x) * target)
+
+    loss, g = jax.value_and_grad(loss_fn)(v)
+    new = {"params": jax.tree.map(lambda p, d: p - 0.5 * d, v["params"], g["params"]),
+           te_jax.FP8_COLLECTION: g[te_jax.FP8_COLLECTION]}
+    return new, loss, g
+
+  return step
