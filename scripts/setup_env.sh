@@ -19,7 +19,7 @@
 
 TE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TE_REQUIREMENTS=(
-  "jax==0.11.2" "jaxlib==0.11.2" "flax==0.12.10" "optax==0.2.8" numpy ml_dtypes pytest
+  "jax==0.11.2" "jaxlib==0.11.2" "flax==0.12.10" "optax==0.2.8" numpy ml_dtypes pytest hypothesis
   scikit-build-core nanobind cmake ninja nvidia-cublas
 )
 
