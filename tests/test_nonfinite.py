@@ -173,6 +173,18 @@ def test_current_scaling_keeps_the_nan(fp8):
   assert isnan(q)[0, 2] and not isnan(q)[0, 1]
 
 
+@pytest.mark.parametrize("length", [16, 1024, 4096])
+def test_amax_history_max_keeps_the_nan(length):
+  """A NaN anywhere in the history gives a NaN amax (so compute_scale keeps the scale), however long the history:
+  XLA:CPU's max reduction alone loses it in a 4096-entry one."""
+  for pos in (0, 1, length // 2, length - 1):
+    h = np.abs(np.random.default_rng(pos).standard_normal(length)).astype(np.float32)
+    h[pos] = np.nan
+    a = jax.jit(lambda h: scaling.amax_from_history(h, "max"))(jax.device_put(h, CPU))
+    assert np.isnan(float(a)), (length, pos, float(a))
+  assert float(jax.jit(scaling.amax_from_history)(jnp.arange(length, dtype=jnp.float32))) == length - 1
+
+
 # ---- end to end -----------------------------------------------------------------------------------------------------
 
 
