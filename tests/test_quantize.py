@@ -49,10 +49,12 @@ def random_input(shape, dtype, seed: int) -> np.ndarray:
 
 
 def numpy_quantize(x, scale, fp8) -> np.ndarray:
-  """The oracle's oracle: ml_dtypes' round-to-nearest-even cast of the clipped float32 product."""
+  """The oracle's oracle: ml_dtypes' round-to-nearest-even cast of the clipped float32 product, NaN where x is not
+  finite (inf included: FP8 keeps a non-finite input visible instead of clamping it to +-max)."""
   m = np.float32(fp8_max(fp8))
+  xf = np.asarray(x).astype(np.float32)
   with np.errstate(invalid="ignore", over="ignore"):
-    return np.clip(np.asarray(x).astype(np.float32) * np.float32(scale), -m, m).astype(fp8)
+    return np.where(np.isfinite(xf), np.clip(xf * np.float32(scale), -m, m), np.float32(np.nan)).astype(fp8)
 
 
 def numpy_amax(x) -> np.float32:
@@ -364,13 +366,14 @@ def test_reference_matches_ml_dtypes(dtype, fp8):
     (E4M3, 1.0625, 1.0),  # tie between 1 and 1.125: even mantissa
     (E4M3, 1.1875, 1.25),  # tie between 1.125 and 1.25: even mantissa
     (E4M3, 470.0, 448.0),  # nearer 480, which E4M3FN lacks (that code is NaN): saturates
-    (E4M3, -np.inf, -448.0),
+    (E4M3, -np.inf, np.nan),  # not clamped to -448: a non-finite input stays visible as NaN
+    (E4M3, 3e38, 448.0),  # finite, beyond the range: saturates
     (E4M3, 2.0**-10, 0.0),  # half the smallest subnormal: ties to zero
     (E4M3, 3 * 2.0**-10, 2.0**-8),  # 1.5 subnormal steps: ties to 2 steps
     (E4M3, -0.0, -0.0),
     (E5M2, 1.125, 1.0),  # E5M2 has 2 mantissa bits: 1, 1.25, ...
     (E5M2, 61440.0, 57344.0),  # the tie between 57344 and 65536 (inf in E5M2) rounds up: saturates
-    (E5M2, np.inf, 57344.0),
+    (E5M2, np.inf, np.nan),  # E5M2 has inf, but one convention for both formats: NaN
     (E5M2, 2.0**-17, 0.0),  # half the smallest subnormal 2^-16
     (E5M2, 3 * 2.0**-17, 2.0**-15),
 ])
@@ -378,7 +381,10 @@ def test_hand_computed_values(fp8, x, expected):
   x = np.array([x], np.float32)
   for out in (reference(x, 1.0, fp8).data, native(x, 1.0, fp8).data, numpy_quantize(x, 1.0, fp8)):
     got = np.asarray(out).astype(np.float32)
-    assert got.view(np.uint32)[0] == np.float32(expected).view(np.uint32), (x, got, expected)
+    if np.isnan(expected):
+      assert np.isnan(got[0]), (x, got)
+    else:
+      assert got.view(np.uint32)[0] == np.float32(expected).view(np.uint32), (x, got, expected)
 
 
 # ---- jit, vmap, eager ----------------------------------------------------------------------------------------------

@@ -278,6 +278,25 @@ def test_cpu_scale_overflow_gives_nan_row():
   assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 9, 130), (3, 4100)], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_logit_makes_the_whole_row_nan(kind, shape):
+  """A NaN logit in a key no mask hides (key 0, which the causal mask never hides) makes its whole row NaN, masked
+  positions included, through the CPU handler and the jitted reference alike: the formulas' max is NaN. XLA:CPU's max
+  reduction alone dropped the NaN in the masked and causal references of these shapes (rows came out NaN at key 0
+  only)."""
+  x = random_logits(shape, np.float32, seed=5)
+  x[..., 0] = np.nan
+  x[..., 1::2] = -np.inf
+  mask = random_mask(shape, seed=6)
+  mask[..., 0] = False
+  masks = (mask,) if kind == "masked" else ()
+  ours = jax.jit(lambda x, *m: softmax_fwd(x, *m, kind=kind))(jax.device_put(x, CPU), *masks)
+  ref = jax.jit(lambda x, *m: reference(x, kind, 1.0, *m))(jax.device_put(x, CPU), *masks)
+  for name, y in (("handler", ours), ("reference", ref)):
+    assert np.isnan(np.asarray(y)).all(), (name, int((~np.isnan(np.asarray(y)).all(-1)).sum()), "rows not all NaN")
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3)], ids=str)
 def test_cpu_empty(shape):
   x = jnp.zeros(shape, jnp.float32)

@@ -49,7 +49,7 @@ class Sink {
     if (fmt_ != nullptr) {
       // amax over the bit patterns of |y|: every NaN sorts above +inf, so a NaN gives a NaN amax.
       amax_bits_ = std::max(amax_bits_, FloatToBits(y) & 0x7FFFFFFFu);
-      const uint8_t bits = FloatToFp8(y * scale_, *fmt_);
+      const uint8_t bits = ScaledToFp8(y, scale_, *fmt_);
       static_cast<uint8_t*>(out_)[i] = bits;
       if (out_t_ != nullptr) out_t_[(b * out_cols_ + f) * rows_ + r] = bits;
       return;

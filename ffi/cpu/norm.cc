@@ -54,7 +54,8 @@ bool WithReader(const ffi::AnyBuffer& b, F&& f) {
 }
 
 // Calls f with a writer `uint8_t(int64_t i, float v)` for the buffer's element type (f32, bf16, f16, or FP8 with
-// v * scale cast saturating, returning the FP8 byte for the transposed copy); false for any other type.
+// v * scale cast saturating, NaN for a non-finite v, returning the FP8 byte for the transposed copy); false for any
+// other type.
 template <typename F>
 bool WithWriter(ffi::Result<ffi::AnyBuffer>& b, float scale, F&& f) {
   void* p = b->untyped_data();
@@ -69,10 +70,10 @@ bool WithWriter(ffi::Result<ffi::AnyBuffer>& b, float scale, F&& f) {
       f([p](int64_t i, float v) { return static_cast<uint16_t*>(p)[i] = FloatToF16(v), uint8_t{0}; });
       return true;
     case ffi::DataType::F8E4M3FN:
-      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = FloatToFp8(v * scale, kE4M3); });
+      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = ScaledToFp8(v, scale, kE4M3); });
       return true;
     case ffi::DataType::F8E5M2:
-      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = FloatToFp8(v * scale, kE5M2); });
+      f([p, scale](int64_t i, float v) { return static_cast<uint8_t*>(p)[i] = ScaledToFp8(v, scale, kE5M2); });
       return true;
     default:
       return false;

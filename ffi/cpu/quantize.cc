@@ -33,7 +33,7 @@ ffi::Error QuantizeLoop(LoadFn load, const QuantizeView& v, const TransposedRows
           for (int64_t c = c0; c < c1; ++c) {
             const float x = load(row + c);
             amax_bits = std::max(amax_bits, FloatToBits(x) & 0x7FFFFFFFu);
-            const uint8_t bits = FloatToFp8(x * scale, fmt);
+            const uint8_t bits = ScaledToFp8(x, scale, fmt);
             q[row + c] = bits;
             if (qt != nullptr) qt[(b * v.cols + t.Row(c)) * v.rows + r] = bits;
             if (dbias != nullptr) dbias[c] += x;

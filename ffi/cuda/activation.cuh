@@ -95,11 +95,11 @@ constexpr int RowsInFlight() {
 __device__ __forceinline__ uint2 PackFp8(const float (&y)[8], float scale, bool e5m2) {
   uint2 p;
   if (e5m2) {
-    p.x = Cvt4<__NV_E5M2>(y[0] * scale, y[1] * scale, y[2] * scale, y[3] * scale);
-    p.y = Cvt4<__NV_E5M2>(y[4] * scale, y[5] * scale, y[6] * scale, y[7] * scale);
+    p.x = CastScaled4<__NV_E5M2>(y, scale);
+    p.y = CastScaled4<__NV_E5M2>(y + 4, scale);
   } else {
-    p.x = Cvt4<__NV_E4M3>(y[0] * scale, y[1] * scale, y[2] * scale, y[3] * scale);
-    p.y = Cvt4<__NV_E4M3>(y[4] * scale, y[5] * scale, y[6] * scale, y[7] * scale);
+    p.x = CastScaled4<__NV_E4M3>(y, scale);
+    p.y = CastScaled4<__NV_E4M3>(y + 4, scale);
   }
   return p;
 }

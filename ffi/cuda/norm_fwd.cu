@@ -36,24 +36,23 @@ constexpr int kTileThreads = 256;              // ... per block of this many thr
 template <__nv_fp8_interpretation_t kFmt>
 struct Fp8 {};
 
-// FP8 outputs: times scale, saturating, 8-byte stores (Store4: 4-byte). Store returns the FP8 bytes for the
+// FP8 outputs: times scale, saturating, NaN for a non-finite y (Fp8Input), 8-byte stores (Store4: 4-byte). Store returns the FP8 bytes for the
 // transposed copy.
 template <__nv_fp8_interpretation_t kFmt>
 struct Out<Fp8<kFmt>> {
   static constexpr bool kFp8 = true;
   __device__ __forceinline__ static uint2 Store(void* out, int64_t i, const float (&y)[kVec], float s) {
     uint2 q;
-    q.x = Cvt4<kFmt>(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
-    q.y = Cvt4<kFmt>(__fmul_rn(y[4], s), __fmul_rn(y[5], s), __fmul_rn(y[6], s), __fmul_rn(y[7], s));
+    q.x = CastScaled4<kFmt>(y, s);
+    q.y = CastScaled4<kFmt>(y + 4, s);
     *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) = q;
     return q;
   }
   __device__ __forceinline__ static void Store4(void* out, int64_t i, const float* y, float s) {
-    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(out) + i) =
-        Cvt4<kFmt>(__fmul_rn(y[0], s), __fmul_rn(y[1], s), __fmul_rn(y[2], s), __fmul_rn(y[3], s));
+    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(out) + i) = CastScaled4<kFmt>(y, s);
   }
   __device__ __forceinline__ static uint8_t StoreOne(void* out, int64_t i, float y, float s) {
-    const uint8_t q = __nv_cvt_float_to_fp8(__fmul_rn(y, s), __NV_SATFINITE, kFmt);
+    const uint8_t q = CastScaled<kFmt>(y, s);
     static_cast<uint8_t*>(out)[i] = q;
     return q;
   }

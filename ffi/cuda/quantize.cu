@@ -1,5 +1,6 @@
-// CUDA handlers for te_quantize: saturating FP8 cast of x * scale and amax = max|x| in one pass over x, with the
-// transposed FP8 copy (for Hopper's K-major FP8 GEMMs) and the column sums (dbias) fused in when asked for.
+// CUDA handlers for te_quantize: saturating FP8 cast of x * scale (NaN for a non-finite x: Fp8Input in fp8_tile.cuh)
+// and amax = max|x| in one pass over x, with the transposed FP8 copy (for Hopper's K-major FP8 GEMMs) and the column
+// sums (dbias) fused in when asked for.
 //
 // Fast path (cols % 8 == 0, and rows % 8 == 0 when transposing): one 256-thread block per 128x128 tile. Each
 // thread loads 8 rows x 8 elements (16-byte loads, all in flight before the first use), writes the row-major FP8
@@ -133,8 +134,8 @@ __global__ void __launch_bounds__(kThreads, FastBlocksPerSm<T, kDbias, kInterlea
     }
     amax_bits = FoldAbsMax8(amax_bits, f);
     uint2 packed;
-    packed.x = Cvt4<kFmt>(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale);
-    packed.y = Cvt4<kFmt>(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale);
+    packed.x = CastScaled4<kFmt>(f, scale);
+    packed.y = CastScaled4<kFmt>(f + 4, scale);
     const int lr = rsub + i * kRowsPerPass;
     const int64_t r = row0 + lr;
     if (col_ok && r < rows) StoreOut(qb + r * cols + col, packed);
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
       const float f = ToFloat(xc[r * x.part_cols]);
       amax_bits = max(amax_bits, __float_as_uint(f) & 0x7FFFFFFFu);
       if constexpr (kDbias) dsum += f;
-      const uint8_t bits = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, kFmt);
+      const uint8_t bits = CastScaled<kFmt>(f, scale);
       q[(b * rows + r) * cols + c] = bits;
       if constexpr (kTranspose) tile[lr][tx] = bits;
     }

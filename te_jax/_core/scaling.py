@@ -84,10 +84,11 @@ def roll_amax_history(history: jax.Array, amax: jax.Array) -> jax.Array:
 def amax_from_history(history: jax.Array, algo: AmaxComputeAlgo = "max") -> jax.Array:
   """The amax a scale is computed from: the history's max, or its most recent entry.
 
-  A NaN anywhere in the history makes ``max`` NaN, so the scale is kept until the NaN rolls out of the history.
+  A NaN anywhere in the history makes ``max`` NaN, so the scale is kept until the NaN rolls out of the history. The
+  NaN is put back explicitly: XLA:CPU's max reduction can drop it (a history of 4096 entries does).
   """
   if algo == "max":
-    return jnp.max(history)
+    return jnp.where(jnp.isnan(history).any(), jnp.asarray(jnp.nan, history.dtype), jnp.max(history))
   if algo == "most_recent":
     return history[0]
   raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")

@@ -25,6 +25,12 @@ mean^2``, for rows with ``|mean| <= sigma / 8``, where that form's rounding erro
 within a few units of float32 roundoff of float64), and the reference's two-pass form for the other rows. Given the
 statistics, the rest is elementwise and bitwise the same everywhere: ``y`` (with the one fused multiply-add above,
 which is what XLA compiles ``t * g + beta`` to), its cast, amax and the transposed copy.
+
+Range: a row whose statistics leave float32's range (a sum of squares past 3.4e38, |x| from about 1e19 / sqrt(n)) is
+outside that agreement. The reference and the CUDA forward, whose sums are float32, get rsigma 0 there: LayerNorm
+gives beta and RMSNorm 0, or NaN throughout where the row's sum overflows too; the CPU handler, whose sums are float64,
+still normalizes such rows while |x| < 2^125. An inf or NaN in ``x`` gives NaN at its position on every path (in
+LayerNorm, the whole row).
 """
 
 from __future__ import annotations

@@ -2,15 +2,19 @@
 
 One pass over ``x`` gives everything an FP8 GEMM and its backward pass need from a high-precision tensor:
 
-- ``data``: ``x * scale`` cast to FP8, saturating (values beyond the format's range clamp to +-max, inf included);
+- ``data``: ``x * scale`` cast to FP8, saturating (finite values beyond the format's range clamp to +-max; a
+  non-finite ``x``, +-inf or NaN, gives NaN);
 - ``amax``: ``max|x|`` of the high-precision input, for the next scale;
 - ``data_t`` (optional): the same FP8 bytes, transposed. Hopper's FP8 GEMMs need both operands K-major, so the
   dgrad/wgrad GEMMs read this copy instead of an XLA transpose;
 - ``dbias`` (optional): the column sums of ``x`` (over every dim but the last) in float32, the bias gradient when
   ``x`` is an output gradient.
 
-NaN: a NaN in ``x`` gives a NaN in ``data`` at that position (which NaN bit pattern is not specified) and a NaN
-``amax``, as ``jnp.max`` does; the scaling math then keeps the previous scale (see ``te_jax._core.scaling``).
+Non-finite values stay visible: an inf or NaN in ``x`` gives a NaN in ``data`` at that position (which NaN bit pattern
+is not specified: the reference and the CPU handler write the format's positive NaN, 0x7F for E4M3) and an inf or NaN
+``amax``; the scaling math then keeps the previous scale (see ``te_jax._core.scaling``), and the NaN reaches the GEMM's
+output, as an inf or NaN in a BF16 computation would. Clamping an inf to +-max instead (a plain saturating cast) would
+train on a finite value in its place.
 """
 
 from __future__ import annotations
@@ -109,9 +113,16 @@ def amax_f32(xf: jax.Array, axis=None) -> jax.Array:
 
 def saturating_cast(xf: jax.Array, scale, dtype) -> jax.Array:
   """The FP8 cast every te_jax op makes: float32 ``xf * scale`` clamped to the format's largest finite value, then
-  rounded to ``dtype`` (to nearest, ties to even). Values beyond the range (inf included) saturate; NaN stays NaN."""
+  rounded to ``dtype`` (to nearest, ties to even); NaN where ``xf`` is not finite.
+
+  A finite ``xf`` beyond the range saturates (also where ``xf * scale`` overflows float32). A non-finite ``xf`` (+-inf,
+  NaN) gives the positive NaN of ``dtype``: E4M3 has no inf, and a clamp would turn an inf into +-max, a finite value
+  training goes on with; E5M2, which has an inf, follows the same convention, so a non-finite input means NaN in every
+  FP8 tensor. The kernels do the same with one select on ``xf`` before the multiply.
+  """
   fp8_max = float(jnp.finfo(dtype).max)
-  return jnp.clip(xf * scale, -fp8_max, fp8_max).astype(dtype)
+  clipped = jnp.clip(xf * scale, -fp8_max, fp8_max)
+  return jnp.where(jnp.isfinite(xf), clipped, jnp.float32(jnp.nan)).astype(dtype)
 
 
 def quantize_ref(x: jax.Array, scale: jax.Array, *, config: QuantizeConfig) -> list[jax.Array]:

@@ -25,9 +25,10 @@ it replicated).
 
 Edge cases, by the formulas above: a fully masked row (every key masked, or every logit -inf) gives an all-zero
 output, not NaN and not a uniform row, and then an all-zero gradient; a NaN logit in an unmasked position, a +inf
-logit, or an overflow of ``scale * x`` to +inf makes its row NaN (as ``jax.nn.softmax``); a masked position is 0
-whatever its logit (NaN included). The causal backward reads and writes only keys ``j <= i``: ``dx`` is exactly 0
-above the diagonal, where the forward output is 0 too. The masked backward needs no mask: ``y`` is 0 there.
+logit, or an overflow of ``scale * x`` to +inf makes its whole row NaN, masked positions included (``r`` is NaN; as
+``jax.nn.softmax``); in a row without one, a masked position is 0 whatever its logit (NaN included). The causal
+backward reads and writes only keys ``j <= i``: ``dx`` is exactly 0 above the diagonal, where the forward output is 0
+too. The masked backward needs no mask: ``y`` is 0 there.
 
 Numerics: the handlers compute these formulas in float32 but in their own order (max and sum reductions, ``exp``
 implementations, ``1 / s`` then a product). Following DESIGN.md's rule (from flash-attention), their largest error
@@ -103,9 +104,14 @@ def softmax_fwd_ref(logits: jax.Array, q_offset: jax.Array, *mask: jax.Array, co
   elif config.kind == "causal":
     z = jnp.where(_causal_masked(z.shape, q_offset), -jnp.inf, z)
   m = jnp.max(z, axis=-1, keepdims=True)
-  empty = m == -jnp.inf
-  e = jnp.exp(z - jnp.where(empty, jnp.float32(0), m))
-  r = jnp.where(empty, jnp.float32(0), 1.0 / jnp.sum(e, axis=-1, keepdims=True))
+  e = jnp.exp(z - jnp.where(m == -jnp.inf, jnp.float32(0), m))
+  s = jnp.sum(e, axis=-1, keepdims=True)
+  # The formula's max is NaN when any z_j is, and then the whole row is NaN. XLA:CPU's max reduction does not always
+  # propagate a NaN (inside some fusions it returns the other operand), and a row whose other keys are all masked
+  # would then pass for a fully masked one (m = -inf, r = 0). A NaN z_j makes s NaN whatever m is, so a row is empty
+  # only where s is not NaN: otherwise r is NaN, and so is every y_j, as with the kernels' NaN-propagating max.
+  empty = (m == -jnp.inf) & ~jnp.isnan(s)
+  r = jnp.where(empty, jnp.float32(0), 1.0 / s)
   return [(e * r).astype(logits.dtype)]
 
 

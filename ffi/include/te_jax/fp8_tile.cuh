@@ -1,4 +1,4 @@
-// Device helpers of the FP8 cast kernels (quantize.cu, activation.cuh): packed FP8 conversion, the block amax on bit
+// Device helpers of the FP8 cast kernels (quantize.cu, activation.cuh, norm_fwd.cu): packed FP8 conversion, the block amax on bit
 // patterns, the byte gather of the 8x8 register transpose, and the fixed-order dbias column sum.
 #pragma once
 
@@ -14,6 +14,27 @@ __device__ __forceinline__ uint32_t Cvt4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
   return lo | (hi << 16);
+}
+
+// The input of the FP8 cast (te_jax.ops.quantize.saturating_cast): x * s, or NaN where x is +-inf or NaN. The
+// conversion saturates (__NV_SATFINITE), which would turn an inf into +-max, a finite value training goes on with;
+// E4M3 has no inf, so every non-finite x becomes NaN (in E5M2 too: one convention). The test is on x, not on the
+// product, so a finite x whose product overflows still saturates as before. One compare and one select per element,
+// in the same pass (the multiply is the one the kernels always made: __fmul_rn keeps it uncontracted).
+__device__ __forceinline__ float Fp8Input(float x, float s) {
+  return fabsf(x) <= 3.40282347e38f ? __fmul_rn(x, s) : __int_as_float(0x7FFFFFFF);
+}
+
+// The FP8 bytes of y[0..3] * s (NaN where y is not finite), packed little-endian.
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ uint32_t CastScaled4(const float* y, float s) {
+  return Cvt4<kFmt>(Fp8Input(y[0], s), Fp8Input(y[1], s), Fp8Input(y[2], s), Fp8Input(y[3], s));
+}
+
+// The FP8 byte of y * s (NaN where y is not finite).
+template <__nv_fp8_interpretation_t kFmt>
+__device__ __forceinline__ uint8_t CastScaled(float y, float s) {
+  return __nv_cvt_float_to_fp8(Fp8Input(y, s), __NV_SATFINITE, kFmt);
 }
 
 // The bits of max(|a|, |b|), NaN if either is: one FMNMX.NAN with both operands' absolute values (PTX max.NaN,

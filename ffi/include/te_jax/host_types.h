@@ -47,9 +47,9 @@ struct Fp8Format {
 inline constexpr Fp8Format kE4M3{3, 7, -6, 448.0f, 0x7E, 0x7F};
 inline constexpr Fp8Format kE5M2{2, 15, -14, 57344.0f, 0x7B, 0x7E};
 
-// Saturating cast: NaN -> NaN, |v| >= max -> +-max (inf included), otherwise round to nearest even. Bit arithmetic
-// and one float rounding, no libm calls (~3 ns an element): checked equal to a frexp/ldexp/nearbyint formulation on
-// every bfloat16 value and every 7th float32 bit pattern.
+// Saturating cast: NaN -> NaN, |v| >= max -> +-max (inf included: ScaledToFp8 below sends an inf input to NaN),
+// otherwise round to nearest even. Bit arithmetic and one float rounding, no libm calls (~3 ns an element): checked
+// equal to a frexp/ldexp/nearbyint formulation on every bfloat16 value and every 7th float32 bit pattern.
 inline uint8_t FloatToFp8(float v, const Fp8Format& fmt) {
   const uint32_t bits = FloatToBits(v);
   const uint8_t sign = (bits >> 24) & 0x80u;
@@ -70,6 +70,14 @@ inline uint8_t FloatToFp8(float v, const Fp8Format& fmt) {
   }
   const uint32_t exp_field = static_cast<uint32_t>(exp + fmt.bias);
   return sign | static_cast<uint8_t>((exp_field << fmt.mant_bits) | (q - (1u << fmt.mant_bits)));
+}
+
+// The FP8 cast every CPU handler makes (te_jax.ops.quantize.saturating_cast): x * scale saturating, and the format's
+// positive NaN where x is +-inf or NaN (E4M3 has no inf; a clamp would turn an inf into +-max and hide it). The test is
+// on x, not on the product: a finite x whose product overflows float32 still saturates.
+inline uint8_t ScaledToFp8(float x, float scale, const Fp8Format& fmt) {
+  if ((FloatToBits(x) & 0x7FFFFFFFu) >= 0x7F800000u) return fmt.nan_bits;
+  return FloatToFp8(x * scale, fmt);
 }
 
 }  // namespace te_jax
