@@ -294,7 +294,9 @@ def test_gpu_casts(fp8, dtype, gpu):
   x[7, 9] = np.inf
 
   def f(x, g):
-    return norm_fwd(x, g, norm_type="rmsnorm", dtype=fp8, scale=8.0), norm_fwd(x, g, norm_type="rmsnorm").out
+    # the float32 output: an output in the input dtype would round twice (to bf16, then to FP8)
+    return (norm_fwd(x, g, norm_type="rmsnorm", dtype=fp8, scale=8.0),
+            norm_fwd(x, g, norm_type="rmsnorm", dtype=jnp.float32).out)
 
   out, y = run(f, (x, gamma), "cuda", gpu)
   check_cast(out.out, y, 8.0, fp8, "norm out")
