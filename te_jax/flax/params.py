@@ -14,8 +14,8 @@ import numpy as np
 from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
-           "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "reshaped",
-           "resolve_deterministic", "seq_first_to_batch_first"]
+           "SEQ", "axes", "context_parallel_axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params",
+           "reshaped", "resolve_deterministic", "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -31,6 +31,16 @@ LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
 def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
   """The logical axis names of a parameter, or () (no names) when the module does not name its axes."""
   return names if enabled else ()
+
+
+def context_parallel_axes() -> dict[str, tuple[str, ...]]:
+  """``batch_axes`` and ``head_axes`` for ``te_jax.context_parallel_attention`` from the Flax logical axis rules in
+  context (``nn.logical_axis_rules``): the mesh axes of ``BATCH`` and ``HEADS`` (none where no rule maps them, as
+  Flax reads rules); {} without rules (the function's defaults: the batch over every other mesh axis)."""
+  if not nn.get_logical_axis_rules():
+    return {}
+  batch, heads = nn.logical_to_mesh_axes((BATCH, HEADS))
+  return {"batch_axes": () if batch is None else _as_tuple(batch), "head_axes": () if heads is None else _as_tuple(heads)}
 
 
 def seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:
