@@ -35,6 +35,13 @@ RESULTS = HERE / "results"
 FORMAT = 1
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
+
+def markers(source: str) -> tuple[str, str]:
+  """The README markers of a results file's block: ``BEGIN``/``END`` for results/h200.json, the file's stem in them
+  for another device's (``<!-- benchmarks:nvidia_h100_80gb_hbm3:begin -->``)."""
+  stem = pathlib.Path(source).stem
+  return (BEGIN, END) if stem == "h200" else (f"<!-- benchmarks:{stem}:begin -->", f"<!-- benchmarks:{stem}:end -->")
+
 # Fields every row has: its key, whether it ran as intended, and its run's provenance.
 KEY_FIELDS = ("bench", "case", "impl")
 RUN_FIELDS = ("commit", "date", "versions", "copy_gbps", "copy_loop_gbps", "runs")
@@ -274,8 +281,9 @@ def _gbps(v: Any) -> str:
 # What the README shows: the headline comparisons. (bench, impls in display order); a layer's first case that is not
 # the stack's; a kernel's first two cases (its headline shapes; `python benchmarks/run.py --show` prints them all).
 README_LAYERS = (
-    ("transformer", ("te_jax TransformerLayer fp8", "te_jax TransformerLayer fp8 (fast accumulation)", "flax layer fp8",
-                     "flax layer bf16")),
+    ("transformer", ("te_jax TransformerLayer fp8", "te_jax TransformerLayer fp8 (fast accumulation)",
+                     "te_jax.nnx TransformerLayer fp8", "te_jax TransformerLayer fp8, 1-device mesh, every rule",
+                     "flax layer fp8", "flax layer bf16")),
     ("layernorm_mlp", ("te_jax LayerNormMLP fp8", "flax block fp8", "flax block bf16")),
     ("dense", ("te_jax DenseGeneral fp8", "te_jax DenseGeneral fp8 (fast accumulation)", "flax Dense fp8",
                "flax Dense bf16")),
@@ -414,19 +422,20 @@ def readme_block(results: dict, source: str = "benchmarks/results/h200.json") ->
   return "\n".join(out + [""])
 
 
-def _split(text: str, path: str) -> tuple[str, str, str]:
-  """(before the block, the block, after it); the markers stay in before/after."""
-  if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-    raise ValueError(f"{path}: needs exactly one {BEGIN} followed by one {END}")
-  head, rest = text.split(BEGIN)
-  block, tail = rest.split(END)
-  return head + BEGIN, block.strip("\n"), END + tail
+def _split(text: str, path: str, source: str = "benchmarks/results/h200.json") -> tuple[str, str, str]:
+  """(before the block of ``source``, the block, after it); the markers stay in before/after."""
+  begin, end = markers(source)
+  if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+    raise ValueError(f"{path}: needs exactly one {begin} followed by one {end}")
+  head, rest = text.split(begin)
+  block, tail = rest.split(end)
+  return head + begin, block.strip("\n"), end + tail
 
 
 def write_readme(readme: pathlib.Path, results: dict, source: str = "benchmarks/results/h200.json") -> bool:
   """Rewrites the block of ``readme``; returns whether it changed."""
   text = readme.read_text()
-  head, block, tail = _split(text, str(readme))
+  head, block, tail = _split(text, str(readme), source)
   new = readme_block(results, source).strip("\n")
   if new == block:
     return False
@@ -436,7 +445,7 @@ def write_readme(readme: pathlib.Path, results: dict, source: str = "benchmarks/
 
 def check_readme(readme: pathlib.Path, results: dict, source: str = "benchmarks/results/h200.json") -> str:
   """"" when the block of ``readme`` is what ``results`` generate, else a unified diff (README -> generated)."""
-  _, block, _ = _split(readme.read_text(), str(readme))
+  _, block, _ = _split(readme.read_text(), str(readme), source)
   new = readme_block(results, source).strip("\n")
   if new == block:
     return ""

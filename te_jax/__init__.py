@@ -18,6 +18,11 @@ from te_jax._core.scaling import FP8_RESIDUAL as FP8_RESIDUAL
 from te_jax.fused.attention import attention_backend as attention_backend
 from te_jax.fused.attention import dot_product_attention as dot_product_attention
 from te_jax.fused.attention import make_attention_mask as make_attention_mask
+from te_jax.fused.context_parallel import context_parallel_attention as context_parallel_attention
+from te_jax.fused.context_parallel import context_parallel_backend as context_parallel_backend
+from te_jax.fused.context_parallel import from_zigzag as from_zigzag
+from te_jax.fused.context_parallel import to_zigzag as to_zigzag
+from te_jax.fused.context_parallel import zigzag_order as zigzag_order
 from te_jax.fused.dense import dense as dense
 from te_jax.fused.layernorm_dense import layernorm_dense as layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp as layernorm_mlp
@@ -32,9 +37,9 @@ from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_uppe
 
 __all__ = [
     "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "activation", "apply_rope", "attention_backend", "autocast",
-    "dense", "dot_product_attention", "layernorm", "layernorm_dense", "layernorm_mlp", "make_attention_mask",
-    "ops", "recipe", "rope_frequencies", "scaled_masked_softmax", "scaled_softmax",
-    "scaled_upper_triang_masked_softmax",
+    "context_parallel_attention", "context_parallel_backend", "dense", "dot_product_attention", "from_zigzag",
+    "layernorm", "layernorm_dense", "layernorm_mlp", "make_attention_mask", "ops", "recipe", "rope_frequencies",
+    "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax", "to_zigzag", "zigzag_order",
 ]
 
 __version__ = "0.1.0"

@@ -24,6 +24,16 @@ def test_readme_block_is_generated_from_the_results():
   assert not diff, f"README.md's benchmark block is stale; run `python benchmarks/report.py --write README.md`:\n{diff}"
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.stem)
+def test_every_device_block_is_generated_from_its_results(path):
+  """Every results file committed has its block in the README (h200.json: BEGIN/END; another device's: its own
+  markers), generated from it."""
+  source = f"benchmarks/results/{path.name}"
+  diff = report.check_readme(ROOT / "README.md", report.load(path), source)
+  assert not diff, (f"README.md's {path.stem} block is stale; run `python benchmarks/report.py --results {source} "
+                    f"--write README.md`:\n{diff}")
+
+
 def test_check_exits_nonzero_and_names_the_difference(tmp_path):
   readme = tmp_path / "README.md"
   readme.write_text(f"intro\n{report.BEGIN}\n| a stale | table |\n{report.END}\noutro\n")

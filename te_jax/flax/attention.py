@@ -33,12 +33,34 @@ import numpy as np
 
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral
-from te_jax.flax.params import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, Initializer, axes, is_int, logical,
-                                resolve_deterministic, seq_first_to_batch_first)
-from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
-                                    dot_product_attention, fp8_dpa_enabled, layout_for)
+from te_jax.flax.params import (
+  ACT_EMBED,
+  BATCH,
+  EMBED,
+  HEAD_DIM,
+  HEADS,
+  QKV,
+  SEQ,
+  Initializer,
+  axes,
+  context_parallel_axes,
+  is_int,
+  logical,
+  resolve_deterministic,
+  seq_first_to_batch_first,
+)
+from te_jax.fused.attention import (
+  ATTN_MASK_TYPES,
+  QKV_LAYOUTS,
+  AttentionBackend,
+  attention_backend,
+  dot_product_attention,
+  fp8_dpa_enabled,
+  layout_for,
+)
 from te_jax.fused.attention_config import check_mask_convention, masked_out
 from te_jax.fused.attention_masks import alibi_bias_at
+from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention, context_parallel_backend
 from te_jax.ops.rope import apply_rope, rope_frequencies
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "RelativePositionBiases"]
@@ -80,6 +102,15 @@ class DotProductAttention(nn.Module):
       (default): as the autocast recipe's ``fp8_dpa`` asks, where this configuration allows it.
     mask_convention: what the call's ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA
       Transformer Engine's), True or nonzero = masked out.
+    context_parallel: the mesh axis the sequence is sharded over, for context parallelism
+      (``te_jax.context_parallel_attention``); None (default): none. The mesh is ``mesh``, else the one set by
+      ``jax.set_mesh``; the batch and heads axes come from Flax's logical axis rules in context (``"batch"``,
+      ``"heads"``), else the batch is taken as sharded over every other mesh axis. Masks: "no_mask", "causal", and
+      the padding as ``segment_ids``; no bias, window, dropout or FP8 attention.
+    cp_strategy: "all_gather" (default) or "ring".
+    cp_load_balanced: the sequence is in zig-zag order (``te_jax.to_zigzag``), which balances causal attention's
+      work over the devices (default True).
+    mesh: the mesh of ``context_parallel``; None: the one in context.
   """
 
   head_dim: int
@@ -98,6 +129,10 @@ class DotProductAttention(nn.Module):
   backend: str = "auto"
   fp8_dpa: bool | None = None
   mask_convention: str = "flax"
+  context_parallel: str | None = None
+  cp_strategy: str = "all_gather"
+  cp_load_balanced: bool = True
+  mesh: Any = None
 
   def _layout(self) -> str:
     return layout_for(self.qkv_layout, self.transpose_batch_sequence)
@@ -131,6 +166,8 @@ class DotProductAttention(nn.Module):
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
     rate = 0.0 if deterministic else self.attention_dropout
     kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
+    if self.context_parallel is not None:
+      return context_parallel_backend(*cast, strategy=self.cp_strategy, **kw)
     return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa_enabled(self.fp8_dpa, *cast, bias, mask, **kw), **kw)
 
   @nn.compact
@@ -159,6 +196,13 @@ class DotProductAttention(nn.Module):
     rate = 0.0 if deterministic else self.attention_dropout
     rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
     kw = dict(segment_ids=segment_ids, dropout_rate=rate, **kw)
+    if self.context_parallel is not None:
+      check_layer_options(bias=bias, attn_bias_type=self.attn_bias_type, window_size=self.window_size,
+                          fp8_dpa=self.fp8_dpa, transpose_batch_sequence=self.transpose_batch_sequence)
+      del kw["attn_bias_type"], kw["window_size"], kw["mask_convention"]
+      return context_parallel_attention(query, key, value, mask=mask, axis=self.context_parallel, mesh=self.mesh,
+                                        strategy=self.cp_strategy, load_balanced=self.cp_load_balanced,
+                                        **context_parallel_axes(), **kw)
     fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw)
     return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
 
@@ -294,6 +338,10 @@ class MultiHeadAttention(nn.Module):
       the configuration allows it.
     mask_convention: what the call's ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA
       Transformer Engine's), True or nonzero = masked out.
+    context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the attention (see
+      ``DotProductAttention``; no KV cache; for cross attention both inputs are sequence-sharded). With ``cp_load_balanced`` the sequence is in zig-zag
+      order, so RoPE needs the call's ``positions`` (``te_jax.zigzag_order(S, cp)``): the default ``arange`` would
+      be wrong, and raises.
   """
 
   head_dim: int
@@ -326,6 +374,10 @@ class MultiHeadAttention(nn.Module):
   backend: str = "auto"
   fp8_dpa: bool | None = None
   mask_convention: str = "flax"
+  context_parallel: str | None = None
+  cp_strategy: str = "all_gather"
+  cp_load_balanced: bool = True
+  mesh: Any = None
 
   def _check(self):
     if self.attn_mask_type not in ATTN_MASK_TYPES:
@@ -446,6 +498,12 @@ class MultiHeadAttention(nn.Module):
       raise ValueError("decode=True (KV cache) is for self attention: pass inputs_kv=None")
     if decode and segment_ids is not None:
       raise ValueError("decode=True does not take segment_ids")
+    if self.context_parallel is not None:
+      check_layer_options(decode=decode)
+      if self.enable_rotary_pos_emb and self.cp_load_balanced and positions is None:
+        raise ValueError("positions: with context_parallel and cp_load_balanced=True the sequence is in zig-zag order, "
+                         "so RoPE needs its tokens' positions: pass positions=te_jax.zigzag_order(seq_len, cp) (or "
+                         "cp_load_balanced=False for a sequence in its natural order)")
     kv_heads, rotary_dim = self._check()
     # The caller's mask in the one representation the attention computes with (True = masked out), converted once
     # here: the KV-cache path adds its own masked positions to it, and the attention below takes it as "te".
@@ -499,7 +557,8 @@ class MultiHeadAttention(nn.Module):
         head_dim=d, num_attention_heads=h, num_gqa_groups=kv_heads, attn_mask_type=mask_type, attn_bias_type=bias_type,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
         scale_factor=self.scale_factor, window_size=window, backend=self.backend, fp8_dpa=self.fp8_dpa,
-        mask_convention="te", name="attention")
+        mask_convention="te", context_parallel=self.context_parallel, cp_strategy=self.cp_strategy,
+        cp_load_balanced=self.cp_load_balanced, mesh=self.mesh, name="attention")
     out = self._gathered(attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic), HEADS,
                          HEAD_DIM)
     if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values

@@ -6,16 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
-from flax.core import meta
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 
 from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
-           "SEQ", "axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params", "reshaped",
-           "resolve_deterministic", "rule_shards", "seq_first_to_batch_first"]
+           "SEQ", "axes", "context_parallel_axes", "features_tuple", "flat_init", "is_int", "logical", "norm_params",
+           "reshaped", "resolve_deterministic", "rule_shards", "seq_first_to_batch_first"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -36,6 +36,16 @@ def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
 def rule_shards(name: str | None) -> bool:
   """Whether the logical axis rules in effect (``nn.logical_axis_rules``) map logical axis ``name`` to a mesh axis."""
   return name is not None and nn.logical_to_mesh_axes((name,))[0] is not None
+
+
+def context_parallel_axes() -> dict[str, tuple[str, ...]]:
+  """``batch_axes`` and ``head_axes`` for ``te_jax.context_parallel_attention`` from the Flax logical axis rules in
+  context (``nn.logical_axis_rules``): the mesh axes of ``BATCH`` and ``HEADS`` (none where no rule maps them, as
+  Flax reads rules); {} without rules (the function's defaults: the batch over every other mesh axis)."""
+  if not nn.get_logical_axis_rules():
+    return {}
+  batch, heads = nn.logical_to_mesh_axes((BATCH, HEADS))
+  return {"batch_axes": () if batch is None else _as_tuple(batch), "head_axes": () if heads is None else _as_tuple(heads)}
 
 
 def seq_first_to_batch_first(x: jax.Array | None, transposed: bool) -> jax.Array | None:

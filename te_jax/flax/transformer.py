@@ -65,6 +65,8 @@ class TransformerLayer(nn.Module):
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype, param_dtype, backend, logical_axes, fp8_dpa, mask_convention: as in MultiHeadAttention; kernel_init:
       every kernel's initializer (each of q, k and v initialized as a kernel of its own).
+    context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the self attention, as in
+      MultiHeadAttention (with ``cp_load_balanced`` and RoPE, pass ``positions``).
   """
 
   hidden_size: int = 512
@@ -103,6 +105,10 @@ class TransformerLayer(nn.Module):
   logical_axes: bool = False
   fp8_dpa: bool | None = None
   mask_convention: str = "flax"
+  context_parallel: str | None = None
+  cp_strategy: str = "all_gather"
+  cp_load_balanced: bool = True
+  mesh: Any = None
 
   def _check(self):
     if self.layer_type not in LAYER_TYPES:
@@ -218,7 +224,8 @@ class TransformerLayer(nn.Module):
     post_residual = self.apply_residual_connection_post_layernorm
     attn = self._mha("self_attention", mask_type, bias_type, self.enable_rotary_pos_emb,
                      return_layernorm_output=post_residual, window_size=self.window_size,
-                     transpose_batch_sequence=self.transpose_batch_sequence)
+                     transpose_batch_sequence=self.transpose_batch_sequence, context_parallel=self.context_parallel,
+                     cp_strategy=self.cp_strategy, cp_load_balanced=self.cp_load_balanced, mesh=self.mesh)
     attn_args = dict(segment_ids=segment_ids, positions=positions, decode=decode, deterministic=deterministic)
     x = self._residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **attn_args), x, deterministic)
     if self.output_layernorm:

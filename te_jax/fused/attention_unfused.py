@@ -1,5 +1,6 @@
 """The unfused attention backend: plain jnp (two einsums) around te_jax's fused softmax kernels. Runs everywhere; the
-reference the cuDNN backend is tested against."""
+reference the cuDNN backend is tested against. ``unfused_with_lse`` also returns each row's log-sum-exp, which is
+what blocks of keys computed apart (context parallelism's ring) need to be merged into one softmax."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from te_jax.fused.attention_config import AttentionConfig
 from te_jax.fused.attention_masks import alibi_bias
 from te_jax.ops.softmax import scaled_masked_softmax, scaled_softmax
 
-__all__ = ["unfused"]
+__all__ = ["unfused", "unfused_with_lse"]
 
 
 def _probabilities(logits: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
@@ -25,22 +26,64 @@ def _probabilities(logits: jax.Array, mask: jax.Array | None, scale: float) -> j
   return scaled_masked_softmax(logits, mask, scale_factor=float(scale))
 
 
-def unfused(q, k, v, bias, mask, dropout_rng, cfg: AttentionConfig):
-  """BSHD q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, T, H, Dv)."""
+def _logits(q, k, bias, cfg: AttentionConfig) -> tuple[jax.Array, float]:
+  """``<q_i, k_j>`` per head (B, H, T, S) in float32, and the scale the softmax still has to apply (the bias, when
+  there is one, is added after the scaling, so the scale is applied here and 1 is left)."""
   b, t, h, d = q.shape
-  s, dv = k.shape[1], v.shape[-1]  # explicit sizes, not -1: a reshape cannot infer a dim of an empty array
+  s = k.shape[1]  # explicit sizes, not -1: a reshape cannot infer a dim of an empty array
   hk, g = cfg.kv_heads, cfg.heads // cfg.kv_heads
   qg = q.reshape(b, t, hk, g, d)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32).reshape(b, h, t, s)
-  scale = cfg.scale
-  if cfg.bias_type != "no_bias":
-    extra = alibi_bias(cfg) if cfg.bias_type == "alibi" else bias.astype(jnp.float32)
-    logits, scale = logits * jnp.float32(cfg.scale) + extra, 1.0
+  if cfg.bias_type == "no_bias":
+    return logits, cfg.scale
+  extra = alibi_bias(cfg) if cfg.bias_type == "alibi" else bias.astype(jnp.float32)
+  return logits * jnp.float32(cfg.scale) + extra, 1.0
+
+
+def _attend(probs, v, cfg: AttentionConfig) -> jax.Array:
+  """``sum_j P[i, j] v[j]`` per head: probabilities (B, H, T, S) and v (B, S, Hk, Dv) -> (B, T, H, Dv) in float32."""
+  b, h, t, s = probs.shape
+  hk, dv = cfg.kv_heads, v.shape[-1]
+  probs = probs.astype(v.dtype).reshape(b, hk, h // hk, t, s)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, dv)
+
+
+def unfused(q, k, v, bias, mask, dropout_rng, cfg: AttentionConfig):
+  """BSHD q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, T, H, Dv)."""
+  logits, scale = _logits(q, k, bias, cfg)
   probs = _probabilities(logits, mask, scale)
   if cfg.dropout_rate > 0:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - cfg.dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / jnp.float32(1.0 - cfg.dropout_rate), 0.0)
-  probs = probs.astype(v.dtype).reshape(b, hk, g, t, s)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-  return out.reshape(b, t, h, dv).astype(q.dtype)
+  return _attend(probs, v, cfg).astype(q.dtype)
 
+
+def _masked_logsumexp(z: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """``log sum_j exp(z_j)`` over the last axis and the j not masked; -inf (with a zero gradient, not NaN) on a fully
+  masked row. The shift by the row's maximum only keeps exp in range: it is held constant for the gradient, which
+  does not depend on it."""
+  if mask is not None:
+    z = jnp.where(mask, -jnp.inf, z)
+  m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  total = jnp.sum(jnp.exp(z - m), axis=-1)
+  some = total > 0
+  return jnp.where(some, jnp.log(jnp.where(some, total, 1.0)) + m[..., 0], -jnp.inf)
+
+
+def unfused_with_lse(q, k, v, bias, mask, cfg: AttentionConfig) -> tuple[jax.Array, jax.Array]:
+  """``unfused`` without dropout, returning the output in float32 (B, T, H, Dv) and each row's log-sum-exp of the
+  scaled logits over the keys not masked, float32 (B, T, H) (-inf on a fully masked row, whose output is 0).
+
+  Two blocks of keys attended apart merge into the attention over both: ``lse = logaddexp(lse_1, lse_2)``,
+  ``out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2``. The probabilities come from the same softmax kernel as
+  ``unfused``; the log-sum-exp is a second pass over the logits (the kernel keeps neither the row maximum nor the
+  sum), differentiable, so a block's gradient through both outputs is ``jax.vjp`` of this function.
+  """
+  if cfg.dropout_rate > 0:
+    raise ValueError("unfused_with_lse takes no dropout")
+  logits, scale = _logits(q, k, bias, cfg)
+  out = _attend(_probabilities(logits, mask, scale), v, cfg)
+  lse = _masked_logsumexp(logits * jnp.float32(scale), mask)
+  return out, jnp.swapaxes(lse, 1, 2)

@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax.flax.params import EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, seq_first_to_batch_first
+from te_jax.flax.params import (EMBED, HEAD_DIM, HEADS, QKV, Initializer, axes, context_parallel_axes,
+                                seq_first_to_batch_first)
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, dot_product_attention, fp8_dpa_enabled,
                                     layout_for)
 from te_jax.fused.attention_config import check_mask_convention
+from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention
 from te_jax.nnx.dense import DenseGeneral
 from te_jax.nnx.layernorm import LayerNormDenseGeneral
 from te_jax.nnx.params import resolve_deterministic
@@ -30,7 +32,8 @@ __all__ = ["DotProductAttention", "MultiHeadAttention"]
 class DotProductAttention(nnx.Module):
   """Scaled dot-product attention over already-projected q, k, v (see ``te_jax.dot_product_attention`` and
   te_jax.flax.DotProductAttention, whose arguments these are; dropout masks come from ``rngs``'
-  ``dropout_rng_name`` stream).
+  ``dropout_rng_name`` stream). ``context_parallel``, ``cp_strategy``, ``cp_load_balanced`` and ``mesh``: context
+  parallelism, as in te_jax.flax.DotProductAttention.
 
   >>> import jax.numpy as jnp, te_jax.nnx as te_nnx
   >>> attn = te_nnx.DotProductAttention(32, 4, num_gqa_groups=2)
@@ -44,8 +47,15 @@ class DotProductAttention(nnx.Module):
                dropout_rng_name: str = "dropout", qkv_layout: str = "BSHD", scale_factor: float | None = None,
                window_size: tuple[int, int] | None = None, transpose_batch_sequence: bool = False,
                deterministic: bool | None = None, dtype: Any = None, backend: str = "auto",
-               fp8_dpa: bool | None = None, mask_convention: str = "flax", rngs: nnx.Rngs | None = None):
+               fp8_dpa: bool | None = None, mask_convention: str = "flax", context_parallel: str | None = None,
+               cp_strategy: str = "all_gather", cp_load_balanced: bool = True, mesh: Any = None,
+               rngs: nnx.Rngs | None = None):
     self.head_dim, self.num_attention_heads, self.num_gqa_groups = head_dim, num_attention_heads, num_gqa_groups
+    self.context_parallel, self.cp_strategy, self.cp_load_balanced = context_parallel, cp_strategy, cp_load_balanced
+    self.mesh = mesh
+    if context_parallel is not None:
+      check_layer_options(attn_bias_type=attn_bias_type, window_size=window_size, fp8_dpa=fp8_dpa,
+                          transpose_batch_sequence=transpose_batch_sequence)
     self.attn_mask_type, self.attn_bias_type, self.attention_dropout = attn_mask_type, attn_bias_type, attention_dropout
     self.qkv_layout, self.scale_factor, self.window_size = qkv_layout, scale_factor, window_size
     self.transpose_batch_sequence, self.deterministic, self.dtype = transpose_batch_sequence, deterministic, dtype
@@ -75,6 +85,12 @@ class DotProductAttention(nnx.Module):
     kw = dict(segment_ids=segment_ids, dropout_rate=rate, attn_mask_type=attn_mask_type or self.attn_mask_type,
               attn_bias_type=self.attn_bias_type, scale_factor=self.scale_factor, window_size=self.window_size,
               qkv_layout=layout, backend=self.backend, mask_convention=self.mask_convention)
+    if self.context_parallel is not None:
+      check_layer_options(bias=bias)
+      del kw["attn_bias_type"], kw["window_size"], kw["mask_convention"]
+      return context_parallel_attention(query, key, value, mask=mask, axis=self.context_parallel, mesh=self.mesh,
+                                        strategy=self.cp_strategy, load_balanced=self.cp_load_balanced,
+                                        **context_parallel_axes(), **kw)
     fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw)
     return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
 
@@ -95,6 +111,8 @@ class MultiHeadAttention(nnx.Module):
     attention_type: "self" (the call's ``inputs_kv`` is None or the query input) or "cross" (``inputs_kv`` is
       given): it decides the projections (one ``qkv`` kernel for self attention without GQA; ``query`` and ``kv``
       otherwise).
+    context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the attention, as in
+      te_jax.flax.MultiHeadAttention (with ``cp_load_balanced`` and RoPE, the call takes ``positions``).
     rngs: the ``params`` stream, and with attention dropout the ``dropout_rng_name`` stream.
   """
 
@@ -110,7 +128,8 @@ class MultiHeadAttention(nnx.Module):
                bias_init: Initializer = nnx.initializers.zeros_init(), logical_axes: bool = False,
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                backend: str = "auto", fp8_dpa: bool | None = None, mask_convention: str = "flax",
-               recipe: Recipe | None = None, rngs: nnx.Rngs):
+               context_parallel: str | None = None, cp_strategy: str = "all_gather", cp_load_balanced: bool = True,
+               mesh: Any = None, recipe: Recipe | None = None, rngs: nnx.Rngs):
     if attn_mask_type not in ATTN_MASK_TYPES:
       raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
     if attention_type not in ("self", "cross"):
@@ -154,7 +173,9 @@ class MultiHeadAttention(nnx.Module):
         d, h, num_gqa_groups=kv_heads, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
         attention_dropout=attention_dropout, dropout_rng_name=dropout_rng_name, scale_factor=scale_factor,
         window_size=window_size, backend=backend, fp8_dpa=fp8_dpa, mask_convention=mask_convention,
+        context_parallel=context_parallel, cp_strategy=cp_strategy, cp_load_balanced=cp_load_balanced, mesh=mesh,
         rngs=rngs)
+    self.cp_rope_needs_positions = context_parallel is not None and cp_load_balanced and enable_rotary_pos_emb
     self.out = DenseGeneral((h, d), in_features, axis=(-2, -1), kernel_axes=ax(HEADS, HEAD_DIM, EMBED),
                             bias_axes=ax(EMBED), **dense_kw)
 
@@ -195,6 +216,9 @@ class MultiHeadAttention(nnx.Module):
       q, ln_out, x_passed = _split_projection(out, want_norm, pass_input)
       k, v = self.kv(ln_out if self.kv_from_norm else xkv)
     if self.enable_rotary_pos_emb:
+      if self.cp_rope_needs_positions and positions is None:
+        raise ValueError("positions: with context_parallel and cp_load_balanced=True the sequence is in zig-zag order, "
+                         "so RoPE needs its tokens' positions: pass positions=te_jax.zigzag_order(seq_len, cp)")
       q, k = self._rope(q, k, positions)
     if attn_mask_type is not None and attn_mask_type not in ATTN_MASK_TYPES:
       raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")

@@ -60,7 +60,8 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = nnx.initializers.variance_scaling(1.0, "fan_in", "normal"),
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                backend: str = "auto", logical_axes: bool = False, fp8_dpa: bool | None = None,
-               mask_convention: str = "flax", recipe: Recipe | None = None, rngs: nnx.Rngs):
+               mask_convention: str = "flax", context_parallel: str | None = None, cp_strategy: str = "all_gather",
+               cp_load_balanced: bool = True, mesh: Any = None, recipe: Recipe | None = None, rngs: nnx.Rngs):
     if layer_type not in ("encoder", "decoder"):
       raise ValueError(f"layer_type must be one of ('encoder', 'decoder'), got {layer_type!r}")
     if cross_attention and layer_type != "decoder":
@@ -88,7 +89,9 @@ class TransformerLayer(nnx.Module):
         transpose_batch_sequence=transpose_batch_sequence, rngs=rngs)
     # The mask type is the call's (padding without a mask is no mask): attention takes it per call, see __call__.
     self.self_attention = mha(attn_mask_type=self.mask_type, attn_bias_type=self_attn_bias_type,
-                              enable_rotary_pos_emb=enable_rotary_pos_emb, window_size=window_size)
+                              enable_rotary_pos_emb=enable_rotary_pos_emb, window_size=window_size,
+                              context_parallel=context_parallel, cp_strategy=cp_strategy,
+                              cp_load_balanced=cp_load_balanced, mesh=mesh)
     norm = functools.partial(LayerNorm, hidden_size, norm_type=norm_type, epsilon=epsilon,
                              zero_centered_gamma=zero_centered_gamma, scale_axes=ax(EMBED), bias_axes=ax(EMBED),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
