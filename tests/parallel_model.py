@@ -64,7 +64,16 @@ def init_case(kind, mesh, rules):
 
 def train_step(model):
   """``step(variables, x, target) -> (new variables, loss, gradients)``: SGD on the parameters, the FP8 state
-  overwritten by its update, as ``TrainState.apply_gradients`` does."""
+  overwritten by its update, as ``TrainState.apply_gradients`` does, with each scale then rounded down to a power of
+  two.
+
+  Why the rounding: a tensor-parallel GEMM whose K is sharded dequantizes each shard's partial sum (``* 1 / (scale_x *
+  scale_w)``, as one cuBLASLt call would its whole sum) before the psum. With a scale that is not a power of two that
+  product rounds, so the sharded sum differs from the unsharded one in the last float32 bit; the next FP8 cast then
+  rounds a few elements to the neighbouring FP8 value, and through a 4-layer stack and E5M2 gradients that moves
+  gradients by a few percent (as much as a one-ulp change of the input does on one device). Power-of-two scales make
+  every dequantization exact, so the sharded steps can be held to float32 summation-order tolerances at every step
+  (the first step runs at the initial scales of 1 either way)."""
 
   def step(v, x, target):
     def loss_fn(v):
@@ -72,7 +81,13 @@ def train_step(model):
 
     loss, g = jax.value_and_grad(loss_fn)(v)
     new = {"params": jax.tree.map(lambda p, d: p - 0.5 * d, v["params"], g["params"]),
-           te_jax.FP8_COLLECTION: g[te_jax.FP8_COLLECTION]}
+           te_jax.FP8_COLLECTION: jax.tree_util.tree_map_with_path(_power_of_two_scale, g[te_jax.FP8_COLLECTION])}
     return new, loss, g
 
   return step
+
+
+def _power_of_two_scale(path, leaf):
+  if not jax.tree_util.keystr(path).endswith("_scale']"):
+    return leaf
+  return jnp.exp2(jnp.floor(jnp.log2(leaf)))

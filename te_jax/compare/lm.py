@@ -16,9 +16,11 @@ import sysconfig
 from collections.abc import Iterator
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+import te_jax
 import te_jax.flax as te_flax
 
 __all__ = ["LM", "PRESETS", "Preset", "VOCAB", "batches", "load_corpus"]
@@ -91,6 +93,11 @@ class LM(nn.Module):
 
   With ``logical_axes`` every parameter and the residual stream carry logical axis names (te_jax's, and "vocab" for
   the embedding's rows), for ``te_jax.flax.logical_axis_rules`` (examples/sharded_lm.py).
+
+  With ``context_parallel`` (a mesh axis of the mesh in context) the self attention runs context parallel
+  (``te_jax.context_parallel_attention``, ``cp_strategy``), load balanced: the tokens must come in zig-zag order
+  (``te_jax.to_zigzag(tokens, cp)``, the labels likewise), and RoPE takes their positions from
+  ``te_jax.zigzag_order``. The logits come out in the same order.
   """
 
   hidden: int
@@ -98,6 +105,8 @@ class LM(nn.Module):
   heads: int
   mlp: int
   logical_axes: bool = False
+  context_parallel: str | None = None
+  cp_strategy: str = "all_gather"
 
   @nn.compact
   def __call__(self, tokens):
@@ -108,11 +117,20 @@ class LM(nn.Module):
     x = embed(tokens).astype(jnp.bfloat16)
     if self.logical_axes:
       x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
+    positions, cp = None, {}
+    if self.context_parallel is not None:
+      mesh = jax.sharding.get_abstract_mesh()
+      if self.context_parallel not in mesh.axis_names:
+        raise ValueError(f"LM.context_parallel={self.context_parallel!r} is not an axis of the mesh in context (axes "
+                         f"{mesh.axis_names}): call the model inside `with jax.set_mesh(mesh):`")
+      devices = mesh.shape[self.context_parallel]
+      positions = jnp.asarray(te_jax.zigzag_order(tokens.shape[1], devices))
+      cp = dict(context_parallel=self.context_parallel, cp_strategy=self.cp_strategy, cp_load_balanced=True)
     for i in range(self.layers):
       x = te_flax.TransformerLayer(hidden_size=self.hidden, intermediate_dim=self.mlp, num_attention_heads=self.heads,
                                    layer_type="decoder", enable_rotary_pos_emb=True, dtype=jnp.bfloat16,
                                    kernel_init=nn.initializers.normal(0.02), logical_axes=self.logical_axes,
-                                   name=f"layer_{i}")(x, deterministic=True)
+                                   name=f"layer_{i}", **cp)(x, positions=positions, deterministic=True)
     x = te_flax.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
     return embed.attend(x.astype(jnp.float32))  # logits in float32: the head is narrow (256) and wants precision
 

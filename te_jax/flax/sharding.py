@@ -61,8 +61,8 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
     fsdp: the mesh axis that shards the parameters (and the batch).
     tensor: the tensor-parallel mesh axis.
     sequence_parallel: shard the residual stream's sequence over ``tensor`` as well.
-    context: the context-parallel mesh axis (the sequence sharded through the attention too; te_jax's attention does
-      not yet exchange keys and values between such shards, so the partitioner gathers them).
+    context: the context-parallel mesh axis (the sequence sharded through the attention too; give the attention
+      layers the same axis as ``context_parallel=`` so that they exchange keys and values between the shards).
 
   Returns:
     A list of ``(logical axis name, mesh axes)`` with one entry per name of ``LOGICAL_AXES``.
