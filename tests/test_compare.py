@@ -115,6 +115,7 @@ def test_run_refuses_bad_arguments():
     cli.main(["--steps", "0"])
 
 
+@pytest.mark.slow  # ~65 s on 2 cores: two short training runs, BF16 and FP8, with their compiles
 def test_tiny_preset_end_to_end(tmp_path, capsys):
   """The README's main job on CPU: the emulation note first, then the table, report.json and non-empty PNGs."""
   out = tmp_path / "report"
