@@ -46,6 +46,7 @@ from jax.profiler import ProfileData
 import bench_layernorm_mlp
 import bench_transformer
 import harness
+import te_jax
 from te_jax.ops.activation import activation_bwd, activation_fwd
 from te_jax.ops.norm import norm_bwd, norm_fwd
 
@@ -204,6 +205,15 @@ def report(name: str, profiled, steps: int, top: int, host: tuple[float, float],
   print("| kind | ms | share |\n|---|---|---|")
   for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
     print(f"| {kind} | {ms:.3f} | {ms / total:.1%} |")
+  # Per op family (the HLO op's name without its number, e.g. every layer's te_act_bwd): where a whole model's step goes.
+  families: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for (kernel, op), (t, n) in totals.items():
+    f = families[(re.sub(r"\.\d+$", "", op) if op else kernel[:60], _kind(kernel))]
+    f[0] += t
+    f[1] += n
+  print("\n| op family | kind | ms | share | launches |\n|---|---|---|---|---|")
+  for (family, kind), (t, n) in sorted(families.items(), key=lambda kv: -kv[1][0])[:top]:
+    print(f"| {family} | {kind} | {t / steps / 1e6:.3f} | {t / steps / 1e6 / total:.1%} | {n / steps:g} |")
   print("\n| kernel | hlo op | kind | ms | launches |\n|---|---|---|---|---|")
   for (kernel, op), (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
     short = kernel if len(kernel) <= 90 else kernel[:87] + "..."
@@ -239,9 +249,44 @@ def layer_steps(bench: str, names: list[str] | None = None, shrink: int = 1):
     yield name, fn, (variables, x, dy)
 
 
+def lm_steps(preset: str, names: list[str] | None = None, shrink: int = 1):
+  """(name, jitted train step, its args) of ``te_jax.compare``'s byte-level LM at ``preset`` (hidden, mlp and the
+  sequence divided by ``shrink``): the BF16 run and the FP8 one (delayed scaling), each a whole train step (forward,
+  backward, AdamW) exactly as ``python -m te_jax.compare`` times it. The state is not donated here, so that the
+  same arguments serve every call."""
+  from te_jax import recipe as te_recipe  # noqa: PLC0415 (only this bench needs the compare layer)
+  from te_jax.compare import lm, train  # noqa: PLC0415
+  p = lm.PRESETS[preset]
+  fields = {k: v // shrink if k in ("hidden", "mlp") else v for k, v in p.model.items()}
+  model = lm.LM(**fields)
+  seq = max(8, p.seq // shrink)
+  tokens = jax.random.randint(jax.random.key(0), (p.batch, seq + 1), 0, lm.VOCAB)
+  batch = (tokens[:, :-1], tokens[:, 1:])
+  params = model.init(jax.random.key(1), batch[0])["params"]
+  runs = {"BF16": None, "FP8": te_recipe.DelayedScaling()}
+  for name in names or runs:
+    rec = runs[name]
+
+    def precision(rec=rec):
+      return te_jax.autocast(enabled=rec is not None, recipe=rec)
+
+    with precision():
+      state, step = train.train_state_and_step(train.Run(name, model, rec, p.steps), params, batch, lr=p.lr,
+                                               donate=False)
+
+    @jax.jit
+    def fn(state, batch, step=step, precision=precision):
+      with precision():
+        return step(state, batch)
+
+    jax.block_until_ready(fn(state, batch))
+    yield f"LM {preset} {name}", fn, (state, batch)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--bench", choices=("transformer", "layernorm_mlp", "ops"), default="transformer")
+  parser.add_argument("--bench", choices=("transformer", "layernorm_mlp", "ops", "lm"), default="transformer")
+  parser.add_argument("--preset", default="gpt-small", help="with --bench lm: te_jax.compare's preset")
   parser.add_argument("--impl", action="append",
                       help="implementation (or, with --bench ops, op) name; repeatable; default: the two FP8 ones "
                            "(every op)")
@@ -268,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         continue
       report(name, kernel_times(fn, args, a.steps), a.steps, a.top, host_times(fn, args))
     return 0
-  for name, fn, args in layer_steps(a.bench, a.impl, a.shrink):
+  steps = (lm_steps(a.preset, a.impl, a.shrink) if a.bench == "lm" else layer_steps(a.bench, a.impl, a.shrink))
+  for name, fn, args in steps:
     if a.untraced:
       per_call, dispatch = host_times(fn, args)
       print(f"{name}: {per_call:.3f} ms per call of {HOST_BATCH} dispatched back to back, {dispatch:.3f} ms to "

@@ -138,10 +138,13 @@ sanitize() {
   for tool in memcheck initcheck racecheck synccheck poison; do
     echo "--- $tool: $(grep -c ': ok$' "$LOGS/.sanitize_$tool") cases ok; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" \
       "$LOGS/.sanitize_$tool" | tail -n 1)"
-    grep -vE ": ok$|^=========     |COMPUTE-SANITIZER|SUMMARY: 0 (errors|hazards)" "$LOGS/.sanitize_$tool" | head -n 25
+    # Each finding with its first detail lines (the kernel, the thread, the address), then the rest of the output.
+    grep -A4 -E "^========= [A-Z]" "$LOGS/.sanitize_$tool" | grep -vE "SUMMARY" | head -n 30
+    grep -vE ": ok$|^=========|COMPUTE-SANITIZER" "$LOGS/.sanitize_$tool" | head -n 10
     grep -qE "sanitize_kernels: [0-9]+ cases in [0-9]+ s, 0 failed" "$LOGS/.sanitize_$tool" || rc=1
     [ "$tool" = poison ] || grep -qE "ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards" "$LOGS/.sanitize_$tool" || rc=1
   done
+  [ -z "${OUT:-}" ] || mkdir -p "$OUT"
   [ -z "${OUT:-}" ] || for tool in memcheck initcheck racecheck synccheck poison; do
     head -c 200000 "$LOGS/.sanitize_$tool" > "$OUT/sanitize_$tool.log"
   done

@@ -115,6 +115,14 @@ def test_run_refuses_bad_arguments():
     cli.main(["--steps", "0"])
 
 
+def test_fast_accumulation_flag_sets_the_backward_gemms():
+  default, fast = cli.fp8_recipe("delayed"), cli.fp8_recipe("current", fast_accumulation=True)
+  assert default.fp8_gemm_dgrad.use_split_accumulator and default.fp8_gemm_wgrad.use_split_accumulator
+  assert isinstance(fast, recipe.Float8CurrentScaling)
+  assert not fast.fp8_gemm_dgrad.use_split_accumulator and not fast.fp8_gemm_wgrad.use_split_accumulator
+  assert fast.fp8_gemm_fprop == default.fp8_gemm_fprop
+
+
 @pytest.mark.slow  # ~65 s on 2 cores: two short training runs, BF16 and FP8, with their compiles
 def test_tiny_preset_end_to_end(tmp_path, capsys):
   """The README's main job on CPU: the emulation note first, then the table, report.json and non-empty PNGs."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import importlib.util
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from te_jax import recipe as te_recipe
 from te_jax.compare import lm
 from te_jax.compare.api import RECIPES, emulation_note, run
 from te_jax.compare.train import Run, train_run
@@ -58,6 +60,10 @@ def _parser():
                       help="your own model instead: a model_fn(fp8: bool) returning a Flax module that takes the "
                            "LM's (batch, seq) int32 byte tokens and returns (batch, seq, 256) logits")
   parser.add_argument("--recipe", choices=sorted(RECIPES), default="delayed", help="the FP8 run's recipe")
+  parser.add_argument("--fast-accumulation", action="store_true",
+                      help="the FP8 run's dgrad and wgrad GEMMs with Hopper's fast FP8 accumulation (the recipe's "
+                           "fp8_gemm_dgrad and fp8_gemm_wgrad with use_split_accumulator=False); default: full "
+                           "float32 accumulation there")
   parser.add_argument("--steps", type=int, default=None, help="train steps of each run (default: the preset's)")
   parser.add_argument("--batch", type=int, default=None, help="sequences per batch (default: the preset's)")
   parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -68,6 +74,19 @@ def _parser():
   parser.add_argument("--seed", type=int, default=0, help="the initial parameters' and the batches' seed")
   parser.add_argument("--out", default=None, help="the report's folder (default: a fresh compare-<date> folder)")
   return parser
+
+
+def fp8_recipe(name: str, fast_accumulation: bool = False) -> te_recipe.Recipe:
+  """The FP8 run's recipe: ``RECIPES[name]`` with its defaults, or with fast accumulation in all three GEMMs.
+
+  >>> fp8_recipe("delayed", fast_accumulation=True).fp8_gemm_wgrad.use_split_accumulator
+  False
+  """
+  recipe = RECIPES[name]()
+  if fast_accumulation:
+    fast = te_recipe.MMParams(use_split_accumulator=False)
+    recipe = dataclasses.replace(recipe, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+  return recipe
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -120,9 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     what += f", distilled from a BF16 teacher {preset.model['layers']} x {preset.model['hidden']} " \
             f"(held-out loss {result['heldout_loss']:.4f})"
   description = (f"{what}; {batch} x {seq} tokens a step, {steps} steps; corpus {len(train_data) / 1e6:.1f} MB of "
-                 f"Python standard library source; preset {preset_name}")
+                 f"Python standard library source; preset {preset_name}"
+                 + ("; FP8 GEMMs with fast accumulation" if args.fast_accumulation else ""))
   print(description)
-  result = run(model_fn, train, steps=steps, eval_batches=held_out, recipe=args.recipe, lr=lr,
+  result = run(model_fn, train, steps=steps, eval_batches=held_out, recipe=fp8_recipe(args.recipe, args.fast_accumulation), lr=lr,
                eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
                out=out, seed=args.seed, description=description, quiet=True,
                **({"loss": loss} if loss else {}))

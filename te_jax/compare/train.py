@@ -20,7 +20,7 @@ import te_jax.flax as te_flax
 from te_jax import recipe as te_recipe
 from te_jax.compare import health
 
-__all__ = ["Run", "check_batches", "cross_entropy", "tokens_in", "train_run"]
+__all__ = ["Run", "check_batches", "cross_entropy", "optimizer", "tokens_in", "train_run", "train_state_and_step"]
 
 
 def cross_entropy(outputs: jax.Array, batch: tuple) -> jax.Array:
@@ -43,6 +43,33 @@ def _memory_peak(device) -> int | None:
   return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
 
 
+def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+  """AdamW (weight decay 0.01) after clipping the global gradient norm to 1, warmup over a tenth of ``steps`` to
+  ``lr``, then cosine decay to a tenth of it."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 2), lr / 10)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def train_state_and_step(run: Run, params, batch: tuple, *, loss: Callable = cross_entropy,
+                         lr: float = 1e-3, donate: bool = True) -> tuple[train_state.TrainState, Callable]:
+  """The train state of ``run`` from ``params`` (a copy; FP8 scales calibrated on ``batch``) and its train step
+  ``step(state, batch) -> (state, loss)``, jitted (with the state donated, by default); call both inside ``run``'s
+  precision (``te_jax.autocast(enabled=run.recipe is not None, recipe=run.recipe)``)."""
+
+  def loss_fn(v, batch):
+    return loss(run.model.apply(v, batch[0]), batch)
+
+  def step(state, batch):
+    value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), value
+
+  params = jax.tree.map(jnp.copy, params)  # the step donates its state; the caller's parameters start other runs
+  variables = {**run.model.init(jax.random.key(0), batch[0]), "params": params}
+  variables = te_flax.calibrate(loss_fn, variables, batch)  # FP8: the first step's scales; BF16: as it is
+  state = train_state.TrainState.create(apply_fn=run.model.apply, params=variables, tx=optimizer(lr, run.steps))
+  return state, jax.jit(step, donate_argnums=0 if donate else ())
+
+
 def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence[tuple], *,
               loss: Callable = cross_entropy, lr: float = 1e-3, eval_every: int = 0, health_every: int = 0,
               tokens_per_batch: int, position: int = 0) -> dict:
@@ -56,8 +83,6 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
   device = jax.devices()[0]
   fp8 = run.recipe is not None
   delayed = isinstance(run.recipe, te_recipe.DelayedScaling)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 2), lr / 10)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   x0 = batches[0]
 
   def precision():
@@ -71,23 +96,15 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
       outputs, sown = run.model.apply(v, batch[0], mutable=[health.HEALTH_COLLECTION])
     return loss(outputs, batch), health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {}))
 
-  def step(state, batch):
-    value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-    return state.apply_gradients(grads=grads), value
-
   def step_with_health(state, batch):
     (value, inputs), grads = jax.value_and_grad(loss_with_health, has_aux=True)(state.params, batch)
     return state.apply_gradients(grads=grads), value, {**health.kernel_health(state.params), **inputs}
 
   peak_before = _memory_peak(device)
-  params = jax.tree.map(jnp.copy, params)  # the step donates its state; the caller's parameters start other runs
   with precision():
-    variables = run.model.init(jax.random.key(0), x0[0])
-    variables = {**variables, "params": params}
-    variables = te_flax.calibrate(loss_fn, variables, x0)  # FP8: the first step's scales; BF16: as it is
-    state = train_state.TrainState.create(apply_fn=run.model.apply, params=variables, tx=tx)
+    state, step = train_state_and_step(run, params, x0, loss=loss, lr=lr)
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=0).lower(state, x0).compile()
+    compiled = step.lower(state, x0).compile()
     compile_s = time.perf_counter() - t0
     evaluate = jax.jit(loss_fn)
     measure = jax.jit(step_with_health, donate_argnums=0) if delayed and health_every else None
@@ -99,31 +116,54 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
     with precision():
       return float(np.mean([float(evaluate(state.params, b)) for b in eval_batches]))
 
+  # One step in flight, as a training loop runs: step i+1 is dispatched before step i's loss is read, so the device
+  # never waits for the host between steps. A step's time runs from the previous step's end (or from its own dispatch,
+  # when the device was idle before it) to its own end; steps that measure FP8 health take no time sample.
   times, losses, evals, health_rows = [], [], [], []
-  bar = tqdm(range(steps), desc=f"{run.name:<5}", position=position, leave=True, dynamic_ncols=True)
-  for i in bar:
-    batch = batches[i]
-    t0 = time.perf_counter()
-    if measure is not None and i % health_every == 0:
-      with precision():
-        state, value, shares = measure(state, batch)
-      health_rows.append({"step": i, "shares": {k: [float(s), float(f)] for k, (s, f) in shares.items()}})
-    else:
-      state, value = compiled(state, batch)
-      times.append(None)
+  pending = None  # (step, loss as a device array, dispatch time) of the step in flight
+  last_end = None  # when the step before the one in flight ended, if the device went on with no pause
+
+  def finish():
+    nonlocal pending, last_end
+    i, value, dispatched = pending
     value = float(value)  # waits for the step
-    if times and times[-1] is None:
-      times[-1] = time.perf_counter() - t0
+    end = time.perf_counter()
+    times.append(end - (dispatched if last_end is None else max(dispatched, last_end)))
+    pending, last_end = None, end
     if not np.isfinite(value):
       raise FloatingPointError(f"{run.name}: the train loss is {value} at step {i}")
     losses.append(value)
-    if health_rows and health_rows[-1]["step"] == i:
+    bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_batch / float(np.median(times)):,.0f}")
+
+  def pause():  # the device's queue drained: the next step's time starts at its dispatch
+    nonlocal last_end
+    if pending is not None:
+      finish()
+    last_end = None
+
+  bar = tqdm(range(steps), desc=f"{run.name:<5}", position=position, leave=True, dynamic_ncols=True)
+  for i in bar:
+    batch = batches[i]
+    if measure is not None and i % health_every == 0:
+      pause()
+      with precision():
+        state, value, shares = measure(state, batch)
+      health_rows.append({"step": i, "shares": {k: [float(s), float(f)] for k, (s, f) in shares.items()}})
+      value = float(value)
+      if not np.isfinite(value):
+        raise FloatingPointError(f"{run.name}: the train loss is {value} at step {i}")
+      losses.append(value)
       health_rows[-1]["amax"] = health.latest_amaxes(state.params)
+    else:
+      dispatched = time.perf_counter()
+      state, value = compiled(state, batch)
+      if pending is not None:
+        finish()
+      pending = (i, value, dispatched)
     if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
+      pause()
       evals.append([i + 1, eval_loss(state)])
-    median = float(np.median([t for t in times if t is not None])) if any(t is not None for t in times) else None
-    bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_batch / median:,.0f}" if median else "-")
-  bar.close()
+  pause()
   evals.append([steps, eval_loss(state)])
   step_times = np.asarray([t for t in times if t is not None] or [np.nan])
   peak_after = _memory_peak(device)
