@@ -36,8 +36,12 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 SHAPES = ((1, 16), (7, 48), (33, 80), (128, 256), (257, 528))
 
 
-def _x(shape, dtype=jnp.bfloat16, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+def _x(shape, dtype=jnp.bfloat16, seed=0, fn=None):
+  """A random input, made and converted on the host (``fn`` applied there too), then transferred: initcheck sees the
+  transfer write it. (An input computed by an XLA kernel would read as uninitialized: the tools instrument te_jax's
+  kernels only, so the writes of XLA's go untracked.)"""
+  x = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  return jnp.asarray(np.asarray(x if fn is None else fn(x), dtype))
 
 
 def cases():
@@ -81,14 +85,14 @@ def cases():
       yield f"softmax {kind} {b}x{h}x{t}x{k}", fwd_bwd, args
   for bsz, seq, heads, dim in ((1, 1, 1, 2), (2, 17, 3, 64), (2, 128, 8, 128)):
     x = _x((bsz, seq, heads, dim))
-    freqs = rope.rope_frequencies(seq, dim)
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    freqs = np.asarray(rope.rope_frequencies(seq, dim))
+    cos, sin = jnp.asarray(np.cos(freqs)), jnp.asarray(np.sin(freqs))  # on the host, as _x's inputs
     for interleaved in (False, True):
       yield (f"rope fwd+bwd {bsz}x{seq}x{heads}x{dim}{' interleaved' if interleaved else ''}",
              lambda x, i=interleaved: rope.rope_bwd(rope.rope_fwd(x, cos, sin, interleaved=i), cos, sin,
                                                      interleaved=i), (x,))
   for length, count in ((1, 1), (16, 3), (1024, 37)):
-    histories = tuple(jnp.abs(_x((length,), jnp.float32, i)) for i in range(count))
+    histories = tuple(_x((length,), jnp.float32, i, fn=np.abs) for i in range(count))
     yield (f"scale_update {count} x {length}", lambda *h: scale_update.scale_update(
         h, [jnp.float32(1.0)] * len(h), [jnp.float32(3.0)] * len(h), [448.0, 57344.0] * (len(h) // 2) + [448.0] * (
             len(h) % 2)), histories)
