@@ -12,11 +12,16 @@ the untraced program as the benchmarks do (calls dispatched back to back) and th
 per-call time above the traced one means the device waited on something the trace does not show. ``--bench ops`` does
 the same for single te_jax ops at their acceptance shapes (``acceptance_ops``), one call per step: what a
 benchmark's per-call time holds besides the kernel. ``--bench ops --ncu`` only runs each op twice, untraced, for Nsight
-Compute to read its kernels' counters (``bash scripts/gpu_check.sh ncu``).
+Compute to read its kernels' counters (``bash scripts/gpu_check.sh ncu``). ``--bench lm`` profiles a whole train step
+of ``te_jax.compare``'s LM (``--preset``), where the table per op family (every layer's kernels of one HLO op summed)
+says where the step goes; its state is not donated (each call makes a fresh state), so its untraced per-call time is
+not the compare's step time.
 
   python benchmarks/profile_layer.py                       # the GPT layer: te_jax FP8 and Flax FP8
   python benchmarks/profile_layer.py --bench layernorm_mlp --impl "te_jax LayerNormMLP fp8"
   python benchmarks/profile_layer.py --bench ops           # gelu fwd (with and without the transposed copy), ...
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/profile_layer.py --bench lm --steps 3
+                                                            # te_jax.compare's gpt-small train step, BF16 and FP8
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/profile_layer.py --steps 60   # per-GEMM times
   XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:'ActivationKernel|NormFwdKernel' \
       --section SpeedOfLight python benchmarks/profile_layer.py --bench ops --ncu
@@ -47,6 +52,8 @@ import bench_layernorm_mlp
 import bench_transformer
 import harness
 import te_jax
+from te_jax import recipe as te_recipe
+from te_jax.compare import lm, train
 from te_jax.ops.activation import activation_bwd, activation_fwd
 from te_jax.ops.norm import norm_bwd, norm_fwd
 
@@ -254,8 +261,6 @@ def lm_steps(preset: str, names: list[str] | None = None, shrink: int = 1):
   sequence divided by ``shrink``): the BF16 run and the FP8 one (delayed scaling), each a whole train step (forward,
   backward, AdamW) exactly as ``python -m te_jax.compare`` times it. The state is not donated here, so that the
   same arguments serve every call."""
-  from te_jax import recipe as te_recipe  # noqa: PLC0415 (only this bench needs the compare layer)
-  from te_jax.compare import lm, train  # noqa: PLC0415
   p = lm.PRESETS[preset]
   fields = {k: v // shrink if k in ("hidden", "mlp") else v for k, v in p.model.items()}
   model = lm.LM(**fields)
@@ -286,7 +291,8 @@ def lm_steps(preset: str, names: list[str] | None = None, shrink: int = 1):
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--bench", choices=("transformer", "layernorm_mlp", "ops", "lm"), default="transformer")
-  parser.add_argument("--preset", default="gpt-small", help="with --bench lm: te_jax.compare's preset")
+  parser.add_argument("--preset", choices=sorted(lm.PRESETS), default="gpt-small",
+                      help="with --bench lm: te_jax.compare's preset")
   parser.add_argument("--impl", action="append",
                       help="implementation (or, with --bench ops, op) name; repeatable; default: the two FP8 ones "
                            "(every op)")

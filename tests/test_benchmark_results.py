@@ -1,7 +1,8 @@
-"""The benchmark results file and the README's table generated from it (benchmarks/report.py; no jax, no GPU).
+"""The benchmark results files and the tables generated from them (benchmarks/report.py; no jax, no GPU).
 
-The README's performance block must be what ``benchmarks/results/h200.json`` generates, so that a results file
-committed without ``python benchmarks/report.py --write README.md`` fails here.
+Each results file's block (in the README for the headline device, in docs/performance.md for the others) must be
+what the file generates, so that a results file committed without ``python benchmarks/report.py ... --write`` fails
+here.
 """
 
 import json
@@ -19,19 +20,20 @@ import report  # noqa: E402 - benchmarks/ is not a package
 RESULTS = ROOT / "benchmarks" / "results" / "h200.json"
 
 
-def test_readme_block_is_generated_from_the_results():
-  diff = report.check_readme(ROOT / "README.md", report.load(RESULTS))
-  assert not diff, f"README.md's benchmark block is stale; run `python benchmarks/report.py --write README.md`:\n{diff}"
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.stem)
 def test_every_device_block_is_generated_from_its_results(path):
-  """Every results file committed has its block in the README (h200.json: BEGIN/END; another device's: its own
-  markers), generated from it."""
+  """Every results file committed has its block (h200.json: BEGIN/END; another device's: its own markers) in exactly
+  one of the documents, generated from it."""
   source = f"benchmarks/results/{path.name}"
-  diff = report.check_readme(ROOT / "README.md", report.load(path), source)
-  assert not diff, (f"README.md's {path.stem} block is stale; run `python benchmarks/report.py --results {source} "
-                    f"--write README.md`:\n{diff}")
+  begin, _ = report.markers(source)
+  (doc,) = [d for d in DOCUMENTS if begin in d.read_text()] or [None]
+  assert doc is not None, f"{source} has no block ({begin}) in {[d.name for d in DOCUMENTS]}"
+  diff = report.check_readme(doc, report.load(path), source)
+  assert not diff, (f"{doc.name}'s {path.stem} block is stale; run `python benchmarks/report.py --results {source} "
+                    f"--write {doc.relative_to(ROOT)}`:\n{diff}")
 
 
 def test_check_exits_nonzero_and_names_the_difference(tmp_path):

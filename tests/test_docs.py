@@ -50,14 +50,35 @@ def test_every_module_is_covered():
   assert "te_jax.nnx.transformer" in MODULES
 
 
-def _readme_blocks():
-  text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)  # whole examples; indented ones are fragments
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCUMENTS = ("README.md", "docs/guide.md", "docs/performance.md", "CONTRIBUTING.md")
 
 
-@pytest.mark.parametrize("index", range(len(_readme_blocks())))
-def test_readme_examples_run(index, tmp_path, monkeypatch):
-  """Every whole Python example of the README (a block not indented into a list) runs as it is written, in a fresh
-  namespace, in a scratch folder."""
+def _examples():
+  """(document, index, code) of every whole Python example of the documents (indented blocks are fragments)."""
+  return [(doc, i, code) for doc in DOCUMENTS
+          for i, code in enumerate(re.findall(r"^```python\n(.*?)^```", (ROOT / doc).read_text(), flags=re.S | re.M))]
+
+
+@pytest.mark.parametrize("doc,index,code", _examples(), ids=[f"{d}-{i}" for d, i, _ in _examples()])
+def test_readme_examples_run(doc, index, code, tmp_path, monkeypatch):
+  """Every whole Python example of the README and the docs (a block not indented into a list) runs as it is written,
+  in a fresh namespace, in a scratch folder."""
   monkeypatch.chdir(tmp_path)
-  exec(compile(_readme_blocks()[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})
+  exec(compile(code, f"{doc} python block {index}", "exec"), {"__name__": "readme"})
+
+
+@pytest.mark.parametrize("doc", DOCUMENTS)
+def test_document_links_resolve(doc):
+  """Every relative link of the README and the docs names a file or folder of the repository (and an anchor, a heading
+  of that file)."""
+  for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / doc).read_text()):
+    if re.match(r"[a-z]+://", target):
+      continue
+    path, _, anchor = target.partition("#")
+    file = (ROOT / doc).parent / path if path else ROOT / doc
+    assert file.exists(), f"{doc}: the link {target!r} names no file"
+    if anchor and file.suffix == ".md":
+      headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                  for h in re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)}
+      assert anchor in headings, f"{doc}: the link {target!r} names no heading of {path or doc}"
