@@ -51,7 +51,7 @@ source scripts/setup_env.sh
 EXACT=(tests/test_norm.py tests/test_rope.py)
 mapfile -t groups < <(python - "${EXACT[@]}" <<'PY'
 import pathlib, sys
-seconds = {"activation": 70, "attention": 60, "attention_cudnn": 50, "norm": 100, "transformer": 90, "rope": 60, "quantize": 60,
+seconds = {"activation": 70, "attention": 60, "attention_cudnn": 50, "norm": 50, "transformer": 90, "rope": 30, "quantize": 60,
            "gemm": 40, "softmax": 35, "dense": 35, "fused_layers": 30, "flax_dense": 35, "residual": 18,
            "docs": 15, "quantize_interleaved": 13, "flax_norm": 12, "doctor": 10, "shard_map": 10, "scaling": 7,
            "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3, "nnx": 80, "properties": 40,
