@@ -212,7 +212,7 @@ def report(name: str, profiled, steps: int, top: int, host: tuple[float, float],
   print("| kind | ms | share |\n|---|---|---|")
   for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
     print(f"| {kind} | {ms:.3f} | {ms / total:.1%} |")
-  # Per op family (the HLO op's name without its number, e.g. every layer's te_act_bwd): where a whole model's step goes.
+  # Per op family (the HLO op's name without its number, e.g. every layer's te_act_bwd): where a model's step goes.
   families: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
   for (kernel, op), (t, n) in totals.items():
     f = families[(re.sub(r"\.\d+$", "", op) if op else kernel[:60], _kind(kernel))]

@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"Python standard library source; preset {preset_name}"
                  + ("; FP8 GEMMs with fast accumulation" if args.fast_accumulation else ""))
   print(description)
-  result = run(model_fn, train, steps=steps, eval_batches=held_out, recipe=fp8_recipe(args.recipe, args.fast_accumulation), lr=lr,
+  result = run(model_fn, train, steps=steps, eval_batches=held_out,
+               recipe=fp8_recipe(args.recipe, args.fast_accumulation), lr=lr,
                eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
                out=out, seed=args.seed, description=description, quiet=True,
                **({"loss": loss} if loss else {}))

@@ -164,8 +164,9 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
       pause()
       evals.append([i + 1, eval_loss(state)])
   pause()
+  bar.close()
   evals.append([steps, eval_loss(state)])
-  step_times = np.asarray([t for t in times if t is not None] or [np.nan])
+  step_times = np.asarray(times or [np.nan])
   peak_after = _memory_peak(device)
   median = float(np.median(step_times))
   return {
