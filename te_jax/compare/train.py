@@ -20,7 +20,8 @@ import te_jax.flax as te_flax
 from te_jax import recipe as te_recipe
 from te_jax.compare import health
 
-__all__ = ["Run", "check_batches", "cross_entropy", "optimizer", "tokens_in", "train_run", "train_state_and_step"]
+__all__ = ["Run", "check_batches", "cross_entropy", "loss_of", "optimizer", "tokens_in", "train_run",
+           "train_state_and_step"]
 
 
 def cross_entropy(outputs: jax.Array, batch: tuple) -> jax.Array:
@@ -50,14 +51,17 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
+def loss_of(run: Run, loss: Callable = cross_entropy) -> Callable:
+  """``loss_fn(variables, batch)``: ``loss`` of ``run.model``'s outputs on ``batch[0]`` against ``batch``."""
+  return lambda v, batch: loss(run.model.apply(v, batch[0]), batch)
+
+
 def train_state_and_step(run: Run, params, batch: tuple, *, loss: Callable = cross_entropy,
                          lr: float = 1e-3, donate: bool = True) -> tuple[train_state.TrainState, Callable]:
   """The train state of ``run`` from ``params`` (a copy; FP8 scales calibrated on ``batch``) and its train step
   ``step(state, batch) -> (state, loss)``, jitted (with the state donated, by default); call both inside ``run``'s
   precision (``te_jax.autocast(enabled=run.recipe is not None, recipe=run.recipe)``)."""
-
-  def loss_fn(v, batch):
-    return loss(run.model.apply(v, batch[0]), batch)
+  loss_fn = loss_of(run, loss)
 
   def step(state, batch):
     value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -88,9 +92,6 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
   def precision():
     return te_jax.autocast(enabled=fp8, recipe=run.recipe)
 
-  def loss_fn(v, batch):
-    return loss(run.model.apply(v, batch[0]), batch)
-
   def loss_with_health(v, batch):
     with health.input_health():
       outputs, sown = run.model.apply(v, batch[0], mutable=[health.HEALTH_COLLECTION])
@@ -106,7 +107,7 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
     t0 = time.perf_counter()
     compiled = step.lower(state, x0).compile()
     compile_s = time.perf_counter() - t0
-    evaluate = jax.jit(loss_fn)
+    evaluate = jax.jit(loss_of(run, loss))
     measure = jax.jit(step_with_health, donate_argnums=0) if delayed and health_every else None
   analysis = compiled.memory_analysis()
   xla_bytes = None if analysis is None else int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
@@ -123,16 +124,20 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
   pending = None  # (step, loss as a device array, dispatch time) of the step in flight
   last_end = None  # when the step before the one in flight ended, if the device went on with no pause
 
-  def finish():
-    nonlocal pending, last_end
-    i, value, dispatched = pending
+  def record(i, value) -> float:
     value = float(value)  # waits for the step
-    end = time.perf_counter()
-    times.append(end - (dispatched if last_end is None else max(dispatched, last_end)))
-    pending, last_end = None, end
     if not np.isfinite(value):
       raise FloatingPointError(f"{run.name}: the train loss is {value} at step {i}")
     losses.append(value)
+    return value
+
+  def finish():
+    nonlocal pending, last_end
+    i, value, dispatched = pending
+    value = record(i, value)
+    end = time.perf_counter()
+    times.append(end - (dispatched if last_end is None else max(dispatched, last_end)))
+    pending, last_end = None, end
     bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_batch / float(np.median(times)):,.0f}")
 
   def pause():  # the device's queue drained: the next step's time starts at its dispatch
@@ -149,10 +154,7 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
       with precision():
         state, value, shares = measure(state, batch)
       health_rows.append({"step": i, "shares": {k: [float(s), float(f)] for k, (s, f) in shares.items()}})
-      value = float(value)
-      if not np.isfinite(value):
-        raise FloatingPointError(f"{run.name}: the train loss is {value} at step {i}")
-      losses.append(value)
+      record(i, value)
       health_rows[-1]["amax"] = health.latest_amaxes(state.params)
     else:
       dispatched = time.perf_counter()
