@@ -26,7 +26,8 @@
 # date, versions and copy bandwidth; OUT gets the file). That machine gets the working tree without .git: pass the
 # commit, e.g. `TE_JAX_COMMIT=$(git rev-parse --short HEAD)-dirty bash scripts/gpu_check.sh build bench`, or the rows
 # say "unknown". Back here: copy the results file into benchmarks/results/ and run `python benchmarks/report.py
-# --results <it> --write <document>` (README.md or docs/performance.md, where its block is). The whole suite is estimated at ~350 s on the H200 (from the earlier runs' op times and compile counts;
+# --results <it> --write docs/performance.md`. The whole suite is
+# estimated at ~350 s on the H200 (from the earlier runs' op times and compile counts;
 # each benchmark prints its seconds and the step log's last line sums them up), hence the step's 420 s: with the build
 # it fits one call as `build bench`. The layers run first and each benchmark's rows are saved as it ends, so a run cut
 # short loses only the last kernels' new rows.

@@ -1,7 +1,7 @@
 """The benchmark results files and the tables generated from them (benchmarks/report.py; no jax, no GPU).
 
-Each results file's block (in the README for the headline device, in docs/performance.md for the others) must be
-what the file generates, so that a results file committed without ``python benchmarks/report.py ... --write`` fails
+Each results file's block (in docs/performance.md, or in the README if it is moved there) must be what the file
+generates, so that a results file committed without ``python benchmarks/report.py ... --write`` fails
 here.
 """
 
