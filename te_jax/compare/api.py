@@ -131,6 +131,7 @@ def run(model_fn: Callable[[bool], nn.Module], batches: Iterable[tuple], *, step
       "table": summary,
       "runs": runs,
       "plots": dict(report.PLOTS),
+      "health_operands": dict(report.HEALTH_OPERANDS),
   }
   if out is not None:
     out = pathlib.Path(out)

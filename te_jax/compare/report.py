@@ -12,7 +12,8 @@ matplotlib.use("Agg")  # files only: no display needed, none opened
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["PLOTS", "ratios", "table", "write_json", "write_plots"]
+__all__ = ["HEALTH_OPERANDS", "PLOTS", "health_summary", "operand_kind", "ratios", "table", "write_json",
+           "write_plots"]
 
 #: The PNG files ``write_plots`` writes, and what each shows.
 PLOTS = {
@@ -20,8 +21,25 @@ PLOTS = {
     "step_time.png": "step time per step of every run (ms)",
     "memory.png": "peak memory of every run (MiB): the device's measure where it has one, else XLA's estimate",
     "fp8_health.png": "the most recent amax over the measured steps of the worst FP8 operands (by saturated + flushed "
-                      "share), and those shares",
+                      "share), and the saturated and flushed shares of the worst forward operands (E4M3) and of the "
+                      "worst output gradients (E5M2 under HYBRID), each at its worst measured step",
 }
+
+#: What the names in a health row's "shares" (and "amax") are: the module's path, then the operand.
+HEALTH_OPERANDS = {
+    "{path}/{prefix}kernel": "a GEMM's kernel, cast to E4M3 with the state's {prefix}kernel_scale",
+    "{path}/x": "a DenseGeneral's input, cast to E4M3 with the state's x_scale",
+    "{path}/{prefix}grad": "a GEMM's output gradient, cast (E5M2 under the HYBRID format) with the state's "
+                           "{prefix}grad_scale for the dgrad and wgrad GEMMs; LayerNormMLP's fc1 gradient (wi_grad) "
+                           "is cast inside the fused op and has an amax only",
+    "{path}[i]/...": "layer i of a stack under nn.scan",
+}
+
+
+def operand_kind(name: str) -> str:
+  """"grad" (an output gradient), "kernel" or "x" (an input), from a health row's operand name."""
+  operand = name.rpartition("/")[2]
+  return "grad" if operand.endswith("grad") else "kernel" if operand.endswith("kernel") else "x"
 
 
 def _mib(n):
@@ -51,7 +69,29 @@ def table(runs: list[dict], baseline: str) -> str:
                  f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s "
                  f"{q['tokens_per_s']:.2f}x")
   lines.append(f"memory: {base['memory']['source']}")
+  lines += [line for r in runs if (line := health_summary(r))]
   return "\n".join(lines)
+
+
+def health_summary(run: dict) -> str | None:
+  """One line on ``run``'s measured FP8 health: the largest saturated and flushed shares of its output gradients
+  and of its forward operands over the measured steps, with where they were; None when nothing was measured."""
+  worst = {}  # (kind, 0 saturated | 1 flushed) -> (share, operand, step)
+  for row in run["health"]:
+    for name, shares in row["shares"].items():
+      for i, share in enumerate(shares):
+        key = (operand_kind(name) == "grad", i)
+        if key not in worst or share > worst[key][0]:
+          worst[key] = (share, name, row["step"])
+  if not worst:
+    return None
+  parts = []
+  for grad, what in ((True, "output gradients"), (False, "forward operands")):
+    found = [(label, worst[(grad, i)]) for i, label in enumerate(("saturated", "flushed")) if (grad, i) in worst]
+    if found:
+      parts.append(f"{what} " + ", ".join(f"{label} up to {100 * share:.2g}% ({name}, step {step})"
+                                          for label, (share, name, step) in found))
+  return f"FP8 health of the {run['name']} run over {len(run['health'])} measured steps: " + "; ".join(parts)
 
 
 def ratios(run: dict, base: dict) -> dict:
@@ -66,14 +106,31 @@ def write_json(report: dict, path: pathlib.Path) -> None:
   path.write_text(json.dumps(report, indent=1, default=float) + "\n")
 
 
-def _worst(runs: list[dict], count: int):
-  """The ``count`` operands with the largest saturated + flushed share at any measured step, over all runs."""
-  score = {}
+def _worst(runs: list[dict], count: int, grad: bool):
+  """The ``count`` operands of a kind (output gradients, or forward operands) with the largest saturated + flushed
+  share at any measured step, over all runs, and the (saturated, flushed) shares of that step."""
+  worst = {}
   for r in runs:
     for row in r["health"]:
       for name, (sat, flush) in row["shares"].items():
-        score[(r["name"], name)] = max(score.get((r["name"], name), 0.0), sat + flush)
-  return sorted(score, key=lambda k: -score[k])[:count], score
+        key = (r["name"], name)
+        if (operand_kind(name) == "grad") == grad and (key not in worst or sat + flush > sum(worst[key])):
+          worst[key] = (sat, flush)
+  return sorted(worst, key=lambda k: -sum(worst[k]))[:count], worst
+
+
+def _health_bars(ax, worst, shares, title: str) -> None:
+  labels = [f"{a} {b}" for a, b in worst][::-1]
+  sat = np.asarray([100 * shares[k][0] for k in worst][::-1])
+  flush = np.asarray([100 * shares[k][1] for k in worst][::-1])
+  if worst:
+    ax.barh(labels, sat, color="C3", label="saturated")
+    ax.barh(labels, flush, left=sat, color="C0", label="flushed")
+    ax.legend(fontsize=7)
+  else:
+    ax.text(0.5, 0.5, "none measured", ha="center", transform=ax.transAxes)
+  ax.set(xlabel="% of the operand's values (worst measured step)", title=title)
+  ax.tick_params(axis="y", labelsize=7)
 
 
 def write_plots(runs: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
@@ -112,21 +169,21 @@ def write_plots(runs: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
   ax.legend()
   paths.append(_save(fig, out / "memory.png"))
 
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-  worst, score = _worst(runs, 6)
-  for k, (run_name, name) in enumerate(worst):
+  fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.5))
+  forward, forward_shares = _worst(runs, 6, grad=False)
+  grads, grad_shares = _worst(runs, 6, grad=True)
+  for k, (run_name, name) in enumerate(forward[:3] + grads[:3]):
     r = next(r for r in runs if r["name"] == run_name)
     steps = [row["step"] for row in r["health"]]
     amax = [row["amax"].get(name, np.nan) for row in r["health"]]
     ax1.plot(steps, amax, "o-", color=f"C{k}", label=f"{run_name} {name}")
   ax1.set(xlabel="step", ylabel="amax (most recent)", title="amax of the worst operands", yscale="log")
-  if worst:
+  if forward or grads:
     ax1.legend(fontsize=7)
-    ax2.barh([f"{a} {b}" for a, b in worst][::-1], [100 * score[k] for k in worst][::-1])
   else:
     ax1.text(0.5, 0.5, "no delayed-scaling run measured", ha="center", transform=ax1.transAxes)
-  ax2.set(xlabel="% saturated + flushed (worst measured step)", title="FP8 health")
-  ax2.tick_params(axis="y", labelsize=7)
+  _health_bars(ax2, forward, forward_shares, "FP8 health: kernels and inputs (E4M3)")
+  _health_bars(ax3, grads, grad_shares, "FP8 health: output gradients (E5M2 under HYBRID)")
   paths.append(_save(fig, out / "fp8_health.png"))
   return paths
 

@@ -20,7 +20,7 @@ import te_jax.flax as te_flax
 from te_jax import recipe as te_recipe
 from te_jax.compare import health
 
-__all__ = ["Run", "check_batches", "cross_entropy", "loss_of", "optimizer", "tokens_in", "train_run",
+__all__ = ["Run", "check_batches", "cross_entropy", "health_step", "loss_of", "optimizer", "tokens_in", "train_run",
            "train_state_and_step"]
 
 
@@ -74,6 +74,28 @@ def train_state_and_step(run: Run, params, batch: tuple, *, loss: Callable = cro
   return state, jax.jit(step, donate_argnums=0 if donate else ())
 
 
+def health_step(run: Run, loss: Callable = cross_entropy) -> Callable:
+  """``step(state, probes, batch) -> (state, loss, shares)``: the train step that also takes the FP8 health counters
+  (``te_jax.compare.health``) of the values it casts, kernels, inputs and output gradients, with ``probes``
+  (``health.grad_probes(state.params)``) receiving the output gradients' counts; ``shares`` maps each operand to its
+  (saturated, flushed) shares (``health.rows`` turns them into per-layer floats). Not jitted."""
+
+  def loss_with_health(v, probes, batch):
+    with health.input_health(), health.grad_health():
+      outputs, sown = run.model.apply(health.with_grad_probes(v, probes), batch[0],
+                                      mutable=[health.HEALTH_COLLECTION])
+    return loss(outputs, batch), health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {}))
+
+  def step(state, probes, batch):
+    # The gradient w.r.t. the probes is the output gradients' counts; the variables' own gradient is the plain step's.
+    (value, inputs), (grads, counts) = jax.value_and_grad(loss_with_health, argnums=(0, 1), has_aux=True)(
+        state.params, probes, batch)
+    shares = {**health.kernel_health(state.params), **inputs, **health.grad_shares(counts)}
+    return state.apply_gradients(grads=grads), value, shares
+
+  return step
+
+
 def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence[tuple], *,
               loss: Callable = cross_entropy, lr: float = 1e-3, eval_every: int = 0, health_every: int = 0,
               tokens_per_batch: int, position: int = 0) -> dict:
@@ -92,15 +114,6 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
   def precision():
     return te_jax.autocast(enabled=fp8, recipe=run.recipe)
 
-  def loss_with_health(v, batch):
-    with health.input_health():
-      outputs, sown = run.model.apply(v, batch[0], mutable=[health.HEALTH_COLLECTION])
-    return loss(outputs, batch), health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {}))
-
-  def step_with_health(state, batch):
-    (value, inputs), grads = jax.value_and_grad(loss_with_health, has_aux=True)(state.params, batch)
-    return state.apply_gradients(grads=grads), value, {**health.kernel_health(state.params), **inputs}
-
   peak_before = _memory_peak(device)
   with precision():
     state, step = train_state_and_step(run, params, x0, loss=loss, lr=lr)
@@ -108,7 +121,8 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
     compiled = step.lower(state, x0).compile()
     compile_s = time.perf_counter() - t0
     evaluate = jax.jit(loss_of(run, loss))
-    measure = jax.jit(step_with_health, donate_argnums=0) if delayed and health_every else None
+    measure = jax.jit(health_step(run, loss), donate_argnums=0) if delayed and health_every else None
+    probes = health.grad_probes(state.params) if measure is not None else None
   analysis = compiled.memory_analysis()
   xla_bytes = None if analysis is None else int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                                                 + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
@@ -152,8 +166,8 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
     if measure is not None and i % health_every == 0:
       pause()
       with precision():
-        state, value, shares = measure(state, batch)
-      health_rows.append({"step": i, "shares": {k: [float(s), float(f)] for k, (s, f) in shares.items()}})
+        state, value, shares = measure(state, probes, batch)
+      health_rows.append({"step": i, "shares": health.rows(shares)})
       record(i, value)
       health_rows[-1]["amax"] = health.latest_amaxes(state.params)
     else:
