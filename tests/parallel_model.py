@@ -21,20 +21,24 @@ class Model(nn.Module):
   hidden), the module's parameters named with logical axes."""
 
   kind: str
+  context_parallel: str | None = None  # the mesh axis of context parallelism: the attention's (the sequence sharded)
 
   @nn.compact
   def __call__(self, x):
     x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
-    if self.kind == "dense":  # column parallel: the features over the tensor axis
-      y = te_flax.DenseGeneral(FFN, kernel_axes=("embed", "mlp"), bias_axes=("mlp",), dtype=jnp.float32)(x)
-      return nn.with_logical_constraint(y, ("batch", None, "mlp"))
+    if self.kind == "dense":  # column parallel: the features over the tensor axis, the sequence whole (gathered under
+      # sequence parallelism) or, under context parallelism, sharded as the input's
+      seq = "seq" if self.context_parallel else None
+      return te_flax.DenseGeneral(FFN, kernel_axes=("embed", "mlp"), bias_axes=("mlp",), dtype=jnp.float32,
+                                  output_axes=("batch", seq, "mlp"))(x)
     if self.kind == "mlp":
       return te_flax.LayerNormMLP(intermediate_dim=FFN, dtype=jnp.float32, logical_axes=True)(x, deterministic=True)
     if self.kind == "mha":
       return te_flax.MultiHeadAttention(head_dim=HIDDEN // HEADS, num_attention_heads=HEADS, dtype=jnp.float32,
-                                        backend="unfused", logical_axes=True)(x, deterministic=True)
+                                        backend="unfused", logical_axes=True,
+                                        context_parallel=self.context_parallel)(x, deterministic=True)
     layer = dict(hidden_size=HIDDEN, intermediate_dim=FFN, num_attention_heads=HEADS, layer_type="decoder",
-                 dtype=jnp.float32, backend="unfused", logical_axes=True)
+                 dtype=jnp.float32, backend="unfused", logical_axes=True, context_parallel=self.context_parallel)
     if self.kind == "layer":
       return te_flax.TransformerLayer(**layer)(x, deterministic=True)
     assert self.kind == "scan", self.kind
@@ -51,13 +55,15 @@ class _ScanBody(nn.Module):
     return te_flax.TransformerLayer(**self.layer, name="layer")(x, deterministic=True), None
 
 
-def init_case(kind, mesh, rules):
-  """(model, its variables (unboxed, on one device), their shardings on ``mesh`` under ``rules``, input, target)."""
-  model = Model(kind)
+def init_case(kind, mesh, rules, context_parallel=None):
+  """(model, its variables (unboxed, on one device), their shardings on ``mesh`` under ``rules``, input, target).
+  With ``context_parallel`` the model's attention is context parallel over that mesh axis; its variables are the
+  model's without (initialized on one device, as the comparison runs it)."""
+  model = Model(kind, context_parallel)
   x = random_normal(1, (B, S, HIDDEN))
   target = random_normal(2, (B, S, FFN if kind == "dense" else HIDDEN))
   with te_jax.autocast(enabled=True, recipe=RECIPE):
-    boxed = model.init(jax.random.key(0), x)
+    boxed = Model(kind).init(jax.random.key(0), x)
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   return model, nn.meta.unbox(boxed), shardings, x, target
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
+from jax.extend.mlir import ir
 from jax.interpreters import batching, mlir
 
 from te_jax._core import native
@@ -164,12 +165,15 @@ class NativeSignature(NamedTuple):
       result (same size: a handler that sees 2-D rows) is reshaped to it.
     operand_order: the handler's operands as indices into (the primitive's operands, then ``extra_operands``);
       None: in that order.
+    operand_shapes: the shapes the handler reads the primitive's operands as (each of the same size as the operand:
+      a handler that sees 2-D rows); None: as they are.
   """
 
   extra_operands: Sequence[np.ndarray]
   result_avals: Sequence[Any]
   keep: Sequence[int]
   operand_order: Sequence[int] | None = None
+  operand_shapes: Sequence[tuple[int, ...]] | None = None
 
 
 def _native_lowering(name, platform, target, ffi_attributes, native_signature, reference_lowering):
@@ -183,7 +187,14 @@ def _native_lowering(name, platform, target, ffi_attributes, native_signature, r
     sig = native_signature(platform, config, ctx.avals_in, ctx.avals_out)
     extra_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in sig.extra_operands]
     extra = [mlir.ir_constant(a) for a in sig.extra_operands]
-    avals_in, operands = [*ctx.avals_in, *extra_avals], [*args, *extra]
+    prim_avals = list(ctx.avals_in)
+    if sig.operand_shapes is not None and any(tuple(s) != a.shape for s, a in zip(sig.operand_shapes, prim_avals)):
+      shapes = [tuple(s) for s in sig.operand_shapes]
+      reshape_in = mlir.lower_fun(lambda *vs: [v if v.shape == s else v.reshape(s) for v, s in zip(vs, shapes)],
+                                  multiple_results=True)
+      args = [v if isinstance(v, ir.Value) else v[0] for v in reshape_in(ctx.replace(), *args)]
+      prim_avals = [jax.core.ShapedArray(s, a.dtype) for s, a in zip(shapes, prim_avals)]
+    avals_in, operands = [*prim_avals, *extra_avals], [*args, *extra]
     if sig.operand_order is not None:
       avals_in, operands = [avals_in[i] for i in sig.operand_order], [operands[i] for i in sig.operand_order]
     results = call(ctx.replace(avals_in=avals_in, avals_out=list(sig.result_avals)), *operands,

@@ -44,10 +44,12 @@ from te_jax.flax.params import (
   Initializer,
   axes,
   context_parallel_axes,
+  gather_sequence,
   is_int,
   logical,
   resolve_deterministic,
   seq_first_to_batch_first,
+  stream_input,
 )
 from te_jax.fused.attention import (
   ATTN_MASK_TYPES,
@@ -396,28 +398,36 @@ class MultiHeadAttention(nn.Module):
     return axes(self.logical_axes, *names)
 
   def _gathered(self, x, *names: str | None):
-    """With ``logical_axes``, ``x`` (batch first) constrained to the batch sharding with its sequence whole (gathered
-    here under sequence parallelism: every tensor-parallel shard projects its heads over the whole sequence), its
-    other axes named by ``names`` (default: the hidden axis, unsharded)."""
+    """With ``logical_axes``, ``x`` (batch first) constrained to the batch sharding with its sequence gathered over the
+    tensor-parallel axes (sequence parallelism: every tensor-parallel shard projects its heads over the whole
+    sequence) and kept sharded over any other (context parallelism), its other axes named by ``names``."""
     if not self.logical_axes:
       return x
-    return nn.with_logical_constraint(x, (BATCH, None, *(names or (ACT_EMBED,))))
+    return gather_sequence(x, (BATCH, SEQ, *names), 1)
+
+  def _stream(self, x):
+    """With ``logical_axes``, the input ``x`` (batch first, a residual stream) as the projections read it:
+    ``_gathered``, its gradient handed back on the stream's (batch, seq, act_embed) shards."""
+    return stream_input(x, (BATCH, SEQ, ACT_EMBED), 1) if self.logical_axes else x
 
   def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
                   with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None,
-                  pass_input: bool = False):
-    """(LayerNorm ->) a dense projection to ``features`` (unstacked along ``unstack_axis``); returns (output, the
-    normalized input or None, and with ``pass_input`` and a norm, the input passed through the norm's layer (its
-    gradient folds into the norm's backward), else None)."""
+                  pass_input: bool = False, stream: bool = True):
+    """(LayerNorm ->) a dense projection to ``features`` (unstacked along ``unstack_axis``) of ``inputs`` (batch first;
+    with ``stream``, the module's input, read through ``_stream``); returns (output, the normalized input or None, and
+    with ``pass_input`` and a norm, the input passed through the norm's layer (its gradient folds into the norm's
+    backward), else None)."""
     kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
               bias_init=self.bias_init, kernel_axes=self._axes(EMBED, *feature_axes),
               bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     if not with_norm:
-      return DenseGeneral(**kw)(inputs), None, None
+      return DenseGeneral(**kw)(self._stream(inputs) if stream else inputs), None, None
+    # The norm's layer reads the stream itself (input_axes): its dgrad GEMM then reduce-scatters onto the stream's
+    # sequence shards (sequence parallelism), or every op stays on them (context parallelism).
     out = LayerNormDenseGeneral(norm_type=self.norm_type, epsilon=self.epsilon,
                                 zero_centered_gamma=self.zero_centered_gamma,
                                 return_layernorm_output=want_norm_output, ln_scale_axes=self._axes(EMBED),
-                                ln_bias_axes=self._axes(EMBED),
+                                ln_bias_axes=self._axes(EMBED), input_axes=self._axes(BATCH, SEQ, ACT_EMBED),
                                 **kw)(inputs, return_input=pass_input)
     out = out if want_norm_output or pass_input else (out,)
     y, rest = out[0], list(out[1:])
@@ -515,8 +525,8 @@ class MultiHeadAttention(nn.Module):
                          f"got shape {x.shape}")
     hidden = inputs_q.shape[-1]
     h = self.num_attention_heads
-    xq = self._gathered(seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence))
-    xkv = xq if self_attention else self._gathered(seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence))
+    xq = seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
+    xkv = xq if self_attention else seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
 
     d = self.head_dim
     # A residual that is the input itself (a pre-LN block) is taken from the input norm's layer, which then adds its
@@ -537,7 +547,7 @@ class MultiHeadAttention(nn.Module):
                                              self.return_layernorm_output or kv_from_norm, xq, pass_input=pass_input)
       kv_in = ln_out if kv_from_norm else xkv
       (k, v), _, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
-                                      unstack_axis=-2)
+                                      unstack_axis=-2, stream=not kv_from_norm)
 
     mask_type, bias_type, window = self.attn_mask_type, self.attn_bias_type, self.window_size
     if decode:

@@ -12,7 +12,7 @@ import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped, rule_shards
+from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped, rule_shards, sequence_kept
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import Unstack
 from te_jax.recipe import Recipe
@@ -61,7 +61,10 @@ class DenseGeneral(nn.Module):
       (``nn.with_logical_constraint``). When the output has two non-feature dims (B, S) and the rules shard S (a
       sequence-parallel residual stream), the FP8 GEMM takes its rows' sharding from that constraint rather than from
       the input's, so a row-parallel layer (its contraction sharded over the tensor axis) ends in one reduce-scatter
-      onto the stream instead of an all-reduce and a slice (``te_jax.dense``'s ``scatter_rows``).
+      onto the stream instead of an all-reduce and a slice (``te_jax.dense``'s ``scatter_rows``). When S is sharded
+      over a mesh axis tensor parallelism does not use (context parallelism), the layer keeps (B, S) as two dims
+      throughout, sharded as they come (``te_jax.dense``'s ``keep_rows``): the merged (B * S) rows could not be
+      sharded that way, and XLA would all-gather the sequence.
     recipe: an FP8 recipe for this layer, overriding autocast's.
   """
 
@@ -126,7 +129,8 @@ class DenseGeneral(nn.Module):
       rows = inputs.ndim - n_in
       scatter = rows == 2 and bool(self.output_axes) and rule_shards(self.output_axes[1])
       return self._constrained(dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,
-                                     fp8_meta=meta, recipe=recipe, precision=self.precision, scatter_rows=scatter))
+                                     fp8_meta=meta, recipe=recipe, precision=self.precision, scatter_rows=scatter,
+                                     keep_rows=scatter and sequence_kept(self.output_axes[1])))
     # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
     if self.unstack_axis is not None:
       raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, norm_params
+from te_jax.flax.params import (Initializer, features_tuple, flat_init, logical, norm_params, rule_shards,
+                                sequence_kept, stream_input, stream_sharding)
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.linear import Unstack
 from te_jax.recipe import Recipe
@@ -39,6 +40,13 @@ class LayerNormDenseGeneral(nn.Module):
       with ``unstack_axis``, on each part's, with its own key of ``jax.random.split``).
     kernel_axes, bias_axes: the dense layer's logical axis names.
     ln_scale_init, ln_scale_axes, ln_bias_init, ln_bias_axes: the norm's, as ``LayerNorm``'s ``scale_init``, ...
+    input_axes: the logical axis names of a 3-D input that is a residual stream, (batch, seq, hidden) (e.g.
+      ``te_jax.flax``'s ``("batch", "seq", "act_embed")``); the layer then reads it as a tensor-parallel layer does:
+      its sequence gathered over the tensor-parallel mesh axes (those of "heads" and "mlp": sequence parallelism) and
+      kept sharded over any other (context parallelism: every op of the layer on the sequence shards), and hands its
+      gradient back on the stream's shards, where the dgrad GEMM reduce-scatters it under sequence parallelism and the
+      norm's backward runs on the sequence shards (``te_jax.layernorm_dense``'s ``keep_rows`` and ``grad_sharding``).
+      A no-op outside ``nn.logical_axis_rules``.
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
     recipe: an FP8 recipe for this layer, overriding autocast's.
   """
@@ -58,6 +66,7 @@ class LayerNormDenseGeneral(nn.Module):
   ln_scale_axes: tuple[str | None, ...] = ()
   ln_bias_init: Initializer = nn.initializers.zeros_init()
   ln_bias_axes: tuple[str | None, ...] = ()
+  input_axes: tuple[str | None, ...] = ()
   dtype: Any = None
   param_dtype: Any = jnp.float32
   recipe: Recipe | None = None
@@ -69,6 +78,11 @@ class LayerNormDenseGeneral(nn.Module):
     place of ``inputs`` afterwards, e.g. as the residual of a pre-LN block)."""
     features = features_tuple(self.features)
     hidden = inputs.shape[-1]
+    stream = tuple(self.input_axes)
+    if stream and (len(stream) != 3 or inputs.ndim != 3):
+      raise ValueError(f"input_axes {self.input_axes} names a (batch, seq, hidden) input; the input is {inputs.shape}")
+    if stream:
+      inputs = stream_input(inputs, stream, 1)
     gamma, beta = norm_params(self, hidden, prefix="ln_")
     unstack = Unstack.of(self.unstack_axis, inputs.ndim - 1 + len(features), features)
     part_axis = None if unstack is None else 1 + unstack.feature_axis
@@ -80,7 +94,10 @@ class LayerNormDenseGeneral(nn.Module):
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
     x, (meta,) = fp8_state(self, recipe, inputs.astype(dtype))
+    scatter = bool(stream) and rule_shards(stream[1])
     return layernorm_dense(x, gamma, beta, kernel, bias, norm_type=self.norm_type,
                            epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                            return_layernorm_output=self.return_layernorm_output, return_input=return_input,
-                           unstack_axis=self.unstack_axis, fp8_meta=meta, recipe=recipe)
+                           unstack_axis=self.unstack_axis, fp8_meta=meta, recipe=recipe,
+                           keep_rows=scatter and sequence_kept(stream[1]),
+                           grad_sharding=stream_sharding(stream) if scatter else None)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
-                                norm_params, resolve_deterministic, rule_shards)
+                                norm_params, resolve_deterministic, rule_shards, sequence_kept, stream_input,
+                                stream_sharding)
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
@@ -56,8 +57,9 @@ class LayerNormMLP(nn.Module):
     logical_axes: name every parameter's axes with te_jax's logical names instead (``te_jax.flax.LOGICAL_AXES``:
       ``wi_kernel`` (embed, act, mlp), ``wo_kernel`` (mlp, embed), the norm's (embed,)), for
       ``te_jax.flax.logical_axis_rules``; not together with the ``*_axes`` attributes. A 3-D input (batch, seq,
-      hidden) is then constrained to its batch sharding with the sequence whole (gathered under sequence parallelism)
-      and the output to the residual stream's (batch, seq, act_embed) sharding (fc2 reduce-scatters).
+      hidden) is then read as a residual stream: its sequence gathered under sequence parallelism (kept sharded under
+      context parallelism, every op on the sequence shards), the output constrained to the stream's (batch, seq,
+      act_embed) sharding (fc2 reduce-scatters onto it) and the input's gradient too (fc1's dgrad reduce-scatters).
     transpose_batch_sequence: with ``logical_axes``, a 3-D input is (seq, batch, hidden).
     dtype, param_dtype, recipe: as in DenseGeneral.
   """
@@ -135,7 +137,7 @@ class LayerNormMLP(nn.Module):
     stream = self._activation_names(inputs.ndim)
     if stream:
       own_residual = residual is inputs
-      inputs = nn.with_logical_constraint(inputs, tuple(None if n == SEQ else n for n in stream))
+      inputs = stream_input(inputs, stream, stream.index(SEQ))
       residual = inputs if own_residual else residual
 
     def finish(out):
@@ -144,9 +146,13 @@ class LayerNormMLP(nn.Module):
       y = nn.with_logical_constraint(out[0] if self.return_layernorm_output else out, stream)
       return (y, out[1]) if self.return_layernorm_output else y
 
-    # Batch first with the sequence sharded (sequence parallel): fc2 takes its rows' sharding from finish's
-    # constraint, so under tensor parallelism it reduce-scatters onto the stream rather than all-reducing.
+    # Batch first with the sequence sharded: fc2 takes its rows' sharding from finish's constraint and fc1's dgrad
+    # writes the stream's (grad_sharding; stream_input hands it on as it is), so under sequence parallelism both
+    # reduce-scatter onto the stream rather than all-reducing; a sequence sharded over another axis (context
+    # parallelism) stays sharded through the layer (its rows kept).
     scatter = bool(stream) and not self.transpose_batch_sequence and rule_shards(SEQ)
+    rows = dict(scatter_rows=scatter, keep_rows=scatter and sequence_kept(SEQ))
+    grad_sharding = stream_sharding(stream) if scatter else None
     x, (meta_1, meta_2) = fp8_state(self, recipe, inputs.astype(dtype), ("wi_", "wo_"))
     if residual is inputs and x.dtype == inputs.dtype:
       residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
@@ -154,15 +160,15 @@ class LayerNormMLP(nn.Module):
     dropout = self.intermediate_dropout > 0.0 and not deterministic
     if not dropout and not self.return_layernorm_output:
       return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
-                                  fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, scatter_rows=scatter,
-                                  **norm_args))
+                                  fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, grad_sharding=grad_sharding,
+                                  **rows, **norm_args))
     # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
     h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
                         return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
-                        **norm_args)
+                        keep_rows=rows["keep_rows"], grad_sharding=grad_sharding, **norm_args)
     h, z = h if self.return_layernorm_output else (h, None)
     a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
     if dropout:
       a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=False)
-    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, scatter_rows=scatter)
+    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, **rows)
     return finish((y, z) if self.return_layernorm_output else y)

@@ -41,6 +41,7 @@ class _Config:
   unstack: Unstack | None
   has_residual: bool
   out_rows: tuple[int, int] | None  # (B, S): the output (B, S, N), its rows sharded as the caller constrains them
+  keep_rows: bool = False  # x is (B, S, K): every op keeps the two dims, sharded as they come
 
 
 class _Residuals(NamedTuple):
@@ -62,7 +63,7 @@ def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
   fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
   sx = fp8.scale(meta and meta.x, x, fp8.fwd_dtype)
-  qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M)
+  qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M), or kept rows
   out, res = linear_fwd(fp8, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, cfg.unstack,
                         cfg.out_rows)
   return out, _Residuals(res, qx.amax, meta_in)
@@ -71,7 +72,7 @@ def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
 def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
   g = tuple(map(instantiate, g)) if isinstance(g, tuple) else instantiate(g)
   g_out = g
-  if cfg.out_rows is not None:  # (B, S, N), sharded like the output
+  if cfg.out_rows is not None and not cfg.keep_rows:  # (B, S, N), sharded like the output
     g = g.reshape(-1, g.shape[-1])
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
@@ -112,6 +113,7 @@ def dense(
     recipe: Recipe | None = None,
     precision=None,
     scatter_rows: bool = False,
+    keep_rows: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
 
@@ -140,6 +142,11 @@ def dense(
       GEMM (K sharded over the tensor axis) reduce-scatters onto a sequence-parallel residual stream. Under FP8 only,
       and only where B * S needs no padding (a multiple of 16); otherwise it all-reduces and XLA slices (the same
       values).
+    keep_rows: ``x``'s dims other than ``axis`` are two, (B, S), and every op of the layer keeps them as two dims,
+      sharded as ``x``'s are, instead of folding them into the GEMM's M (``te_jax.ops.gemm.gemm``'s ``keep_rows``):
+      rows whose batch and sequence are sharded over different mesh axes (a context-parallel residual stream) are no
+      sharding of the merged rows, which would have the sequence all-gathered. Under FP8, where B * S needs no
+      padding.
 
   A GEMM whose contracted or output size is not a multiple of 16 (which FP8 GEMMs need: a classifier's 4-way head,
   an odd hidden size) runs in high precision even under FP8, and its state is handed back unchanged.
@@ -163,6 +170,8 @@ def dense(
   if scatter_rows and (unstack is not None or x.ndim - n_contract != 2):
     raise ValueError(f"dense: scatter_rows needs two non-contracted dims of x (B, S) and no unstack_axis; x is "
                      f"{x.shape}, axis={axis}, unstack_axis={unstack_axis}")
+  if keep_rows and x.ndim - n_contract != 2:
+    raise ValueError(f"dense: keep_rows needs two non-contracted dims of x (B, S); x is {x.shape}, axis={axis}")
   check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   k, n = math.prod(kernel.shape[:n_contract]), math.prod(features)
@@ -186,9 +195,11 @@ def dense(
   cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   out_rows = batch_shape if scatter_rows and not pad else None
-  r = residual_rows(residual, m, n, pad, x.dtype, out_rows)
-  x2d, k2d, b, r = to_common_varying(x2d, kernel.reshape(k, n), b, r)  # inside shard_map: as jax's dot would
-  y = _dense_fp8(_Config(cfg, unstack, r is not None, out_rows), x2d, k2d, b, r, meta)
+  keep = bool(keep_rows) and not pad
+  r = residual_rows(residual, m, n, pad, x.dtype, out_rows or (batch_shape if keep else None))
+  x_in = x.reshape(*batch_shape, k) if keep else x2d
+  x_in, k2d, b, r = to_common_varying(x_in, kernel.reshape(k, n), b, r)  # inside shard_map: as jax's dot would
+  y = _dense_fp8(_Config(cfg, unstack, r is not None, out_rows, keep), x_in, k2d, b, r, meta)
   if out_rows is not None:
     return y.reshape(*batch_shape, *features)
   return layer_output(y, m, batch_shape, features, unstack)

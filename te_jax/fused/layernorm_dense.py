@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
@@ -35,6 +36,11 @@ class _Config:
   keep_hp: bool  # also return the normalized tensor
   pass_input: bool  # also return x, whose gradient the norm's backward kernel adds
   unstack: Unstack | None
+  # x is (B, S, H) (no padding): with keep_rows every op runs on those rows as sharded; with grad_sharding (and
+  # without keep_rows, the forward on the 2-D (B * S, H) rows) the dgrad GEMM's (B, S, H) output is constrained to it,
+  # and the norm's backward runs on those rows.
+  keep_rows: bool = False
+  grad_sharding: P | None = None
 
 
 class _Residuals(NamedTuple):
@@ -59,7 +65,8 @@ def _ln_dense_fp8_fwd(cfg: _Config, *primals):
 
 def _forward(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
-  z = norm_to_fp8(cfg.fp8, cfg.norm, meta and meta.x, x, gamma, beta, keep_hp=cfg.keep_hp)
+  x_rows = x if cfg.keep_rows else x.reshape(-1, x.shape[-1])
+  z = norm_to_fp8(cfg.fp8, cfg.norm, meta and meta.x, x_rows, gamma, beta, keep_hp=cfg.keep_hp)
   out, res = linear_fwd(cfg.fp8, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias, unstack=cfg.unstack)
   outputs = (out, z.hp, x if cfg.pass_input else None)
   return outputs, _Residuals(x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
@@ -71,9 +78,12 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   g, g_hp, g_x = jax.tree.map(instantiate, cotangents, is_leaf=lambda c: c is None)
   sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
   qg = quantize_grad(fp8, g, sg, cfg.unstack)
-  dz, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg)
+  dgrad_rows = None if cfg.grad_sharding is None else r.x.shape[:-1]
+  dz, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg, dgrad_rows)
+  if cfg.grad_sharding is not None:
+    dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
   if cfg.keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
-    dz = (dz.astype(jnp.float32) + g_hp.astype(jnp.float32)).astype(dz.dtype)
+    dz = (dz.astype(jnp.float32) + g_hp.reshape(dz.shape).astype(jnp.float32)).astype(dz.dtype)
   # The passed-through input's gradient is added to dx inside the norm's backward kernel.
   dres = g_x.astype(r.x.dtype) if cfg.pass_input else None
   dx, dgamma, dbeta = cfg.norm.bwd(dz, r.x, r.mean, r.rsigma, r.gamma, dres=dres)
@@ -103,6 +113,8 @@ def layernorm_dense(
     unstack_axis: int | None = None,
     fp8_meta: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
+    keep_rows: bool = False,
+    grad_sharding: P | None = None,
 ):
   """``norm(x) @ kernel + bias`` over ``x``'s last dim, the norm writing the FP8 GEMM input under ``autocast``.
 
@@ -125,6 +137,17 @@ def layernorm_dense(
       an (H, 3, D) QKV projection with ``unstack_axis=-2``).
     fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``.
     recipe: overrides the autocast recipe.
+    keep_rows: ``x`` is (B, S, H) and every op of the layer keeps (B, S) as two dims, sharded as ``x``'s are
+      (``te_jax.ops.gemm.gemm``'s ``keep_rows``), instead of folding them into the GEMM's M: rows whose batch and
+      sequence are sharded over different mesh axes (a context-parallel residual stream) stay where they are, where
+      the merged rows would have the sequence all-gathered. Under FP8, where B * S needs no padding (a multiple of
+      16); otherwise the layer runs on the 2-D rows (the same values).
+    grad_sharding: ``x`` is (B, S, H) and its gradient is wanted with this sharding (a ``PartitionSpec`` of the mesh
+      set by ``jax.set_mesh``; a layer reading a residual stream gives the stream's): the dgrad GEMM's (B, S, H) output
+      takes it (``gemm``'s ``scatter_rows``) and the norm's backward runs on those rows, its parameters' gradients
+      summed over their shards. Under tensor parallelism with a sequence-parallel residual stream, the input
+      gradient's partial sums are reduce-scattered onto the stream (half the bytes of an all-reduce, no slice). Under
+      FP8, where B * S needs no padding; otherwise XLA reshards the gradient (the same values).
 
   Returns:
     ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
@@ -139,6 +162,10 @@ def layernorm_dense(
   if bias is not None and bias.shape != features:
     raise ValueError(f"bias must have shape {features}, got {bias.shape}")
   unstack = Unstack.of(unstack_axis, x.ndim - 1 + len(features), features)
+  if (keep_rows or grad_sharding is not None) and x.ndim != 3:
+    raise ValueError(f"keep_rows and grad_sharding need x of shape (B, S, H), got {x.shape}")
+  if grad_sharding is not None and not isinstance(grad_sharding, P):
+    raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   n = math.prod(features)
   if recipe is None or not fp8_dims_aligned(h, n):  # high precision; a state kept where FP8 cannot take the dims
@@ -150,12 +177,16 @@ def layernorm_dense(
   fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
   meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
   b = None if bias is None else bias.reshape(n)
-  x2d, gamma, beta, k2d, b = to_common_varying(x2d, gamma, beta, kernel.reshape(h, n), b)  # inside shard_map
-  cfg = _Config(fp8_cfg, norm, bool(return_layernorm_output), bool(return_input), unstack)
-  y, z, x_out = _ln_dense_fp8(cfg, x2d, gamma, beta, k2d, b, meta)
+  rows = tuple(x.shape[:2]) if (keep_rows or grad_sharding is not None) and not pad else None  # x passed (B, S, H)
+  x_in, gamma, beta, k2d, b = to_common_varying(x2d if rows is None else x, gamma, beta, kernel.reshape(h, n),
+                                                b)  # inside shard_map
+  cfg = _Config(fp8_cfg, norm, bool(return_layernorm_output), bool(return_input), unstack,
+                keep_rows=bool(keep_rows) and rows is not None,
+                grad_sharding=None if rows is None else grad_sharding)
+  y, z, x_out = _ln_dense_fp8(cfg, x_in, gamma, beta, k2d, b, meta)
   m = x2d.shape[0] - pad
   y = layer_output(y, m, x.shape[:-1], features, unstack)
-  unpad = lambda v: None if v is None else v[:m].reshape(x.shape)  # noqa: E731
+  unpad = lambda v: None if v is None else (v if rows else v[:m]).reshape(x.shape)  # noqa: E731
   return _outputs(y, unpad(z), unpad(x_out))
 
 

@@ -17,6 +17,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
@@ -44,6 +45,10 @@ class _Config:
   intermediate: int
   residual_kind: str  # one of the three above
   out_rows: tuple[int, int] | None  # (B, S): fc2's output (B, S, H), its rows sharded as the caller constrains them
+  # x is (B, S, H): with keep_rows every op runs on those rows as sharded; with grad_sharding fc1's dgrad output
+  # (B, S, H) is constrained to it, the norm's backward running on those rows.
+  keep_rows: bool = False
+  grad_sharding: P | None = None
 
 
 class _Residuals(NamedTuple):
@@ -71,21 +76,22 @@ def _ln_mlp_fp8_fwd(cfg: _Config, *primals):
 
 
 def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual, meta_1_in, meta_2_in):
-  if cfg.residual_kind == _INPUT_RESIDUAL:
-    residual = x
   meta_1, meta_2 = state_as_float32((meta_1_in, meta_2_in))
   fc1, fc2 = cfg.fc1, cfg.fc2
-  z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x, gamma, beta, keep_hp=False)
+  x_rows = x if cfg.keep_rows else x.reshape(-1, x.shape[-1])
+  if cfg.residual_kind == _INPUT_RESIDUAL:
+    residual = x_rows
+  z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x_rows, gamma, beta, keep_hp=False)
   h, res_1 = linear_fwd(fc1, z.data, z.data_t, z.sx_inv, kernel_1, meta_1 and meta_1.kernel, bias_1)
-  if cfg.gated:
-    h = h.reshape(h.shape[0], 2, cfg.intermediate)  # the activated half first, as kernel_1's (H, 2, F) lays it out
+  if cfg.gated:  # the activated half first, as kernel_1's (H, 2, F) lays it out
+    h = h.reshape(*h.shape[:-1], 2, cfg.intermediate)
   if fc2.delayed:
     s2 = meta_2.x.scale
     a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
   else:  # current scaling needs the activation's amax before its cast: a second pass
     a_hp = activation_fwd(h, cfg.activation_type).data
     s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
-    a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True)
+    a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
   y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual,
                         out_rows=cfg.out_rows)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
@@ -93,12 +99,14 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
 
 def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   g = instantiate(g)
-  g_out, g = g, g.reshape(-1, g.shape[-1])  # with out_rows g is (B, S, H), sharded like the output
+  g_out = g  # with out_rows or keep_rows (B, S, H), sharded like the output
+  if not cfg.keep_rows:
+    g = g.reshape(-1, g.shape[-1])
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
   meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
   sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
-  qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, dbias=fc2.has_bias)
+  qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc2.has_bias)
   da, dk2 = linear_bwd(fc2, res_2, qg.data, qg.data_t, 1.0 / sg2)
   if fc1.delayed:
     sg1 = meta_1.grad.scale
@@ -107,11 +115,17 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   else:
     dh_hp = activation_bwd(da, h, cfg.activation_type).data
     sg1 = fc1.scale(None, dh_hp, fc1.bwd_dtype)
-    dh = quantize(dh_hp.reshape(dh_hp.shape[0], -1), sg1, fc1.bwd_dtype, transpose=True, dbias=fc1.has_bias)
-  m = h.shape[0]
-  dh_q, dh_t = dh.data.reshape(m, -1), dh.data_t.reshape(-1, m)  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
-  dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1)
-  dres = g if cfg.residual_kind == _INPUT_RESIDUAL else None
+    dh = quantize(dh_hp.reshape(*da.shape[:-1], -1), sg1, fc1.bwd_dtype, transpose=True, transpose_batch_dims=0,
+                  dbias=fc1.has_bias)
+  rows = da.shape[:-1]  # (M,), or (B, S) kept
+  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
+  dh_q, dh_t = dh.data.reshape(*rows, -1), dh.data_t.reshape(-1, *rows)
+  dgrad_rows = None if cfg.grad_sharding is None else x.shape[:-1]
+  dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1, dgrad_rows)
+  dz = dz.reshape(x.shape)  # x's rows: (M, H), or (B, S, H) as passed
+  if cfg.grad_sharding is not None:
+    dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
+  dres = g_out.reshape(x.shape) if cfg.residual_kind == _INPUT_RESIDUAL else None
   dx, dgamma, dbeta = cfg.norm.bwd(dz, x, r.mean, r.rsigma, r.gamma, dres=dres)
   db1 = dh.dbias.reshape(-1).astype(fc1.bias_dtype) if fc1.has_bias else None
   db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
@@ -146,6 +160,8 @@ def layernorm_mlp(
     fp8_meta_2: DenseFp8Meta | None = None,
     recipe: Recipe | None = None,
     scatter_rows: bool = False,
+    keep_rows: bool = False,
+    grad_sharding: P | None = None,
 ) -> jax.Array:
   """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
 
@@ -172,6 +188,13 @@ def layernorm_mlp(
       that constraint (``te_jax.ops.gemm.gemm``'s ``scatter_rows``): under tensor parallelism with the residual stream
       sequence-parallel, fc2's partial sums are reduce-scattered onto it. Under FP8 only, and only where B * S
       needs no padding (a multiple of 16); otherwise fc2 all-reduces and XLA slices (the same values).
+    keep_rows: ``x`` is (B, S, H) and every op of the layer keeps (B, S) as two dims, sharded as ``x``'s are, instead of
+      folding them into the GEMMs' M (``te_jax.layernorm_dense``'s ``keep_rows``: a context-parallel residual stream
+      stays on its sequence shards). Under FP8, where B * S needs no padding.
+    grad_sharding: ``x`` is (B, S, H) and its gradient is wanted with this sharding (a ``PartitionSpec``), which
+      fc1's dgrad GEMM then takes, the norm's backward running on those rows (``te_jax.layernorm_dense``'s
+      ``grad_sharding``: under tensor parallelism with a sequence-parallel stream, the input gradient is
+      reduce-scattered onto it). Under FP8, where B * S needs no padding.
 
   Returns:
     ``x``'s shape and dtype.
@@ -194,8 +217,10 @@ def layernorm_mlp(
   if bias_2 is not None and bias_2.shape != (h_dim,):
     raise ValueError(f"bias_2 must be ({h_dim},), got {bias_2.shape}")
   check_residual(residual, x.shape)
-  if scatter_rows and x.ndim != 3:
-    raise ValueError(f"scatter_rows needs x of shape (B, S, H), got {x.shape}")
+  if (scatter_rows or keep_rows or grad_sharding is not None) and x.ndim != 3:
+    raise ValueError(f"scatter_rows, keep_rows and grad_sharding need x of shape (B, S, H), got {x.shape}")
+  if grad_sharding is not None and not isinstance(grad_sharding, P):
+    raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
   recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
   k1 = kernel_1.reshape(h_dim, n_act * f_dim)
   b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
@@ -209,15 +234,18 @@ def layernorm_mlp(
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   delayed = isinstance(recipe, DelayedScaling)
-  out_rows = tuple(x.shape[:2]) if scatter_rows and not pad else None
+  rows = None if pad else tuple(x.shape[:2])
+  out_rows = rows if scatter_rows else None
+  keep = bool(keep_rows) and rows is not None
   if residual is x:
     kind, r = _INPUT_RESIDUAL, None
   else:
-    r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype, out_rows)
+    r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype, out_rows or (rows if keep else None))
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
   cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
-                gated, f_dim, kind, out_rows)
-  x2d, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x2d, gamma, beta, k1, kernel_2, b1, bias_2, r)
-  y = _ln_mlp_fp8(cfg, x2d, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
+                gated, f_dim, kind, out_rows, keep_rows=keep, grad_sharding=None if rows is None else grad_sharding)
+  x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
+  x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
+  y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
                   fp8_meta_2 if delayed else None)
-  return y.reshape(x.shape) if out_rows else y[: x2d.shape[0] - pad].reshape(x.shape)
+  return y.reshape(x.shape) if y.ndim == 3 else y[: x2d.shape[0] - pad].reshape(x.shape)

@@ -267,12 +267,15 @@ class Unstack:
 
 def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple[int, ...], features: tuple[int, ...],
                  unstack: Unstack | None):
-  """The GEMM's (M + padding, N) output, or its parts, as the layer returns it: the first ``m`` rows, shaped
-  ``(*lead_shape, *features)``, the unstacked axis left out of each part."""
+  """The GEMM's (M + padding, N) output (or its (B, S, N) with the rows kept), or its parts, as the layer returns it:
+  the first ``m`` rows, shaped ``(*lead_shape, *features)``, the unstacked axis left out of each part."""
+  def rows(p):
+    return p[:m] if p.ndim == 2 else p
+
   if unstack is None:
-    return y[:m].reshape(*lead_shape, *features)
+    return rows(y).reshape(*lead_shape, *features)
   part_features = features[:unstack.feature_axis] + features[unstack.feature_axis + 1:]
-  return tuple(p[:m].reshape(*lead_shape, *part_features) for p in y)
+  return tuple(rows(p).reshape(*lead_shape, *part_features) for p in y)
 
 
 def check_residual(residual: jax.Array | None, out_shape: tuple[int, ...]) -> None:
@@ -296,16 +299,18 @@ def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype,
 def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: jax.Array,
                   unstack: Unstack | None) -> Quantized:
   """The output gradient as the backward GEMMs need it: FP8 (M, N), its transposed copy (N, M), its amax, and the
-  bias gradient when there is a bias. ``g`` is the (M, N) gradient, or with ``unstack`` the parts' gradients."""
+  bias gradient when there is a bias. ``g`` is the (M, N) gradient, or with ``unstack`` the parts' gradients; with the
+  rows kept, (B, S, N) and (N, B, S)."""
   if unstack is None:
-    return quantize(g, scale, cfg.bwd_dtype, transpose=True, dbias=cfg.has_bias)
-  return quantize_interleaved(g, scale, cfg.bwd_dtype, group=unstack.group, transpose=True, dbias=cfg.has_bias)
+    return quantize(g, scale, cfg.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=cfg.has_bias)
+  return quantize_interleaved(g, scale, cfg.bwd_dtype, group=unstack.group, transpose=True, transpose_batch_dims=0,
+                              dbias=cfg.has_bias)
 
 
 class LinearResiduals(NamedTuple):
   """What the backward GEMMs need from the forward: FP8 tensors and scalars only."""
 
-  x_t: jax.Array  # the FP8 input, transposed: (K, M)
+  x_t: jax.Array  # the FP8 input, transposed: (K, M), or (K, B, S) with the rows kept
   w: jax.Array  # the FP8 kernel: (K, N)
   sx_inv: jax.Array
   sw_inv: jax.Array
@@ -320,33 +325,47 @@ def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, res
   ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each written
   by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part. With
   ``out_rows`` (B, S), M = B * S, the output is (B, S, N), its rows sharded as its consumer asks (``gemm``'s
-  ``scatter_rows``: a sequence-parallel row-parallel GEMM's reduce-scatter); a residual is then (B, S, N) too."""
+  ``scatter_rows``: a sequence-parallel row-parallel GEMM's reduce-scatter); a residual is then (B, S, N) too.
+
+  With the rows kept (``x_q`` (B, S, K), ``x_t`` (K, B, S): a layer's ``keep_rows``), every GEMM keeps (B, S) as two
+  dims sharded as they come (``gemm``'s ``keep_rows`` and ``contract_dims``), the output (B, S, N)."""
   sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
   sw_inv = 1.0 / sw
   fwd_gemm = functools.partial(gemm, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, dtype=cfg.out_dtype,
                                fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
+  keep_rows = x_q.ndim > 2
   if unstack is None or unstack.parts == 1:
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
     lhs = x_q if out_rows is None else x_q.reshape(*out_rows, x_q.shape[-1])
-    out = fwd_gemm(lhs, qw.data_t, bias=bias, residual=residual, scatter_rows=out_rows is not None)
+    out = fwd_gemm(lhs, qw.data_t, bias=bias, residual=residual, scatter_rows=out_rows is not None,
+                   keep_rows=keep_rows)
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
-    out = fwd_gemm(x_q, qw.data_t, bias=biases, rhs_parts=True)
+    out = fwd_gemm(x_q, qw.data_t, bias=biases, rhs_parts=True, keep_rows=keep_rows)
   x_t, w = (checkpoint_name(a, scaling.FP8_RESIDUAL) for a in (x_t, qw.data))
   return out, LinearResiduals(x_t, w, sx_inv, sw_inv, qw.amax)
 
 
-def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv) -> tuple[jax.Array, jax.Array]:
-  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M), accumulating
-  as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full precision by default). Returns
-  ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``."""
+def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv,
+               dgrad_rows: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M) (with the
+  rows kept, (B, S, N) and (N, B, S)), accumulating as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full
+  precision by default). Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``, dx
+  (B, S, K) with the rows kept.
+
+  With ``dgrad_rows`` (B, S), dx is (B, S, K) with its rows sharded as its consumer asks (``gemm``'s
+  ``scatter_rows``): a column-parallel layer that constrains its input's gradient to a sequence-parallel residual
+  stream (its ``grad_sharding``) reduce-scatters dx onto it."""
   recipe = cfg.recipe
-  dx = gemm(g_q, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, dtype=cfg.out_dtype,
-            fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator)
+  keep_rows = g_q.ndim > 2
+  lhs = g_q if dgrad_rows is None else g_q.reshape(*dgrad_rows, g_q.shape[-1])
+  dx = gemm(lhs, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, dtype=cfg.out_dtype,
+            fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator, scatter_rows=dgrad_rows is not None,
+            keep_rows=keep_rows)
   dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, dtype=cfg.kernel_dtype,
-            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
+            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, contract_dims=res.x_t.ndim - 1)
   return dx, dw
 
 
@@ -366,8 +385,12 @@ class NormSpec:
                     zero_centered_gamma=self.zero_centered_gamma, **kwargs)
 
   def bwd(self, dz, x, mean, rsigma, gamma, dres=None):
-    return norm_bwd(dz, x, mean, rsigma, gamma, norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma,
-                    dres=dres)
+    """The norm's backward on ``x``'s rows (and ``dz``'s, of ``x``'s shape), whichever rows the forward ran on: the
+    statistics are reshaped to them (a forward on (B * S, H) rows, a backward on (B, S, H): sequence shards)."""
+    rows = x.shape[:-1]
+    mean = None if mean is None else mean.reshape(rows)
+    return norm_bwd(dz, x, mean, rsigma.reshape(rows), gamma, norm_type=self.norm_type,
+                    zero_centered_gamma=self.zero_centered_gamma, dres=dres)
 
   def plain(self, x, gamma, beta):
     """The differentiable high-precision norm (no FP8), in ``x``'s dtype."""
@@ -388,7 +411,8 @@ class NormFp8(NamedTuple):
 
 
 def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep_hp: bool) -> NormFp8:
-  """Normalizes ``x2d`` (M, H) into the FP8 GEMM input.
+  """Normalizes ``x2d`` (M, H) into the FP8 GEMM input ((B, S, H) with the rows kept: the transposed copy is then
+  (H, B, S)).
 
   Delayed scaling knows the scale up front, so the norm kernel casts directly. Current scaling needs the amax of the
   normalized tensor first (and ``keep_hp`` asks for that tensor itself), so the norm writes it in the compute dtype
@@ -399,5 +423,5 @@ def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep
     return NormFp8(out.out, out.out_t, 1.0 / state.scale, out.amax, out.mean, out.rsigma, None)
   out = norm.fwd(x2d, gamma, beta, dtype=x2d.dtype)
   s = cfg.scale(state, out.out, cfg.fwd_dtype)
-  q = quantize(out.out, s, cfg.fwd_dtype, transpose=True)
+  q = quantize(out.out, s, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)
   return NormFp8(q.data, q.data_t, 1.0 / s, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)

@@ -23,6 +23,13 @@ as the output's consumer asks rather than as lhs's rows are: a row-parallel GEMM
 a sequence-parallel residual stream (batch over the data axes, sequence over the tensor axis) ends in one
 reduce-scatter onto it. Its (M, N) view cannot say that: batch over 'data' and sequence over 'tensor' is no sharding of
 the merged rows, so the partitioner would all-reduce and then slice.
+
+``gemm(lhs, rhs, keep_rows=True)`` keeps lhs's leading dims (B, S, ...) as dims of their own, each sharded as lhs's is
+(the output's rows sharded alike), instead of folding them into M: rows whose batch and sequence are sharded over
+different mesh axes (context parallelism) are no sharding of the merged (B * S) rows either, and folding them would
+all-gather the sequence. ``contract_dims=2`` contracts the last two dims of both operands, the kept (B, S) rows of a
+weight gradient's transposed operands (K, B, S) and (N, B, S); each contracted dim keeps its sharding and the
+partial sums are reduced over all of their mesh axes. The handler sees the same bytes as the 2-D GEMM.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class GemmConfig:
     parts: with ``parts`` > 1, rhs is (parts, N, K) and there are ``parts`` outputs (M, N); else one.
     out_rows: (B, S) with B * S = M: the output is (B, S, N) and its rows' sharding is left to its consumer (the
       sharding rule does not tie it to lhs's rows); a residual is (B, S, N) too. None: the output is (M, N).
+    k_dims: how many trailing dims of each (untransposed) operand are contracted; lhs's dims before them are its rows
+      (one dim, M, or several kept apart: (B, S)), the output's too: ``(*rows, N)``.
   """
 
   out_dtype: np.dtype
@@ -75,12 +84,22 @@ class GemmConfig:
   has_residual: bool = False
   parts: int = 1
   out_rows: tuple[int, int] | None = None
+  k_dims: int = 1
 
 
-def _mk(shape, transposed):
-  """(rows, K) of a 2-D operand, or of each part of a (parts, rows, K) rhs."""
-  shape = shape[-2:]
-  return (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+def _split(shape, transposed: bool, k_dims: int, parts: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(row dims, contracted dims) of an operand: a 2-D transposed one is (K, rows), any other (*rows, *K) with
+  ``k_dims`` contracted dims; a rhs with parts loses its leading part dim first."""
+  shape = tuple(shape[1:] if parts else shape)
+  if transposed:
+    return shape[1:], shape[:1]
+  return shape[:len(shape) - k_dims], shape[len(shape) - k_dims:]
+
+
+def _mk(shape, transposed, k_dims: int = 1, parts: bool = False) -> tuple[int, int]:
+  """(rows, K) of an operand, each folded into one number."""
+  rows, k = _split(shape, transposed, k_dims, parts)
+  return math.prod(rows), math.prod(k)
 
 
 # ---- reference ---------------------------------------------------------------------------------------------------
@@ -91,8 +110,9 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) 
   if config.parts > 1:  # no bias or residual with parts
     return [gemm_ref(lhs, part, lhs_scale_inv, rhs_scale_inv, config=dataclasses.replace(config, parts=1))[0]
             for part in rhs]
-  a = lhs.T if config.transpose_lhs else lhs
-  b = rhs.T if config.transpose_rhs else rhs
+  rows, _ = _split(lhs.shape, config.transpose_lhs, config.k_dims)
+  a = lhs.T if config.transpose_lhs else lhs.reshape(_mk(lhs.shape, False, config.k_dims))
+  b = rhs.T if config.transpose_rhs else rhs.reshape(_mk(rhs.shape, False, config.k_dims))
   if jnp.dtype(a.dtype) in FP8_DTYPES:
     a = a.astype(jnp.float32) * lhs_scale_inv
     b = b.astype(jnp.float32) * rhs_scale_inv
@@ -104,7 +124,7 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) 
   if config.has_residual:
     out = out + rest[-1].astype(jnp.float32).reshape(out.shape)
   out = out.astype(config.out_dtype)
-  return [out if config.out_rows is None else out.reshape(*config.out_rows, out.shape[1])]
+  return [out.reshape(*(config.out_rows or rows), out.shape[1])]
 
 
 # ---- primitive ---------------------------------------------------------------------------------------------------
@@ -112,10 +132,9 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) 
 
 def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig):
   del lhs_scale_inv, rhs_scale_inv, rest
-  m, _ = _mk(lhs.shape, config.transpose_lhs)
-  n, _ = _mk(rhs.shape, config.transpose_rhs)
-  rows = (m,) if config.out_rows is None else config.out_rows
-  return [output_aval(lhs, (*rows, n), config.out_dtype)] * config.parts
+  rows, _ = _split(lhs.shape, config.transpose_lhs, config.k_dims)
+  n, _ = _mk(rhs.shape, config.transpose_rhs, config.k_dims, parts=config.parts > 1)
+  return [output_aval(lhs, (*(config.out_rows or rows), n), config.out_dtype)] * config.parts
 
 
 def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) -> NativeSignature:
@@ -128,10 +147,19 @@ def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) ->
   residual = n - 1 if config.has_residual else n + (not config.has_bias)
   extra = (empty,) * ((not config.has_bias) + (not config.has_residual))
   workspace = native.workspace(platform, "gemm", config.parts)
-  # The handler writes (M, N) outputs; with out_rows the lowering reshapes them to (B, S, N) (the same bytes).
+  # The handler reads 2-D operands ((M, K) and (N, K), or (parts, N, K)) and writes (M, N) outputs: kept rows,
+  # several contracted dims and out_rows are reshapes of the same bytes, which the lowering makes.
+  lhs, rhs = avals_in[:2]
+  parts = (config.parts,) if config.parts > 1 else ()
+  shapes = [lhs.shape if config.transpose_lhs else _mk(lhs.shape, False, config.k_dims),
+            rhs.shape if config.transpose_rhs else (*parts, *_mk(rhs.shape, False, config.k_dims, bool(parts))),
+            *(a.shape for a in avals_in[2:])]
+  if config.has_residual:
+    shapes[-1] = (math.prod(avals_in[-1].shape[:-1]), avals_in[-1].shape[-1])
   outs = [jax.core.ShapedArray((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype) for a in avals_out]
   return NativeSignature(extra_operands=extra, result_avals=(workspace, *outs),
-                         keep=tuple(range(1, 1 + len(avals_out))), operand_order=(0, 1, 2, 3, bias, residual))
+                         keep=tuple(range(1, 1 + len(avals_out))), operand_order=(0, 1, 2, 3, bias, residual),
+                         operand_shapes=tuple(tuple(sh) for sh in shapes))
 
 
 def _attributes(config: GemmConfig) -> dict:
@@ -147,49 +175,72 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
-  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over M or N).
+  """Rows of lhs and of rhs stay sharded as given; a sharded K ends in one psum (or psum_scatter over a dim of the
+  output).
 
   When lhs and rhs shard K differently, lhs's choice wins and rhs is resharded to match, except that a mesh axis
   sharding lhs's rows is kept there and rhs is all-gathered over it instead (FSDP: a weight sharded over the axis that
   shards the batch is gathered where it is used, in the dtype it has here, FP8 under an FP8 recipe, rather than the
   activations being resharded). A mesh axis used twice (say M and N both on 'model') is kept where the output is
   wanted sharded over it, else on M. With parts, rhs's part dim is never sharded (each shard computes its block of
-  every part).
+  every part). Several contracted dims (``k_dims``) each keep their sharding, as several row dims do.
 
-  With ``out_rows`` (B, S), the output's (B, S) sharding is its consumer's: lhs's rows are sharded as B is (M's major
-  part), and when S is sharded over exactly K's axes the partial sums are reduce-scattered onto it (sequence
-  parallelism); any other S sharding is left to XLA (a local slice).
+  When the output is wanted with a dim sharded over some of K's axes after that dim's own (sequence parallelism:
+  M over the tensor axis; FSDP: a weight gradient's rows or columns over the axis that sharded the batch), the partial
+  sums are reduce-scattered onto it over those axes (after a psum over K's other axes) instead of all-reduced.
+
+  With ``out_rows`` (B, S), the output's (B, S) sharding is its consumer's: lhs's rows are sharded as B is (and, for
+  a 3-D lhs (B, S, K), S as the output's S without K's axes), and when S is sharded over K's axes after those the
+  partial sums are reduce-scattered onto it (sequence parallelism); any other S sharding of a 2-D lhs's output is left
+  to XLA (a local slice).
   """
-  lhs_spec = full_spec(arg_shapes[0].sharding, 2)
-  rhs_spec = full_spec(arg_shapes[1].sharding, 3 if config.parts > 1 else 2)[-2:]
-  m_l, k_l = (lhs_spec[1], lhs_spec[0]) if config.transpose_lhs else lhs_spec
-  n_r, k_r = (rhs_spec[1], rhs_spec[0]) if config.transpose_rhs else rhs_spec
-  k_axes = mesh_axes(k_l) or tuple(a for a in mesh_axes(k_r) if a not in mesh_axes(m_l))
-  out_spec = full_spec(result_shape[0].sharding, 2 if config.out_rows is None else 3)
-  n_out = mesh_axes(out_spec[-1])
-  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a in n_out)
-  m_axes = tuple(a for a in mesh_axes(m_l if config.out_rows is None else out_spec[0])
-                 if a not in k_axes and a not in n_axes)
-  n_axes += tuple(a for a in mesh_axes(n_r) if a not in k_axes and a not in m_axes and a not in n_axes)
-  m, k, n = _entry(m_axes), _entry(k_axes), _entry(n_axes)
-  lhs_sharding = NamedSharding(mesh, P(k, m) if config.transpose_lhs else P(m, k))
-  rhs_sharding = NamedSharding(mesh, P(*((None,) if config.parts > 1 else ()), *((k, n) if config.transpose_rhs
-                                                                                   else (n, k))))
-  scalar = NamedSharding(mesh, P())
-  # Sequence parallelism: when the output is wanted with M sharded over the K axes too (after M's own), reduce-scatter
-  # over M instead of all-reducing (the result's dim then sharded over M's axes and K's, in that order).
-  # Likewise over N (FSDP: a weight gradient whose columns are the sharded dim of the weight).
-  local_rows = None
-  if config.out_rows is not None:  # (B, S, N): reduce-scatter onto S (dim 1) when the consumer shards it over K's axes
-    scatter = 1 if k_axes and mesh_axes(out_spec[1]) == k_axes else None
-    out_sharding = NamedSharding(mesh, P(m, k if scatter == 1 else None, n))
-    local_rows = (config.out_rows[0] // math.prod(mesh.shape[a] for a in m_axes), config.out_rows[1])
+  parts = config.parts > 1
+  lhs_spec = full_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+  rhs_spec = full_spec(arg_shapes[1].sharding, len(arg_shapes[1].shape))[int(parts):]
+  n_k = config.k_dims
+  m_l, k_l = (lhs_spec[1:], lhs_spec[:1]) if config.transpose_lhs else (lhs_spec[:-n_k], lhs_spec[-n_k:])
+  n_r, k_r = (rhs_spec[1], rhs_spec[:1]) if config.transpose_rhs else (rhs_spec[0], rhs_spec[1:])
+  k_dims: list[tuple[str, ...]] = []  # the mesh axes of each contracted dim
+  for kl, kr in zip(k_l, k_r):
+    axes = mesh_axes(kl) or tuple(a for a in mesh_axes(kr) if a not in mesh_axes(*m_l))
+    k_dims.append(tuple(a for a in axes if a not in mesh_axes(*k_dims)))
+  k_axes = mesh_axes(*k_dims)
+  free = config.out_rows is not None
+  out_spec = full_spec(result_shape[0].sharding, (2 if free else len(m_l)) + 1)
+  n_axes = tuple(a for a in mesh_axes(n_r) if a not in k_axes and a in mesh_axes(out_spec[-1]))
+  rows: list[tuple[str, ...]] = []  # the mesh axes of each of lhs's row dims
+  for entry in (out_spec[:len(m_l)] if free else m_l):
+    rows.append(tuple(a for a in mesh_axes(entry) if a not in k_axes + n_axes + mesh_axes(*rows)))
+  n_axes += tuple(a for a in mesh_axes(n_r) if a not in k_axes + n_axes + mesh_axes(*rows))
+  scatter, scatter_axes, rest = None, (), k_axes  # the dim reduce-scattered onto, over which axes; psum over rest
+  if free:  # (B, S, N): reduce-scatter onto S when the consumer shards it over K's axes after the ones lhs keeps
+    s_out = tuple(a for a in mesh_axes(out_spec[1]) if a not in rows[0] + n_axes)
+    kept = rows[1] if len(rows) > 1 else ()  # a 2-D lhs's rows cannot keep S's sharding
+    if k_axes and s_out == kept + k_axes:
+      scatter, scatter_axes, rest = 1, k_axes, ()
+    out_dims = [rows[0], kept, n_axes]
   else:
-    out_m, out_n = out_spec
-    scatter = 0 if k_axes and mesh_axes(out_m) == m_axes + k_axes else (
-        1 if k_axes and mesh_axes(out_n) == n_axes + k_axes else None)
-    out_sharding = NamedSharding(mesh, P(_entry(m_axes + k_axes) if scatter == 0 else m,
-                                         _entry(n_axes + k_axes) if scatter == 1 else n))
+    out_dims = [*rows, n_axes]
+    for d, (entry, own) in enumerate(zip(out_spec, out_dims)):
+      wanted = mesh_axes(entry)
+      extra = wanted[len(own):]
+      if k_axes and extra and wanted[:len(own)] == own and all(a in k_axes for a in extra):
+        scatter, scatter_axes, rest = d, extra, tuple(a for a in k_axes if a not in extra)
+        break
+  if scatter is not None:
+    out_dims[scatter] = out_dims[scatter] + scatter_axes
+  k_entries, n = [_entry(a) for a in k_dims], _entry(n_axes)
+  row_entries = [_entry(a) for a in rows]
+  lhs_sharding = NamedSharding(mesh, P(*k_entries, *row_entries) if config.transpose_lhs
+                               else P(*row_entries, *k_entries))
+  rhs_sharding = NamedSharding(mesh, P(*((None,) if parts else ()), *((*k_entries, n) if config.transpose_rhs
+                                                                       else (n, *k_entries))))
+  out_sharding = NamedSharding(mesh, P(*(_entry(a) for a in out_dims)))
+  scalar = NamedSharding(mesh, P())
+  local_rows = None
+  if free:  # one shard's (B, S) before the reduce-scatter
+    local_rows = tuple(size // math.prod(mesh.shape[a] for a in axes) for size, axes in zip(config.out_rows,
+                                                                                             (rows[0], kept)))
   arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
   if config.has_bias:
     arg_shardings.append(NamedSharding(mesh, P(out_sharding.spec[-1])))
@@ -201,10 +252,10 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
 
   def reduce(out, addends):
     # Partial sums reduce in the output dtype, as cuBLASLt's split-K would; bias and residual go on after.
+    if rest:
+      out = jax.lax.psum(out, rest)
     if scatter is not None:
-      out = jax.lax.psum_scatter(out, k_axes, scatter_dimension=scatter, tiled=True)
-    else:
-      out = jax.lax.psum(out, k_axes)
+      out = jax.lax.psum_scatter(out, scatter_axes, scatter_dimension=scatter, tiled=True)
     if addends:
       out = out.astype(jnp.float32)
       for r in addends:
@@ -222,14 +273,19 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
 
 
 def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
-  """``m k, n k -> m n``; with parts, ``m k, p n k -> m n, m n, ...`` with p kept whole."""
-  del mesh, value_types, result_types
-  lhs = "k m" if config.transpose_lhs else "m k"
-  rhs = ("p " if config.parts > 1 else "") + ("k n" if config.transpose_rhs else "n k")
-  out = "m n" if config.out_rows is None else "b s n"  # out_rows: factors of their own, set by the consumer
+  """``m k, n k -> m n``; with parts, ``m k, p n k -> m n, m n, ...`` with p kept whole; kept row dims and several
+  contracted dims are factors of their own (``m0 m1 k``, ``k n0 n1``...)."""
+  del mesh, result_types
+  n_rows = 1 if config.transpose_lhs else len(value_types[0].shape) - config.k_dims
+  m = "m" if n_rows == 1 else " ".join(f"m{i}" for i in range(n_rows))
+  k = "k" if config.k_dims == 1 else " ".join(f"k{i}" for i in range(config.k_dims))
+  lhs = f"{k} {m}" if config.transpose_lhs else f"{m} {k}"
+  rhs = ("p " if config.parts > 1 else "") + (f"{k} n" if config.transpose_rhs else f"n {k}")
+  out = f"{m} n" if config.out_rows is None else "b s n"  # out_rows: factors of their own, set by the consumer
   operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else []) + ([out] if config.has_residual else [])
   extra = {"need_replication_factors": ("p",)} if config.parts > 1 else {}
-  return ", ".join(operands) + " -> " + ", ".join([out] * config.parts), {"reduction_factors": ("k",), **extra}
+  return ", ".join(operands) + " -> " + ", ".join([out] * config.parts), {"reduction_factors": tuple(k.split()),
+                                                                          **extra}
 
 
 _GEMM = define_op(
@@ -290,6 +346,8 @@ def gemm(
     fast_accum: bool = False,
     rhs_parts: bool = False,
     scatter_rows: bool = False,
+    keep_rows: bool = False,
+    contract_dims: int = 1,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
 
@@ -318,6 +376,12 @@ def gemm(
       consumer asks for, not lhs's: with K sharded over the mesh axes that shard S there (a row-parallel GEMM whose
       output the caller constrains to a sequence-parallel residual stream), one reduce-scatter onto S. Only for an
       output its caller constrains: nothing else tells the partitioner how to shard the rows.
+    keep_rows: lhs's non-contracting dims (untransposed) stay dims of their own, each sharded as lhs's is, the output's
+      alike, instead of folding into M (whose sharding could not say "batch over one mesh axis, sequence over
+      another": a context-parallel residual stream). With ``scatter_rows`` lhs's S keeps the output's S sharding
+      without K's axes.
+    contract_dims: how many trailing dims of both (untransposed) operands are contracted, each keeping its sharding
+      (the (B, S) rows of a weight gradient's transposed operands (K, B, S) and (N, B, S)); K is their product.
 
   Returns:
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
@@ -326,9 +390,18 @@ def gemm(
   if scatter_rows and (rhs_parts or transpose_lhs or lhs.ndim != 3):
     raise ValueError(f"scatter_rows needs lhs (B, S, K), untransposed, and no rhs_parts; got lhs {lhs.shape}"
                      f"{' transposed' if transpose_lhs else ''}{' with rhs_parts' if rhs_parts else ''}")
+  if not (isinstance(contract_dims, int) and contract_dims >= 1):
+    raise ValueError(f"contract_dims must be a positive int, got {contract_dims!r}")
+  if (keep_rows or contract_dims > 1) and (transpose_lhs or transpose_rhs):
+    raise ValueError("keep_rows and contract_dims > 1 need untransposed operands")
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if contract_dims > 1 and x.ndim < contract_dims + 1:
+      raise ValueError(f"contract_dims={contract_dims} needs {name} of rank >= {contract_dims + 1}, got {x.shape}")
   if rhs_parts:
+    if contract_dims != 1:
+      raise ValueError("rhs_parts contracts one dim: contract_dims must be 1")
     return _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, dtype, transpose_lhs,
-                       transpose_rhs, fast_accum)
+                       transpose_rhs, fast_accum, keep_rows)
   lhs_fp8 = _check_operand(lhs, "lhs", lhs_scale_inv)
   rhs_fp8 = _check_operand(rhs, "rhs", rhs_scale_inv)
   if lhs_fp8 != rhs_fp8:
@@ -344,28 +417,32 @@ def gemm(
     if x.ndim < 2:
       raise ValueError(f"{name} must have rank >= 2, got shape {x.shape}")
 
-  a, b = _as_2d(lhs, transpose_lhs), _as_2d(rhs, transpose_rhs)
-  (m, k), (n, k_b) = _mk(a.shape, transpose_lhs), _mk(b.shape, transpose_rhs)
+  a = lhs if keep_rows else _fold(lhs, transpose_lhs, contract_dims)
+  b = _fold(rhs, transpose_rhs, contract_dims)
+  (m, k), (n, k_b) = _mk(a.shape, transpose_lhs, contract_dims), _mk(b.shape, transpose_rhs, contract_dims)
+  if contract_dims > 1 and a.shape[-contract_dims:] != b.shape[-contract_dims:]:
+    raise ValueError(f"contracting dims differ: lhs {lhs.shape} and rhs {rhs.shape} (contract_dims={contract_dims})")
   if k != k_b:
     raise ValueError(f"contracting dims differ: lhs {lhs.shape} has K={k}, rhs {rhs.shape} has K={k_b}")
   if lhs_fp8 and (k % FP8_ALIGN or n % FP8_ALIGN):
     raise ValueError(f"FP8 GEMM needs K and N to be multiples of {FP8_ALIGN}, got K={k}, N={n}")
   if bias is not None and bias.shape != (n,):
     raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-  lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:-1]
-  rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:-1]
+  lhs_rows = lhs.shape[1:] if transpose_lhs else lhs.shape[:lhs.ndim - contract_dims]
+  rhs_rows = rhs.shape[1:] if transpose_rhs else rhs.shape[:rhs.ndim - contract_dims]
   assert math.prod(lhs_rows) == m and math.prod(rhs_rows) == n
   if residual is not None and tuple(residual.shape) not in ((*lhs_rows, *rhs_rows), (m, n)):
     raise ValueError(f"residual must have the output's shape {(*lhs_rows, *rhs_rows)} (or {(m, n)}), got "
                      f"{residual.shape}")
   out_rows = tuple(lhs_rows) if scatter_rows else None
-  residual = None if residual is None else residual.reshape(*(out_rows or (m,)), n)
+  residual = None if residual is None else residual.reshape(*(out_rows or _split(a.shape, transpose_lhs,
+                                                                                 contract_dims)[0]), n)
   gemm_dtype, fuse = _native_output(jnp.dtype(lhs.dtype), out_dtype, lhs_fp8)
   fuse = fuse and k > 0  # with K = 0 the handler only zeroes the output
   fuse_bias = fuse and bias is not None
   fuse_residual = k > 0 and gemm_dtype == out_dtype and residual is not None
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
-                      fuse_residual, out_rows=out_rows)
+                      fuse_residual, out_rows=out_rows, k_dims=contract_dims)
   operands = [a, b, *_scales(lhs_fp8, lhs_scale_inv, rhs_scale_inv)]
   if fuse_bias:  # the bias is rounded to out_dtype first in every path
     operands.append(bias.astype(out_dtype).astype(gemm_dtype))
@@ -380,10 +457,12 @@ def gemm(
   return out.astype(out_dtype).reshape(*lhs_rows, *rhs_rows)
 
 
-def _as_2d(x, transposed):
+def _fold(x, transposed, contract_dims: int = 1):
+  """An operand with its non-contracting dims folded into one: (K, rows) transposed, else (rows, *K)."""
   if transposed:
     return x.reshape(x.shape[0], math.prod(x.shape[1:]))
-  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+  lead = x.ndim - contract_dims
+  return x.reshape(math.prod(x.shape[:lead]), *x.shape[lead:])
 
 
 def _scales(fp8: bool, lhs_scale_inv, rhs_scale_inv):
@@ -392,7 +471,7 @@ def _scales(fp8: bool, lhs_scale_inv, rhs_scale_inv):
 
 
 def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtype, transpose_lhs, transpose_rhs,
-                fast_accum) -> tuple[jax.Array, ...]:
+                fast_accum, keep_rows) -> tuple[jax.Array, ...]:
   """``gemm(..., rhs_parts=True)``: checks, then one batched GEMM (or, with a bias, one GEMM per part)."""
   if transpose_rhs:
     raise ValueError("rhs_parts needs an untransposed rhs (P, ..., K)")
@@ -407,14 +486,14 @@ def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtyp
   if bias is not None or n_parts == 1:
     return tuple(gemm(lhs, rhs[i], lhs_scale_inv=lhs_scale_inv, rhs_scale_inv=rhs_scale_inv,
                       bias=None if bias is None else bias[i], dtype=out_dtype, transpose_lhs=transpose_lhs,
-                      fast_accum=fast_accum)
+                      fast_accum=fast_accum, keep_rows=keep_rows)
                  for i in range(n_parts))
   # The checks of one part's GEMM (dtypes, scales, shapes), traced only for its shape.
   part_out = jax.eval_shape(lambda a, b, sa, sb: gemm(a, b, lhs_scale_inv=sa, rhs_scale_inv=sb, dtype=out_dtype,
                                                       transpose_lhs=transpose_lhs, fast_accum=fast_accum),
                             lhs, rhs[0], lhs_scale_inv, rhs_scale_inv)
   fp8 = jnp.dtype(lhs.dtype) in FP8_DTYPES
-  a = _as_2d(lhs, transpose_lhs)
+  a = lhs if keep_rows else _fold(lhs, transpose_lhs)
   m, k = _mk(a.shape, transpose_lhs)
   gemm_dtype, _ = _native_output(jnp.dtype(lhs.dtype), jnp.dtype(out_dtype), fp8)
   if k == 0:
