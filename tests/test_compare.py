@@ -274,6 +274,9 @@ def test_run_refuses_bad_arguments():
     cli.load_model_fn("no_colon")
   with pytest.raises(SystemExit):
     cli.main(["--steps", "0"])
+  for bad in (["--amax-history-len", "0"], ["--recipe", "current", "--amax-history-len", "16"]):
+    with pytest.raises(SystemExit):
+      cli.main(bad)
 
 
 def test_fast_accumulation_flag_sets_the_backward_gemms():
@@ -282,6 +285,8 @@ def test_fast_accumulation_flag_sets_the_backward_gemms():
   assert isinstance(fast, recipe.Float8CurrentScaling)
   assert not fast.fp8_gemm_dgrad.use_split_accumulator and not fast.fp8_gemm_wgrad.use_split_accumulator
   assert fast.fp8_gemm_fprop == default.fp8_gemm_fprop
+  assert default.amax_history_len == recipe.DelayedScaling().amax_history_len
+  assert cli.fp8_recipe("delayed", amax_history_len=16).amax_history_len == 16
 
 
 @pytest.mark.slow  # ~65 s on 2 cores: two short training runs, BF16 and FP8, with their compiles

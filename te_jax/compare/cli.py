@@ -64,6 +64,9 @@ def _parser():
                       help="the FP8 run's dgrad and wgrad GEMMs with Hopper's fast FP8 accumulation (the recipe's "
                            "fp8_gemm_dgrad and fp8_gemm_wgrad with use_split_accumulator=False); default: full "
                            "float32 accumulation there")
+  parser.add_argument("--amax-history-len", type=int, default=None, metavar="N",
+                      help="delayed scaling's amax history length (default: the recipe's, 1024): how many steps a "
+                           "tensor's scale remembers its largest value")
   parser.add_argument("--steps", type=int, default=None, help="train steps of each run (default: the preset's)")
   parser.add_argument("--batch", type=int, default=None, help="sequences per batch (default: the preset's)")
   parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
@@ -76,13 +79,16 @@ def _parser():
   return parser
 
 
-def fp8_recipe(name: str, fast_accumulation: bool = False) -> te_recipe.Recipe:
-  """The FP8 run's recipe: ``RECIPES[name]`` with its defaults, or with fast accumulation in all three GEMMs.
+def fp8_recipe(name: str, fast_accumulation: bool = False, amax_history_len: int | None = None) -> te_recipe.Recipe:
+  """The FP8 run's recipe: ``RECIPES[name]`` with its defaults, or with fast accumulation in all three GEMMs, or (delayed
+  scaling) another amax history length.
 
   >>> fp8_recipe("delayed", fast_accumulation=True).fp8_gemm_wgrad.use_split_accumulator
   False
+  >>> fp8_recipe("delayed", amax_history_len=16).amax_history_len
+  16
   """
-  recipe = RECIPES[name]()
+  recipe = RECIPES[name]() if amax_history_len is None else RECIPES[name](amax_history_len=amax_history_len)
   if fast_accumulation:
     fast = te_recipe.MMParams(use_split_accumulator=False)
     recipe = dataclasses.replace(recipe, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
       parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
   if args.health < 0 or args.seed < 0:
     parser.error(f"--health and --seed must be at least 0, got {args.health} and {args.seed}")
+  if args.amax_history_len is not None and args.recipe != "delayed":
+    parser.error(f"--amax-history-len is delayed scaling's; --recipe {args.recipe} keeps no history")
+  if args.amax_history_len is not None and args.amax_history_len < 1:
+    parser.error(f"--amax-history-len must be at least 1, got {args.amax_history_len}")
   if args.lr is not None and not args.lr > 0:
     parser.error(f"--lr must be positive, got {args.lr}")
   on_gpu = jax.default_backend() == "gpu"
@@ -140,10 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"(held-out loss {result['heldout_loss']:.4f})"
   description = (f"{what}; {batch} x {seq} tokens a step, {steps} steps; corpus {len(train_data) / 1e6:.1f} MB of "
                  f"Python standard library source; preset {preset_name}"
-                 + ("; FP8 GEMMs with fast accumulation" if args.fast_accumulation else ""))
+                 + ("; FP8 GEMMs with fast accumulation" if args.fast_accumulation else "")
+                 + (f"; amax history {args.amax_history_len} steps" if args.amax_history_len else ""))
   print(description)
   result = run(model_fn, train, steps=steps, eval_batches=held_out,
-               recipe=fp8_recipe(args.recipe, args.fast_accumulation), lr=lr,
+               recipe=fp8_recipe(args.recipe, args.fast_accumulation, args.amax_history_len), lr=lr,
                eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
                out=out, seed=args.seed, description=description, quiet=True,
                **({"loss": loss} if loss else {}))
