@@ -66,9 +66,12 @@ def results_name(device_kind: str, gpu: bool) -> str:
 
 
 def current_commit(repo: pathlib.Path = HERE.parent) -> str:
-  """``git rev-parse --short HEAD`` of ``repo``, with "-dirty" when a tracked file differs from it; without a git
-  checkout (the GPU machine gets a copy of the working tree, no .git) the environment's ``TE_JAX_COMMIT``, else
-  "unknown"."""
+  """The environment's ``TE_JAX_COMMIT`` when set (the GPU machine gets a copy of the working tree, whose own .git,
+  if any, need not be this tree's); else ``git rev-parse --short HEAD`` of ``repo``, with "-dirty" when a tracked file
+  differs from it; else "unknown"."""
+  if os.environ.get("TE_JAX_COMMIT"):
+    return os.environ["TE_JAX_COMMIT"]
+
   def git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
                           timeout=30).stdout.strip()
@@ -79,7 +82,7 @@ def current_commit(repo: pathlib.Path = HERE.parent) -> str:
     head = git("rev-parse", "--short", "HEAD")
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
   except (OSError, ValueError, subprocess.SubprocessError):
-    return os.environ.get("TE_JAX_COMMIT") or "unknown"
+    return "unknown"
 
 
 def key(row: dict) -> tuple[str, str, str]:

@@ -22,9 +22,10 @@
 # machine's 10 minutes per command). The tests not marked `gpu` run only with GPU_CHECK_ALL_TESTS=1: CI runs them on
 # every change anyway.
 #
-# Benchmarks: `benchmarks/run.py` merges its rows into benchmarks/results/h200.json (each row with its run's commit,
-# date, versions and copy bandwidth; OUT gets the file). That machine gets the working tree without .git: pass the
-# commit, e.g. `TE_JAX_COMMIT=$(git rev-parse --short HEAD)-dirty bash scripts/gpu_check.sh build bench`, or the rows
+# Benchmarks: `benchmarks/run.py` merges its rows into the device's results file, benchmarks/results/h200.json on an
+# H200 (each row with its run's commit, date, versions and copy bandwidth; OUT gets the file). That machine gets a copy
+# of the working tree, whose .git (if any) need not be this tree's: pass the commit, e.g.
+# `TE_JAX_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh build bench` (it wins over git), or the rows
 # say "unknown". Back here: copy the results file into benchmarks/results/ and run `python benchmarks/report.py
 # --results <it> --write docs/performance.md`. The whole suite is
 # estimated at ~350 s on the H200 (from the earlier runs' op times and compile counts;
