@@ -289,6 +289,28 @@ def test_fast_accumulation_flag_sets_the_backward_gemms():
   assert cli.fp8_recipe("delayed", amax_history_len=16).amax_history_len == 16
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: four runs of two steps, with their compiles
+def test_seeds_flag_summarizes_every_seed(tmp_path, capsys):
+  out = tmp_path / "seeds"
+  summary = cli.main(["--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "32", "--seeds", "2", "--seed", "3",
+                      "--evals", "1", "--eval-batches", "1", "--health", "0", "--out", str(out)])
+  printed = capsys.readouterr().out.strip().splitlines()
+  assert printed[-1].startswith(f"reports and plots: {out.resolve()}")
+  assert [r["seed"] for r in summary["seeds"]] == [3, 4]
+  for r, rep in zip(summary["seeds"], summary["reports"]):
+    runs = {x["name"]: x for x in rep["runs"]}
+    assert r["bf16_heldout"] == runs["BF16"]["heldout_loss"] and r["fp8_heldout"] == runs["FP8"]["heldout_loss"]
+  ratios = [r["heldout_ratio"] for r in summary["seeds"]]
+  assert summary["heldout_ratio_mean"] == pytest.approx(sum(ratios) / 2)
+  assert summary["heldout_ratio_standard_error"] == pytest.approx(abs(ratios[0] - ratios[1]) / 2)
+  # the two seeds start from different parameters and batches
+  assert summary["reports"][0]["runs"][0]["train_curve"][0] != summary["reports"][1]["runs"][0]["train_curve"][0]
+  saved = json.loads((out / "seeds.json").read_text())
+  assert saved["heldout_ratio_mean"] == summary["heldout_ratio_mean"] and len(saved["seeds"]) == 2
+  assert (out / "seed-3" / "report.json").exists() and (out / "seed-4" / "loss.png").stat().st_size > 0
+  assert any(line.startswith("FP8 vs BF16 over 2 seeds: held-out loss") for line in printed)
+
+
 @pytest.mark.slow  # ~65 s on 2 cores: two short training runs, BF16 and FP8, with their compiles
 def test_tiny_preset_end_to_end(tmp_path, capsys):
   """The README's main job on CPU: the emulation note first, then the table, report.json and non-empty PNGs."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from te_jax import recipe as te_recipe
-from te_jax.compare import lm
+from te_jax.compare import lm, report
 from te_jax.compare.api import RECIPES, emulation_note, run
 from te_jax.compare.train import Run, train_run
 
@@ -75,6 +75,10 @@ def _parser():
   parser.add_argument("--evals", type=int, default=10, help="held-out evaluations along each run")
   parser.add_argument("--health", type=int, default=5, help="steps at which to take the FP8 health counters (0: none)")
   parser.add_argument("--seed", type=int, default=0, help="the initial parameters' and the batches' seed")
+  parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                      help="compare N times, with seeds --seed to --seed + N - 1 (each report in seed-<n>/ under "
+                           "--out, then seeds.json and a table of the means): a held-out difference of a percent needs "
+                           "it, as runs of one seed vary by a few percent on a GPU")
   parser.add_argument("--out", default=None, help="the report's folder (default: a fresh compare-<date> folder)")
   return parser
 
@@ -97,10 +101,11 @@ def fp8_recipe(name: str, fast_accumulation: bool = False, amax_history_len: int
 
 def main(argv: list[str] | None = None) -> dict:
   """The command line: ``argv`` (default ``sys.argv[1:]``) parsed as ``python -m te_jax.compare --help`` shows; runs
-  the comparison, prints its table and the report's folder last, and returns the report (``run``'s)."""
+  the comparison, prints its table and the report's folder last, and returns the report (``run``'s), or with
+  ``--seeds`` N > 1 the summary over the seeds (``report.seeds_summary``, with each seed's report under "reports")."""
   parser = _parser()
   args = parser.parse_args(argv)
-  for name in ("steps", "batch", "seq"):
+  for name in ("steps", "batch", "seq", "seeds"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
   for name in ("eval_batches", "evals"):
@@ -119,15 +124,39 @@ def main(argv: list[str] | None = None) -> dict:
   preset = lm.PRESETS[preset_name]
   if args.module and preset.distill:
     parser.error(f"--module and --preset {preset_name} (a distillation preset) exclude each other")
-  steps, batch, seq = args.steps or preset.steps, args.batch or preset.batch, args.seq or preset.seq
-  lr = args.lr or preset.lr
   out = pathlib.Path(args.out or f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
   note = emulation_note()
   print(f"NOTE: {note}; the run still completes." if note else
         f"FP8 runs natively on {jax.devices()[0].device_kind}.")
+  seeds = list(range(args.seed, args.seed + args.seeds))
+  if len(seeds) == 1:
+    result = _compare(args, preset_name, seeds[0], out)
+    print("One seed: on a GPU the held-out loss of one seed moves by up to a few percent from run to run; "
+          "--seeds N gives the mean over N seeds with its standard error.")
+    print(f"report and plots: {out.resolve()}")
+    return result
+  reports = []
+  for seed in seeds:
+    print(f"\n== seed {seed} ({len(reports) + 1} of {len(seeds)})")
+    reports.append(_compare(args, preset_name, seed, out / f"seed-{seed}"))
+  summary = report.seeds_summary(reports, seeds)
+  summary["table"] = report.seeds_table(summary)
+  report.write_json({"description": reports[0]["description"], "recipe": reports[0]["recipe"],
+                     "device": reports[0]["device"], "versions": reports[0]["versions"],
+                     "command": reports[0]["command"], **summary}, out / "seeds.json")
+  print("\n" + summary["table"])
+  print(f"reports and plots: {out.resolve()} (seeds.json, seed-<n>/)")
+  return {**summary, "reports": reports}
 
+
+def _compare(args: argparse.Namespace, preset_name: str, seed: int, out: pathlib.Path) -> dict:
+  """One BF16-against-FP8 comparison of seed ``seed`` (its parameters and the order of its batches), written to
+  ``out``; prints its description and table."""
+  preset = lm.PRESETS[preset_name]
+  steps, batch, seq = args.steps or preset.steps, args.batch or preset.batch, args.seq or preset.seq
+  lr = args.lr or preset.lr
   train_data, eval_data = lm.load_corpus(preset.corpus_bytes)
-  train = list(itertools.islice(lm.batches(train_data, batch, seq, seed=1 + args.seed), steps))
+  train = list(itertools.islice(lm.batches(train_data, batch, seq, seed=1 + seed), steps))
   held_out = list(itertools.islice(lm.batches(eval_data, batch, seq, seed=10_000), args.eval_batches))
   student = preset.distill or preset.model
   if args.module:
@@ -138,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
   loss = None
   if preset.distill:  # a BF16 teacher first; the students learn its distribution
     teacher = lm.LM(**preset.model)
-    params = teacher.init(jax.random.key(args.seed + 1), train[0][0])["params"]
+    params = teacher.init(jax.random.key(seed + 1), train[0][0])["params"]
     result = train_run(Run("teacher", teacher, None, steps), params, train, held_out, lr=lr,
                        tokens_per_batch=batch * seq)
     logits = jax.jit(lambda v, x: teacher.apply(v, x).astype(jnp.bfloat16))
@@ -156,10 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
   result = run(model_fn, train, steps=steps, eval_batches=held_out,
                recipe=fp8_recipe(args.recipe, args.fast_accumulation, args.amax_history_len), lr=lr,
                eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
-               out=out, seed=args.seed, description=description, quiet=True,
+               out=out, seed=seed, description=description, quiet=True,
                **({"loss": loss} if loss else {}))
   print("\n" + result["table"])
-  print(f"report and plots: {out.resolve()}")
   return result
 
 

@@ -12,8 +12,8 @@ matplotlib.use("Agg")  # files only: no display needed, none opened
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["HEALTH_OPERANDS", "PLOTS", "health_summary", "operand_kind", "ratios", "table", "write_json",
-           "write_plots"]
+__all__ = ["HEALTH_OPERANDS", "PLOTS", "health_summary", "operand_kind", "ratios", "seeds_summary", "seeds_table",
+           "table", "write_json", "write_plots"]
 
 #: The PNG files ``write_plots`` writes, and what each shows.
 PLOTS = {
@@ -100,6 +100,52 @@ def ratios(run: dict, base: dict) -> dict:
   return {"heldout_loss": run["heldout_loss"] / base["heldout_loss"],
           "tokens_per_s": run["tokens_per_s"] / base["tokens_per_s"],
           "memory": None if a is None or not b else a / b}
+
+
+def seeds_summary(reports: list[dict], seeds: list[int]) -> dict:
+  """FP8 against BF16 over several seeds (one ``run`` report each): each seed's held-out losses and ratios, the mean of
+  the per-seed ratios with its standard error, and how much BF16 alone moves from seed to seed.
+
+  >>> r = lambda bf16, fp8: {"runs": [{"name": "BF16", "heldout_loss": bf16}, {"name": "FP8", "heldout_loss": fp8,
+  ...     "ratios": {"heldout_loss": fp8 / bf16, "tokens_per_s": 1.2, "memory": 0.9}}]}
+  >>> s = seeds_summary([r(1.0, 1.01), r(1.1, 1.1), r(1.2, 1.19)], [0, 1, 2])
+  >>> round(s["heldout_ratio_mean"], 4), round(s["bf16_heldout_spread"], 4)
+  (1.0006, 0.0909)
+  """
+  if len(reports) != len(seeds) or len(reports) < 2:
+    raise ValueError(f"seeds_summary: one report per seed and at least two, got {len(reports)} for seeds {seeds}")
+  rows = []
+  for seed, rep in zip(seeds, reports):
+    runs = {r["name"]: r for r in rep["runs"]}
+    q = runs["FP8"]["ratios"]
+    rows.append({"seed": seed, "bf16_heldout": runs["BF16"]["heldout_loss"], "fp8_heldout": runs["FP8"]["heldout_loss"],
+                 "heldout_ratio": q["heldout_loss"], "tokens_per_s_ratio": q["tokens_per_s"], "memory_ratio": q["memory"]})
+  ratio = np.array([r["heldout_ratio"] for r in rows])
+  bf16 = np.array([r["bf16_heldout"] for r in rows])
+  memory = [r["memory_ratio"] for r in rows if r["memory_ratio"] is not None]
+  return {
+      "seeds": rows,
+      "heldout_ratio_mean": float(ratio.mean()),
+      "heldout_ratio_standard_error": float(ratio.std(ddof=1) / np.sqrt(len(ratio))),
+      "bf16_heldout_spread": float(bf16.std(ddof=1) / bf16.mean()),  # BF16's own seed-to-seed standard deviation
+      "tokens_per_s_ratio_mean": float(np.mean([r["tokens_per_s_ratio"] for r in rows])),
+      "memory_ratio_mean": float(np.mean(memory)) if memory else None,
+  }
+
+
+def seeds_table(summary: dict) -> str:
+  """The Markdown table of ``seeds_summary``: a row per seed, then the means."""
+  lines = ["| seed | BF16 held-out | FP8 held-out | FP8 vs BF16 | tokens/s | peak memory |", "|---:|---:|---:|---:|---:|---:|"]
+  for r in summary["seeds"]:
+    memory = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x"
+    lines.append(f"| {r['seed']} | {r['bf16_heldout']:.4f} | {r['fp8_heldout']:.4f} | {r['heldout_ratio'] - 1:+.2%} | "
+                 f"{r['tokens_per_s_ratio']:.2f}x | {memory} |")
+  memory = "" if summary["memory_ratio_mean"] is None else f", peak memory {summary['memory_ratio_mean']:.2f}x"
+  lines.append(f"FP8 vs BF16 over {len(summary['seeds'])} seeds: held-out loss "
+               f"{summary['heldout_ratio_mean'] - 1:+.2%} ± {summary['heldout_ratio_standard_error']:.2%} (mean of the "
+               f"seeds' ratios ± its standard error; BF16 alone moves {summary['bf16_heldout_spread']:.2%} from seed "
+               f"to seed), tokens/s {summary['tokens_per_s_ratio_mean']:.2f}x{memory}")
+  return "\n".join(lines)
 
 
 def write_json(report: dict, path: pathlib.Path) -> None:
