@@ -31,8 +31,10 @@ class Model(nn.Module):
       seq = "seq" if self.context_parallel else None
       return te_flax.DenseGeneral(FFN, kernel_axes=("embed", "mlp"), bias_axes=("mlp",), dtype=jnp.float32,
                                   output_axes=("batch", seq, "mlp"))(x)
-    if self.kind == "mlp":
-      return te_flax.LayerNormMLP(intermediate_dim=FFN, dtype=jnp.float32, logical_axes=True)(x, deterministic=True)
+    if self.kind in ("mlp", "swiglu"):  # swiglu: the gated kernel (H, 2, F), F split over the tensor axis
+      act = ("silu", "linear") if self.kind == "swiglu" else ("gelu",)
+      return te_flax.LayerNormMLP(intermediate_dim=FFN, activation_type=act, dtype=jnp.float32,
+                                  logical_axes=True)(x, deterministic=True)
     if self.kind == "mha":
       return te_flax.MultiHeadAttention(head_dim=HIDDEN // HEADS, num_attention_heads=HEADS, dtype=jnp.float32,
                                         backend="unfused", logical_axes=True,

@@ -3,6 +3,7 @@ kernel before it."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
-                                norm_params, resolve_deterministic, rule_shards, sequence_kept, stream_input,
-                                stream_sharding)
+                                norm_params, resolve_deterministic, rule_devices, rule_shards, sequence_kept,
+                                stream_input, stream_sharding)
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
@@ -132,6 +133,13 @@ class LayerNormMLP(nn.Module):
                       self.param_dtype)
       b2 = self.param("wo_bias", logical(self.bias_init, names.get("wo_bias_axes", self.wo_bias_axes)), (hidden,),
                       self.param_dtype)
+    wi_axes = names.get("wi_kernel_axes", self.wi_kernel_axes)
+    if gated and wi_axes and (devices := rule_devices(wi_axes[-1])) > 1:
+      warnings.warn(f"LayerNormMLP: the gated activation {tuple(self.activation_type)} with wi_kernel's intermediate "
+                    f"axis {wi_axes[-1]!r} split over {devices} devices runs fc1 unsplit: its (hidden, 2, "
+                    f"intermediate) kernel and gradient are all-gathered, as (2, intermediate) cannot be merged into "
+                    f"one split axis. The values are right; the memory and compute of tensor parallelism are not "
+                    f"saved there. A non-gated activation (e.g. ('gelu',)) splits fc1.")
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
     stream = self._activation_names(inputs.ndim)

@@ -16,8 +16,8 @@ from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "context_parallel_axes", "features_tuple", "flat_init", "gather_sequence", "is_int",
-           "logical", "norm_params", "reshaped", "resolve_deterministic", "rule_shards", "seq_first_to_batch_first",
-           "sequence_kept", "stream_input", "stream_sharding"]
+           "logical", "norm_params", "reshaped", "resolve_deterministic", "rule_devices", "rule_shards",
+           "seq_first_to_batch_first", "sequence_kept", "stream_input", "stream_sharding"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -38,6 +38,15 @@ def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:
 def rule_shards(name: str | None) -> bool:
   """Whether the logical axis rules in effect (``nn.logical_axis_rules``) map logical axis ``name`` to a mesh axis."""
   return name is not None and nn.logical_to_mesh_axes((name,))[0] is not None
+
+
+def rule_devices(name: str | None) -> int:
+  """How many devices the logical axis rules in effect split logical axis ``name`` over, on the mesh in context
+  (``jax.set_mesh``): 1 without rules, mesh or mapping."""
+  mesh = meta.get_global_mesh()
+  if mesh is None:
+    return 1
+  return int(np.prod([mesh.shape[a] for a in _rule_axes(name) if a in mesh.shape], dtype=np.int64))
 
 
 def _rule_axes(name: str | None) -> tuple[str, ...]:
