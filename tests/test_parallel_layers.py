@@ -9,7 +9,6 @@ counted (kind, reduction, operand dtype) and checked against the list the layout
 
 import collections
 import re
-import warnings
 
 import flax.linen as nn
 import jax
@@ -22,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import te_jax
 import te_jax.flax as te_flax
 from conftest import rel_error
-from parallel_model import B, FFN, HEADS, HIDDEN, RECIPE, S, STEPS, Model, init_case, train_step
+from parallel_model import B, HEADS, HIDDEN, RECIPE, S, STEPS, Model, init_case, train_step
 
 # mesh name: (mesh shape, mesh axis names, logical_axis_rules arguments)
 MESHES = {
@@ -167,15 +166,9 @@ EXPECTED = {
     ("scan", "dp2xtp4-sp"): _c(ag_f32=4, ar_max=12, rs_add=4, ar_add=10),
     ("scan", "fsdp2xtp2xcp2"): _c(ag_f32=8, ag_f16=8, ar_max=12, rs_add=6, ar_add=14),
 }
-# SwiGLU, the gated (H, 2, F) kernel: without tensor parallelism it communicates exactly as GELU's MLP. With F split
-# over the tensor axis, fc1 runs unsplit (LayerNormMLP warns): the fused op merges (2, F) into one GEMM axis, which no
-# block sharding of F can express, so XLA all-gathers the kernel and its bias (f32) and fc1's E5M2 output gradient and
-# its transposed copy; the kernel's amax needs no max-reduce then, and under SP fc1's input gradient is not
-# reduce-scattered. Pinned, so that splitting it shows here.
-EXPECTED.update({("swiglu", mesh): EXPECTED["mlp", mesh] for mesh in ("dp8", "fsdp8")})
-EXPECTED["swiglu", "dp2xtp4-sp"] = _c(ag_f32=4, ag_f16=2, ar_max=5, rs_add=1, ar_add=8)
-EXPECTED["swiglu", "fsdp2xtp2xcp2"] = _c(ag_f32=5, ag_f16=6, ar_max=6, rs_add=2, ar_add=9)
-UNSPLIT_FC1 = {"dp2xtp4-sp": f"{HIDDEN},2,{FFN}", "fsdp2xtp2xcp2": f"{HIDDEN // 2},2,{FFN}"}  # the gathered kernel
+# SwiGLU (the gated (H, 2, F) kernel, F split over the tensor axis, its parts merged into fc1's N shard by shard)
+# communicates exactly as GELU's MLP.
+EXPECTED.update({("swiglu", mesh): EXPECTED["mlp", mesh] for mesh in MESHES})
 
 
 def _params():
@@ -274,16 +267,8 @@ def _check_layout(kind, mesh_name, spmd):
 
 @pytest.mark.parametrize("kind,mesh_name", list(_params()))
 def test_sharded_steps_match_one_device(kind, mesh_name, tmp_path):
-  if kind == "swiglu" and mesh_name in UNSPLIT_FC1:
-    with pytest.warns(UserWarning, match="runs fc1 unsplit"):
-      got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
-    gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather(?:-start)?\(", spmd)
-    assert ("f32", UNSPLIT_FC1[mesh_name]) in gathers, gathers
-  else:
-    with warnings.catch_warnings():
-      warnings.filterwarnings("error", message=".*runs fc1 unsplit")  # only where fc1 is gathered
-      got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
-    _check_layout(kind, mesh_name, spmd)
+  got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
+  _check_layout(kind, mesh_name, spmd)
   _check_steps(got, want)
   assert collectives(hlo) == EXPECTED[kind, mesh_name], dict(collectives(hlo))
 
@@ -327,3 +312,38 @@ def test_layernorm_mlp_logical_axes():
   both = te_flax.LayerNormMLP(intermediate_dim=32, logical_axes=True, wo_kernel_axes=("mlp", None))
   with pytest.raises(ValueError, match="wo_kernel_axes"):
     both.init(jax.random.key(0), jnp.ones((2, 4, 16)))
+
+
+@pytest.mark.parametrize("recipe,ln_out", [(te_jax.recipe.Float8CurrentScaling(), False), (RECIPE, True)],
+                         ids=["current", "layernorm-output"])
+def test_gated_mlp_keeps_fc1_split(recipe, ln_out):
+  """SwiGLU under tensor parallelism on its other paths (current scaling; the norm's output returned, which runs the
+  layer as its parts): the same values and gradients as on one device, and no all-gather of a kernel or of fc1's
+  (rows, 2, F) output or gradient (only the sequence-parallel stream's gathers)."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "tensor"))
+  rules = te_flax.logical_axis_rules(data="data", tensor="tensor")
+  mlp = te_flax.LayerNormMLP(intermediate_dim=128, activation_type=("silu", "linear"), dtype=jnp.float32,
+                             logical_axes=True, return_layernorm_output=ln_out)
+  x = jax.random.normal(jax.random.key(1), (B, S, HIDDEN))
+
+  def loss(v, x):
+    y = mlp.apply(v, x, deterministic=True, mutable=[te_jax.FP8_COLLECTION])[0]
+    return sum(jnp.sum(jnp.sin(a)) for a in jax.tree.leaves(y))
+
+  with te_jax.autocast(enabled=True, recipe=recipe):
+    boxed = mlp.init(jax.random.key(0), x)
+    v = nn.meta.unbox(boxed)
+    step = jax.value_and_grad(loss)
+    want = jax.jit(step)(v, x)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+      vs = jax.device_put(v, shardings)
+      xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+      sharded = jax.jit(step)
+      got = sharded(vs, xs)
+      hlo = sharded.lower(vs, xs).compile().as_text()
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+    assert rel_error(np.asarray(a), np.asarray(b)) <= LEAF_RTOL
+  gathers = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather(?:-start)?\(", hlo)
+  assert not [g for g in gathers if g.endswith(",2,128") or g.startswith("2,128")], gathers

@@ -3,7 +3,6 @@ kernel before it."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,11 +13,11 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
-                                norm_params, resolve_deterministic, rule_devices, rule_shards, sequence_kept,
+                                norm_params, resolve_deterministic, rule_axes, rule_shards, sequence_kept,
                                 stream_input, stream_sharding)
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
-from te_jax.fused.layernorm_mlp import layernorm_mlp
+from te_jax.fused.layernorm_mlp import intermediate_split, layernorm_mlp, merge_parts, split_parts
 from te_jax.ops.activation import activation, parse_activation_type
 from te_jax.recipe import Recipe
 
@@ -133,13 +132,11 @@ class LayerNormMLP(nn.Module):
                       self.param_dtype)
       b2 = self.param("wo_bias", logical(self.bias_init, names.get("wo_bias_axes", self.wo_bias_axes)), (hidden,),
                       self.param_dtype)
+    # A gated kernel's (2, F) with F split over mesh axes (tensor parallelism) merges into fc1's N shard by shard.
     wi_axes = names.get("wi_kernel_axes", self.wi_kernel_axes)
-    if gated and wi_axes and (devices := rule_devices(wi_axes[-1])) > 1:
-      warnings.warn(f"LayerNormMLP: the gated activation {tuple(self.activation_type)} with wi_kernel's intermediate "
-                    f"axis {wi_axes[-1]!r} split over {devices} devices runs fc1 unsplit: its (hidden, 2, "
-                    f"intermediate) kernel and gradient are all-gathered, as (2, intermediate) cannot be merged into "
-                    f"one split axis. The values are right; the memory and compute of tensor parallelism are not "
-                    f"saved there. A non-gated activation (e.g. ('gelu',)) splits fc1.")
+    mesh = jax.sharding.get_abstract_mesh()
+    split = intermediate_split(tuple(a for a in rule_axes(wi_axes[-1]) if a in mesh.axis_names and mesh.shape[a] > 1)
+                               or None) if gated and wi_axes else ()
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
     stream = self._activation_names(inputs.ndim)
@@ -169,13 +166,13 @@ class LayerNormMLP(nn.Module):
     if not dropout and not self.return_layernorm_output:
       return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
                                   fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, grad_sharding=grad_sharding,
-                                  **rows, **norm_args))
+                                  intermediate_axes=split, **rows, **norm_args))
     # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
-    h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
+    h = layernorm_dense(x, gamma, beta, merge_parts(k1, 1, split), None if b1 is None else merge_parts(b1, 0, split),
                         return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
                         keep_rows=rows["keep_rows"], grad_sharding=grad_sharding, **norm_args)
     h, z = h if self.return_layernorm_output else (h, None)
-    a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, act)
+    a = activation(split_parts(h, -1, 2, split) if gated else h, act)
     if dropout:
       a = nn.Dropout(self.intermediate_dropout, rng_collection=self.dropout_rng_name)(a, deterministic=False)
     y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, **rows)

@@ -16,7 +16,7 @@ from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "context_parallel_axes", "features_tuple", "flat_init", "gather_sequence", "is_int",
-           "logical", "norm_params", "reshaped", "resolve_deterministic", "rule_devices", "rule_shards",
+           "logical", "norm_params", "reshaped", "resolve_deterministic", "rule_axes", "rule_shards",
            "seq_first_to_batch_first", "sequence_kept", "stream_input", "stream_sharding"]
 
 Initializer = Callable[..., jax.Array]
@@ -40,16 +40,7 @@ def rule_shards(name: str | None) -> bool:
   return name is not None and nn.logical_to_mesh_axes((name,))[0] is not None
 
 
-def rule_devices(name: str | None) -> int:
-  """How many devices the logical axis rules in effect split logical axis ``name`` over, on the mesh in context
-  (``jax.set_mesh``): 1 without rules, mesh or mapping."""
-  mesh = meta.get_global_mesh()
-  if mesh is None:
-    return 1
-  return int(np.prod([mesh.shape[a] for a in _rule_axes(name) if a in mesh.shape], dtype=np.int64))
-
-
-def _rule_axes(name: str | None) -> tuple[str, ...]:
+def rule_axes(name: str | None) -> tuple[str, ...]:
   """The mesh axes the logical axis rules in context map ``name`` to (none without rules)."""
   if name is None or not nn.get_logical_axis_rules():
     return ()
@@ -59,7 +50,7 @@ def _rule_axes(name: str | None) -> tuple[str, ...]:
 
 def _tensor_parallel_axes() -> tuple[str, ...]:
   """The mesh axes of tensor parallelism under the rules in context: those of the heads and of the MLP."""
-  return tuple(dict.fromkeys(_rule_axes(HEADS) + _rule_axes(MLP)))
+  return tuple(dict.fromkeys(rule_axes(HEADS) + rule_axes(MLP)))
 
 
 def sequence_kept(name: str | None = SEQ) -> bool:
@@ -67,7 +58,7 @@ def sequence_kept(name: str | None = SEQ) -> bool:
   use: such a sequence stays sharded through a tensor-parallel layer (context parallelism), where one sharded over the
   tensor axis is gathered before it (sequence parallelism)."""
   tensor = _tensor_parallel_axes()
-  return any(a not in tensor for a in _rule_axes(name))
+  return any(a not in tensor for a in rule_axes(name))
 
 
 def _hashable_rules(rules) -> tuple:
@@ -83,7 +74,7 @@ def _gathered_rules(name: str | None) -> tuple | None:
   others = _hashable_rules(r for r in rules if r[0] != name)
   if name is None:
     return others
-  kept = tuple(a for a in _rule_axes(name) if a not in _tensor_parallel_axes())
+  kept = tuple(a for a in rule_axes(name) if a not in _tensor_parallel_axes())
   return ((name, kept[0] if len(kept) == 1 else (kept or None)),) + others
 
 

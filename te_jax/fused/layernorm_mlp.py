@@ -28,7 +28,7 @@ from te_jax.ops.activation import activation, activation_bwd, activation_fwd, pa
 from te_jax.ops.quantize import quantize
 from te_jax.recipe import DelayedScaling, Recipe
 
-__all__ = ["layernorm_mlp"]
+__all__ = ["intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
 
 # How the residual reaches fc2's epilogue: none, a given array, or the block's own input (a pre-LN block), whose
 # gradient the backward then adds inside the norm's backward kernel.
@@ -49,6 +49,50 @@ class _Config:
   # (B, S, H) is constrained to it, the norm's backward running on those rows.
   keep_rows: bool = False
   grad_sharding: P | None = None
+  intermediate_axes: tuple[str, ...] = ()  # the mesh axes F is split over (a gated layer's parts merged per shard)
+
+
+def _shard_local(x, body, spec_in: P, spec_out: P, split_axes: tuple[str, ...]):
+  return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec_in, out_specs=spec_out,
+                       axis_names=set(split_axes))(x)
+
+
+def merge_parts(x: jax.Array, axis: int, split_axes: tuple[str, ...] = ()) -> jax.Array:
+  """``x`` with its dims ``axis`` (the parts of a gated layer, P) and ``axis + 1`` (F) merged into one of P * F.
+
+  With F split over the mesh axes ``split_axes`` (tensor parallelism), the merge runs shard by shard: each shard's
+  (P, F / n) becomes its own P * F / n entries, so the merged dim stays split over those axes, in an order of its own
+  that ``split_parts`` undoes (the order of a GEMM's N or K does not change its result). A plain reshape, which would
+  need F whole, otherwise.
+
+  >>> import jax.numpy as jnp
+  >>> merge_parts(jnp.zeros((4, 2, 8)), 1).shape
+  (4, 16)
+  """
+  axis %= x.ndim
+  merge = lambda v: v.reshape(*v.shape[:axis], -1, *v.shape[axis + 2:])  # noqa: E731
+  if not split_axes:
+    return merge(x)
+  rest = [None] * (x.ndim - axis - 2)
+  return _shard_local(x, merge, P(*[None] * (axis + 1), split_axes, *rest), P(*[None] * axis, split_axes, *rest),
+                      split_axes)
+
+
+def split_parts(x: jax.Array, axis: int, parts: int, split_axes: tuple[str, ...] = ()) -> jax.Array:
+  """``merge_parts``' inverse: dim ``axis`` of ``x`` (P * F, split over ``split_axes`` in ``merge_parts``' order when
+  they are given) split into (P, F).
+
+  >>> import jax.numpy as jnp
+  >>> split_parts(jnp.zeros((4, 16)), -1, 2).shape
+  (4, 2, 8)
+  """
+  axis %= x.ndim
+  split = lambda v: v.reshape(*v.shape[:axis], parts, -1, *v.shape[axis + 1:])  # noqa: E731
+  if not split_axes:
+    return split(x)
+  rest = [None] * (x.ndim - axis - 1)
+  return _shard_local(x, split, P(*[None] * axis, split_axes, *rest), P(*[None] * (axis + 1), split_axes, *rest),
+                      split_axes)
 
 
 class _Residuals(NamedTuple):
@@ -84,7 +128,7 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x_rows, gamma, beta, keep_hp=False)
   h, res_1 = linear_fwd(fc1, z.data, z.data_t, z.sx_inv, kernel_1, meta_1 and meta_1.kernel, bias_1)
   if cfg.gated:  # the activated half first, as kernel_1's (H, 2, F) lays it out
-    h = h.reshape(*h.shape[:-1], 2, cfg.intermediate)
+    h = split_parts(h, -1, 2, cfg.intermediate_axes)
   if fc2.delayed:
     s2 = meta_2.x.scale
     a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
@@ -108,18 +152,21 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
   qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc2.has_bias)
   da, dk2 = linear_bwd(fc2, res_2, qg.data, qg.data_t, 1.0 / sg2)
-  if fc1.delayed:
+  rows = da.shape[:-1]  # (M,), or (B, S) kept
+  axes = cfg.intermediate_axes
+  if fc1.delayed:  # gated: the kernel writes (M, 2, F), (2, F, M) and a (2, F) bias gradient, merged as kernel_1 was
     sg1 = meta_1.grad.scale
     dh = activation_bwd(da, h, cfg.activation_type, dtype=fc1.bwd_dtype, scale=sg1, transpose=True,
                         transpose_batch_dims=0, dbias=fc1.has_bias)
-  else:
+    if cfg.gated:
+      dh = dh._replace(data=merge_parts(dh.data, len(rows), axes), data_t=merge_parts(dh.data_t, 0, axes),
+                       dbias=None if dh.dbias is None else merge_parts(dh.dbias, 0, axes))
+  else:  # gated: the (M, 2, F) gradient merged before its cast
     dh_hp = activation_bwd(da, h, cfg.activation_type).data
     sg1 = fc1.scale(None, dh_hp, fc1.bwd_dtype)
-    dh = quantize(dh_hp.reshape(*da.shape[:-1], -1), sg1, fc1.bwd_dtype, transpose=True, transpose_batch_dims=0,
-                  dbias=fc1.has_bias)
-  rows = da.shape[:-1]  # (M,), or (B, S) kept
-  # gated: (M, 2, F) -> (M, 2F), (2, F, M) -> (2F, M)
-  dh_q, dh_t = dh.data.reshape(*rows, -1), dh.data_t.reshape(-1, *rows)
+    dh_hp = merge_parts(dh_hp, len(rows), axes) if cfg.gated else dh_hp
+    dh = quantize(dh_hp, sg1, fc1.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc1.has_bias)
+  dh_q, dh_t = dh.data, dh.data_t  # (M, N) and (N, M), N = F or 2F; with the rows kept (B, S, N) and (N, B, S)
   dgrad_rows = None if cfg.grad_sharding is None else x.shape[:-1]
   dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1, dgrad_rows)
   dz = dz.reshape(x.shape)  # x's rows: (M, H), or (B, S, H) as passed
@@ -127,7 +174,7 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
     dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
   dres = g_out.reshape(x.shape) if cfg.residual_kind == _INPUT_RESIDUAL else None
   dx, dgamma, dbeta = cfg.norm.bwd(dz, x, r.mean, r.rsigma, r.gamma, dres=dres)
-  db1 = dh.dbias.reshape(-1).astype(fc1.bias_dtype) if fc1.has_bias else None
+  db1 = dh.dbias.astype(fc1.bias_dtype) if fc1.has_bias else None
   db2 = qg.dbias.astype(fc2.bias_dtype) if fc2.has_bias else None
   new_1 = new_2 = None
   if meta_1 is not None:
@@ -140,6 +187,21 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
 
 
 _ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd, symbolic_zeros=True)
+
+
+def intermediate_split(intermediate_axes) -> tuple[str, ...]:
+  """``layernorm_mlp``'s ``intermediate_axes`` (None, an axis name or a tuple of them) as the tuple ``merge_parts`` and
+  ``split_parts`` take: the named axes of the mesh in context that are not manual already (inside ``jax.shard_map``
+  F is the shard's own and merges as it is)."""
+  if intermediate_axes is None:
+    return ()
+  axes = (intermediate_axes,) if isinstance(intermediate_axes, str) else tuple(intermediate_axes)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not all(isinstance(a, str) for a in axes) or any(a not in mesh.axis_names for a in axes):
+    raise ValueError(f"intermediate_axes must name axes of the mesh in context (jax.set_mesh; axes "
+                     f"{mesh.axis_names}), got {intermediate_axes!r}")
+  manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
+  return tuple(a for a in axes if a not in manual)
 
 
 def layernorm_mlp(
@@ -162,6 +224,7 @@ def layernorm_mlp(
     scatter_rows: bool = False,
     keep_rows: bool = False,
     grad_sharding: P | None = None,
+    intermediate_axes: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
   """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
 
@@ -195,6 +258,9 @@ def layernorm_mlp(
       fc1's dgrad GEMM then takes, the norm's backward running on those rows (``te_jax.layernorm_dense``'s
       ``grad_sharding``: under tensor parallelism with a sequence-parallel stream, the input gradient is
       reduce-scattered onto it). Under FP8, where B * S needs no padding.
+    intermediate_axes: the mesh axes (of the mesh in context) that F is split over, as kernel_1 is sharded (tensor
+      parallelism): a gated kernel's (2, F) then merges into fc1's N shard by shard (``merge_parts``), so that fc1
+      stays split; without it such a merge needs F whole and XLA gathers kernel_1.
 
   Returns:
     ``x``'s shape and dtype.
@@ -222,14 +288,15 @@ def layernorm_mlp(
   if grad_sharding is not None and not isinstance(grad_sharding, P):
     raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
   recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
-  k1 = kernel_1.reshape(h_dim, n_act * f_dim)
-  b1 = None if bias_1 is None else bias_1.reshape(n_act * f_dim)
+  split_axes = intermediate_split(intermediate_axes) if gated else ()
+  k1 = merge_parts(kernel_1, 1, split_axes)
+  b1 = None if bias_1 is None else merge_parts(bias_1, 0, split_axes)
   if recipe is None or not fp8_dims_aligned(h_dim, f_dim):  # high precision; a state kept where FP8 cannot take it
     x_in = keep_state(x, (fp8_meta_1, fp8_meta_2)) if isinstance(recipe, DelayedScaling) else x
     z = norm.plain(x_in, gamma, beta)
     h = dense(z, k1, b1, recipe=None)
     if gated:
-      h = h.reshape(*h.shape[:-1], 2, f_dim)
+      h = split_parts(h, -1, 2, split_axes)
     return dense(activation(h, act), kernel_2, bias_2, residual=residual, recipe=None)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
@@ -243,7 +310,8 @@ def layernorm_mlp(
     r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype, out_rows or (rows if keep else None))
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
   cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
-                gated, f_dim, kind, out_rows, keep_rows=keep, grad_sharding=None if rows is None else grad_sharding)
+                gated, f_dim, kind, out_rows, keep_rows=keep, grad_sharding=None if rows is None else grad_sharding,
+                intermediate_axes=split_axes)
   x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
   x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
