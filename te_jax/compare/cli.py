@@ -14,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from te_jax import recipe as te_recipe
@@ -129,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
   print(f"NOTE: {note}; the run still completes." if note else
         f"FP8 runs natively on {jax.devices()[0].device_kind}.")
   seeds = list(range(args.seed, args.seed + args.seeds))
+  corpus = lm.load_corpus(preset.corpus_bytes)  # (train, held out): the same bytes for every seed
   if len(seeds) == 1:
-    result = _compare(args, preset_name, seeds[0], out)
+    result = _compare(args, preset_name, corpus, seeds[0], out)
     print("One seed: on a GPU the held-out loss of one seed moves by up to a few percent from run to run; "
           "--seeds N gives the mean over N seeds with its standard error.")
     print(f"report and plots: {out.resolve()}")
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
   reports = []
   for seed in seeds:
     print(f"\n== seed {seed} ({len(reports) + 1} of {len(seeds)})")
-    reports.append(_compare(args, preset_name, seed, out / f"seed-{seed}"))
+    reports.append(_compare(args, preset_name, corpus, seed, out / f"seed-{seed}"))
   summary = report.seeds_summary(reports, seeds)
   summary["table"] = report.seeds_table(summary)
   report.write_json({"description": reports[0]["description"], "recipe": reports[0]["recipe"],
@@ -149,13 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
   return {**summary, "reports": reports}
 
 
-def _compare(args: argparse.Namespace, preset_name: str, seed: int, out: pathlib.Path) -> dict:
-  """One BF16-against-FP8 comparison of seed ``seed`` (its parameters and the order of its batches), written to
-  ``out``; prints its description and table."""
+def _compare(args: argparse.Namespace, preset_name: str, corpus: tuple[np.ndarray, np.ndarray], seed: int,
+             out: pathlib.Path) -> dict:
+  """One BF16-against-FP8 comparison of seed ``seed`` (its parameters and the order of its batches) on ``corpus``
+  (``lm.load_corpus``'s train and held-out bytes), written to ``out``; prints its description and table."""
   preset = lm.PRESETS[preset_name]
   steps, batch, seq = args.steps or preset.steps, args.batch or preset.batch, args.seq or preset.seq
   lr = args.lr or preset.lr
-  train_data, eval_data = lm.load_corpus(preset.corpus_bytes)
+  train_data, eval_data = corpus
   train = list(itertools.islice(lm.batches(train_data, batch, seq, seed=1 + seed), steps))
   held_out = list(itertools.islice(lm.batches(eval_data, batch, seq, seed=10_000), args.eval_batches))
   student = preset.distill or preset.model

@@ -135,8 +135,8 @@ class LayerNormMLP(nn.Module):
     # A gated kernel's (2, F) with F split over mesh axes (tensor parallelism) merges into fc1's N shard by shard.
     wi_axes = names.get("wi_kernel_axes", self.wi_kernel_axes)
     mesh = jax.sharding.get_abstract_mesh()
-    split = intermediate_split(tuple(a for a in rule_axes(wi_axes[-1]) if a in mesh.axis_names and mesh.shape[a] > 1)
-                               or None) if gated and wi_axes else ()
+    split = intermediate_split(tuple(a for a in rule_axes(wi_axes[-1]) if a in mesh.axis_names) or None) if (
+        gated and wi_axes) else ()
     dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
     recipe = resolve_recipe(self.recipe)
     stream = self._activation_names(inputs.ndim)

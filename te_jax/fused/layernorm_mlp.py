@@ -191,8 +191,8 @@ _ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd, symbolic_zeros=True)
 
 def intermediate_split(intermediate_axes) -> tuple[str, ...]:
   """``layernorm_mlp``'s ``intermediate_axes`` (None, an axis name or a tuple of them) as the tuple ``merge_parts`` and
-  ``split_parts`` take: the named axes of the mesh in context that are not manual already (inside ``jax.shard_map``
-  F is the shard's own and merges as it is)."""
+  ``split_parts`` take: the named axes of the mesh in context that split F, those of more than one device that are
+  not manual already (inside ``jax.shard_map`` F is the shard's own and merges as it is)."""
   if intermediate_axes is None:
     return ()
   axes = (intermediate_axes,) if isinstance(intermediate_axes, str) else tuple(intermediate_axes)
@@ -201,7 +201,7 @@ def intermediate_split(intermediate_axes) -> tuple[str, ...]:
     raise ValueError(f"intermediate_axes must name axes of the mesh in context (jax.set_mesh; axes "
                      f"{mesh.axis_names}), got {intermediate_axes!r}")
   manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
-  return tuple(a for a in axes if a not in manual)
+  return tuple(a for a in axes if a not in manual and mesh.shape[a] > 1)
 
 
 def layernorm_mlp(
