@@ -55,7 +55,7 @@ seconds = {"activation": 70, "attention": 60, "attention_cudnn": 50, "norm": 50,
            "gemm": 40, "softmax": 35, "dense": 35, "fused_layers": 30, "flax_dense": 35, "residual": 18,
            "docs": 15, "quantize_interleaved": 13, "flax_norm": 12, "doctor": 10, "shard_map": 10, "scaling": 7,
            "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3, "nnx": 80, "properties": 40,
-           "nonfinite": 37, "context_parallel": 42, "examples": 35, "lm1b_port": 25, "checkpoint": 40,
+           "nonfinite": 37, "context_parallel": 42, "examples": 35, "decoder_lm_port": 25, "checkpoint": 40,
            "train_steps": 30, "compare": 25, "flax_transforms": 20, "attention_masks": 15, "parallel_layers": 30}
 exact = [pathlib.Path(f) for f in sys.argv[1:]]
 files = [f for f in sorted(pathlib.Path("tests").glob("test_*.py")) if f not in exact]
