@@ -96,7 +96,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   if case.backward:
     def ours(g, x, s):
       out = activation_bwd(g, x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose, dbias=True)
-      return tuple(o for o in out if o is not None)
+      return tuple(o for o in (out.out.data, out.out.data_t, out.amax, out.dbias) if o is not None)
 
     def xla(g, x, s):
       return tuple(activation_bwd_ref(g, x, s, config=config))
@@ -105,7 +105,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   else:
     def ours(x, s):
       out = activation_fwd(x, case.act, dtype=out_dtype, scale=s, transpose=case.transpose)
-      return tuple(o for o in out if o is not None)
+      return tuple(o for o in (out.out.data, out.out.data_t, out.amax) if o is not None)
 
     def xla(x, s):
       return tuple(activation_fwd_ref(x, s, config=config))
@@ -117,7 +117,7 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   expected = f"te_act_{'bwd' if case.backward else 'fwd'}_{ctx.platform}"
   native = expected in targets
   te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
-  dx_f32 = activation_bwd(g, x, case.act, dtype=jnp.float32).data if case.backward else None
+  dx_f32 = activation_bwd(g, x, case.act, dtype=jnp.float32).out if case.backward else None
   # On a GPU XLA computes the reference's float32 operations exactly as the kernels do; on a CPU its exp differs from
   # the handler's by an ulp here and there (see te_jax/ops/activation.py), which moves an FP8 rounding now and then.
   bitwise = ctx.gpu or case.act[0] in ("relu", "squared_relu")

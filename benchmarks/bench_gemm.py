@@ -26,7 +26,6 @@ error * sign(exact output), negative when the accumulation loses magnitude. On t
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import subprocess
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import harness
+from te_jax import QuantizedTensor
 from te_jax.ops.gemm import gemm
 from te_jax.ops.quantize import quantize
 
@@ -124,12 +124,12 @@ def bench_shape(ctx: harness.Context, mnk, key, save: tuple[str, int] | None) ->
   m, n, k = (d // ctx.shrink for d in mnk)
   a, b = _operands(key, m, n, k)
   one = jnp.float32(1.0)
-  qa, qb = quantize(a, one), quantize(b, one)
+  qa, qb = quantize(a, one).out, quantize(b, one).out
   inv = jnp.float32(1.0)
+  fp8 = lambda x: QuantizedTensor(x, inv)  # noqa: E731 - the FP8 bytes timed as arguments, the scale a constant
   impls = {
-      "te_jax fp8 (fast acc)": (jax.jit(lambda x, y: gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv,
-                                                         fast_accum=True)), (qa.data, qb.data)),
-      "te_jax fp8": (jax.jit(lambda x, y: gemm(x, y, lhs_scale_inv=inv, rhs_scale_inv=inv)), (qa.data, qb.data)),
+      "te_jax fp8 (fast acc)": (jax.jit(lambda x, y: gemm(fp8(x), fp8(y), fast_accum=True)), (qa.data, qb.data)),
+      "te_jax fp8": (jax.jit(lambda x, y: gemm(fp8(x), fp8(y))), (qa.data, qb.data)),
       "te_jax bf16": (jax.jit(lambda x, y: gemm(x, y)), (a, b)),
       "xla bf16": (jax.jit(lambda x, y: jnp.dot(x, y.T)), (a, b)),
   }
@@ -168,11 +168,14 @@ def bench_qkv(ctx: harness.Context, key) -> list[dict]:
   m, h, d, k = QKV[0] // ctx.shrink, QKV[1], QKV[2], QKV[3] // ctx.shrink
   x, w_t = _operands(key, m, 3 * h * d, k)  # w_t: (H * 3 * D, K), rows head-major as the (hidden, H, 3, D) kernel's
   one = jnp.float32(1.0)
-  qx, qw = quantize(x, one).data, quantize(w_t, one).data
+  qx, qw = quantize(x, one).out.data, quantize(w_t, one).out.data
   group = lambda w: jnp.swapaxes(w.reshape(h, 3, d, k), 0, 1).reshape(3, h * d, k)
   grouped = group(qw)  # (3, H * D, K): each part's rows together
   per_part = tuple(grouped)
-  fp8_gemm = functools.partial(gemm, lhs_scale_inv=one, rhs_scale_inv=one, fast_accum=True)
+
+  def fp8_gemm(a, b, **kw):
+    return gemm(QuantizedTensor(a, one), QuantizedTensor(b, one), fast_accum=True, **kw)
+
   impls = {
       "one GEMM, N = 3HD (output not split)": (jax.jit(lambda a, b: fp8_gemm(a, b)), (qx, qw)),
       "3 GEMMs, N = HD (weight rows pre-sliced)": (jax.jit(lambda a, ws: tuple(fp8_gemm(a, w) for w in ws)),
@@ -219,7 +222,7 @@ ACCURACY_OPERANDS = {
 def _scaled(x, dtype):
   """``x`` scaled to ``dtype``'s full range by its amax: the FP8 array and the scale's inverse."""
   scale = float(jnp.finfo(dtype).max) / jnp.max(jnp.abs(x.astype(jnp.float32)))
-  return quantize(x, scale, dtype).data, 1.0 / scale
+  return quantize(x, scale, dtype).out.data, 1.0 / scale
 
 
 def _errors(out, exact):
@@ -238,7 +241,8 @@ def _accuracy(g, a):
   a8, a_inv = _scaled(a, jnp.float8_e4m3fn)
   dot = lambda x, y: jnp.dot(x, y.T, precision=jax.lax.Precision.HIGHEST)
   exact = dot(g8.astype(jnp.float32) * g_inv, a8.astype(jnp.float32) * a_inv)
-  fp8 = lambda fast: gemm(g8, a8, lhs_scale_inv=g_inv, rhs_scale_inv=a_inv, dtype=jnp.float32, fast_accum=fast)
+  fp8 = lambda fast: gemm(QuantizedTensor(g8, g_inv), QuantizedTensor(a8, a_inv), dtype=jnp.float32,  # noqa: E731
+                          fast_accum=fast)
   return jnp.stack([_errors(fp8(False), exact), _errors(fp8(True), exact),
                     _errors(exact, dot(g.astype(jnp.float32), a.astype(jnp.float32)))])
 

@@ -150,7 +150,8 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
     def ours(x, gamma, s):
       out = norm_fwd(x, gamma * s, *(None,) if rms else betas, norm_type=case.norm_type, epsilon=1e-6,
                             dtype=case.out_dtype, scale=scale if fp8 else None, transpose=case.transpose)
-      return tuple(o for o in out if o is not None)
+      y = (out.out.data, out.out.data_t) if fp8 else (out.out,)  # the reference's order: out, out_t, amax, ...
+      return tuple(o for o in (*y, out.amax, out.mean, out.rsigma) if o is not None)
 
     def xla(x, gamma, s):
       return tuple(norm_fwd_ref(x, gamma * s, scale, *betas, config=config))

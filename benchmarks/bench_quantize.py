@@ -67,8 +67,9 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   scale = compute_scale(amax(x), jnp.float32(1.0), fp8_max(E4M3))
   config = QuantizeConfig(out_dtype=E4M3, transpose=case.transpose, dbias=case.dbias)
 
-  def ours(x, s):
-    return tuple(o for o in quantize(x, s, E4M3, transpose=case.transpose, dbias=case.dbias) if o is not None)
+  def ours(x, s):  # the reference's outputs, in its order: data, data_t, amax, dbias
+    out = quantize(x, s, E4M3, transpose=case.transpose, dbias=case.dbias)
+    return tuple(o for o in (out.out.data, out.out.data_t, out.amax, out.dbias) if o is not None)
 
   def xla(x, s):
     return tuple(quantize_ref(x, s, config=config))

@@ -4,9 +4,10 @@ Conventions:
 
 - Every timed function is jitted and compiled before timing, then warmed up; a time is the median of ``runs``
   synchronized measurements (``jax.block_until_ready`` on the result).
-- ``time_calls(batch=1)`` is one host-timed call per measurement, dispatch included: comparable with the baselines in
-  the project's perf anchors (measured that way). ``batch > 1`` dispatches that many calls back to back and waits for
-  the last: the device never waits for the host, so the time is the op's own (use it for ops above ~50 us).
+- ``time_calls(batch=1)`` is one host-timed call per measurement, dispatch included: comparable with published
+  baselines measured that way (a training loop that reads its loss every step). ``batch > 1`` dispatches that many
+  calls back to back and waits for the last: the device never waits for the host, so the time is the op's own (use
+  it for ops above ~50 us).
 - ``time_loop`` runs the op ``inner`` times inside one jitted ``lax.fori_loop``, for ops too small for per-call
   timing. It times ``inner`` and ``2 * inner`` iterations and takes the difference, which cancels the loop's fixed
   costs (dispatch, carry initialisation, final sync). For a large op the loop is a second view of the per-call time,
@@ -382,7 +383,8 @@ def layer_row(ctx: Context, fn: Callable[..., Any], args: Sequence[Any], *, flop
   Two times: ``ms``, calls dispatched back to back (the device never waits for the host: the step's own time, at the
   steady state a training loop without host syncs reaches, here the H200's power cap), and ``ms_sync``, one call
   waited on at a time (a loop that reads its loss every step; the host's dispatch counts, and the device idles
-  between calls; the perf anchors' method). ``fn`` is warm (``warm_layer``): one warm-up call per timing."""
+  between calls; the method of published baselines that time one step at a time). ``fn`` is warm (``warm_layer``):
+  one warm-up call per timing."""
   t0 = time.perf_counter()
   t = time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch, warmup=1)
   clocks = ctx.clocks.summary(t0, time.perf_counter()) if ctx.clocks else dict(NO_CLOCKS)

@@ -27,7 +27,7 @@ import numpy as np
 
 import te_jax
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
-from te_jax.ops.quantize import dequantize, quantize
+from te_jax.ops.quantize import quantize
 
 FORMATS = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 ROWS, COLS = 2048, 1024
@@ -78,12 +78,12 @@ def analyse(x: jax.Array, scale: jax.Array, fmt: jnp.dtype) -> dict:
   native = jax.jit(lambda x, s: quantize(x, s, fmt, transpose=True))
   config = QuantizeConfig(out_dtype=fmt, transpose=True)
   reference = jax.jit(lambda x, s: quantize_ref(x, s, config=config))
-  q = native(x, scale)
+  q = native(x, scale)  # CastOutput: q.out the QuantizedTensor (data, its transposed copy, scale_inv = 1 / scale)
   ref = reference(x, scale)
-  same = all(np.array_equal(_bits(a), _bits(b)) for a, b in zip((q.data, q.data_t, q.amax), ref, strict=True))
+  same = all(np.array_equal(_bits(a), _bits(b)) for a, b in zip((q.out.data, q.out.data_t, q.amax), ref, strict=True))
 
   x64 = np.asarray(x.astype(jnp.float32), np.float64)
-  deq = np.asarray(dequantize(q.data, 1.0 / scale, jnp.float32), np.float64)
+  deq = np.asarray(q.out.dequantize(jnp.float32), np.float64)
   fp8_max = float(jnp.finfo(fmt).max)
   scaled = np.abs(np.asarray(x.astype(jnp.float32)) * np.float32(scale))
   return {

@@ -3,7 +3,9 @@
 # benchmarks, the BF16-vs-FP8 training demo. A failing step does not stop the later ones; the summary table is printed last.
 #
 #   bash scripts/gpu_check.sh                 # logs in build/gpu_check/; with OUT=<dir>, logs and results go there too
-#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests sanitize demo (and lm, the LM
+#   bash scripts/gpu_check.sh build bench     # only some steps: build doctor bench tests sanitize demo (and ab, two
+#                                             # trees compared: AB_BASE, AB_ARGS for benchmarks/ab.py compare, AB_S its
+#                                             # limit; lm, the LM
 #                                             # example;
 #                                             # profile, kernel times of a layer step or, with PROFILE_ARGS="--bench
 #                                             # ops", of single ops: PROFILE_ARGS for profile_layer.py;
@@ -153,12 +155,31 @@ sanitize() {
   return $rc
 }
 
+# Two trees side by side (benchmarks/ab.py): AB_BASE is the source of the tree before a change (e.g. `git archive
+# <commit> | tar -x -C build/ab_src`, carried to the machine), this tree the one after it. Both are built for sm_90a
+# into directories of their own, at once; then bit-for-bit training records, checkpoints and step times, compared.
+ab() {
+  [ -n "${AB_BASE:-}" ] && [ -f "$AB_BASE/pyproject.toml" ] || { echo "ab: AB_BASE must be a te_jax source tree"; return 1; }
+  local cfg="TE_JAX_CUDA=ON;TE_JAX_CUDA_ARCHS=90a-real" rc=0
+  rm -rf build/ab && mkdir -p build/ab
+  SKBUILD_CMAKE_DEFINE=$cfg python3 -m pip install --no-index --no-build-isolation --no-deps \
+    --target build/ab/base_site "$AB_BASE" > build/ab/base_build.log 2>&1 &
+  local base_pid=$!
+  SKBUILD_CMAKE_DEFINE=$cfg SKBUILD_BUILD_DIR=build/ab/new_build python3 -m pip install --no-index \
+    --no-build-isolation --no-deps --target build/ab/new_site . > build/ab/new_build.log 2>&1 || rc=1
+  wait $base_pid || rc=1
+  [ $rc -eq 0 ] || { tail -n 20 build/ab/base_build.log build/ab/new_build.log; return 1; }
+  python3 benchmarks/ab.py compare --base build/ab/base_site --new build/ab/new_site --out build/ab ${AB_ARGS:-} || rc=1
+  [ -z "${OUT:-}" ] || { mkdir -p "$OUT" && cp build/ab/ab.txt "$OUT/" 2>/dev/null; }
+  return $rc
+}
+
 if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -z "${TE_JAX_COMMIT:-}" ]; then
   echo "gpu_check: no git checkout and no TE_JAX_COMMIT: the benchmark rows will say commit \"unknown\""
 fi
 
 export LOGS
-export -f build doctor gpu_tests sanitize
+export -f build doctor gpu_tests sanitize ab
 # Steps to run, in this order: the arguments, or all of them (build first: the others need it).
 WANT=" ${*:-build doctor tests bench demo} "
 want() { [[ $WANT == *" $1 "* ]]; }
@@ -178,6 +199,7 @@ want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters} \
    --print-details all \
    python3 benchmarks/profile_layer.py --bench ops --ncu"
+want ab && step "A/B (AB_BASE vs this tree: bits, checkpoints, speed)" "${AB_S:-480}" ab.log 30 ab
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" "${LM_S:-240}" demo.log 16 \
   "python3 examples/train_lm.py ${LM_ARGS:-}"
 if [ -n "${GPU_CHECK_ALL_TESTS:-}" ]; then

@@ -13,6 +13,8 @@ The public API, in one place. The layers of the package, bottom to top (each imp
 from te_jax import ops as ops
 from te_jax import recipe as recipe
 from te_jax._core.autocast import autocast as autocast
+from te_jax._core.quantized_tensor import QuantizedTensor as QuantizedTensor
+from te_jax._core.quantized_tensor import ScalingMode as ScalingMode
 from te_jax._core.scaling import FP8_COLLECTION as FP8_COLLECTION
 from te_jax._core.scaling import FP8_RESIDUAL as FP8_RESIDUAL
 from te_jax.fused.attention import attention_backend as attention_backend
@@ -26,7 +28,7 @@ from te_jax.fused.context_parallel import zigzag_order as zigzag_order
 from te_jax.fused.dense import dense as dense
 from te_jax.fused.layernorm_dense import layernorm_dense as layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp as layernorm_mlp
-from te_jax.fused.linear import DenseFp8Meta as DenseFp8Meta
+from te_jax.fused.quantizer import DenseFp8Meta as DenseFp8Meta
 from te_jax.ops.activation import activation as activation
 from te_jax.ops.norm import layernorm as layernorm
 from te_jax.ops.rope import apply_rope as apply_rope
@@ -36,7 +38,7 @@ from te_jax.ops.softmax import scaled_softmax as scaled_softmax
 from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "activation", "apply_rope", "attention_backend", "autocast",
+    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope", "attention_backend", "autocast",
     "context_parallel_attention", "context_parallel_backend", "dense", "dot_product_attention", "from_zigzag",
     "layernorm", "layernorm_dense", "layernorm_mlp", "make_attention_mask", "ops", "recipe", "rope_frequencies",
     "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax", "to_zigzag", "zigzag_order",

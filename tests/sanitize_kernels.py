@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax import QuantizedTensor
 from te_jax.ops import activation, gemm, norm, quantize, quantize_interleaved, rope, scale_update, softmax
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -99,16 +100,16 @@ def cases():
   for m, k, n in ((16, 16, 16), (48, 80, 32), (256, 512, 128)):
     a, w = _x((m, k)), _x((k, n), seed=6)
     yield f"gemm bf16 {m}x{k}x{n}", lambda a, w: gemm.gemm(a, w.T), (a, w)
-    qa, qw = quantize.quantize(a, s, E4M3), quantize.quantize(w, s, E4M3, transpose=True)
+    qa, qw = quantize.quantize(a, s, E4M3).out, quantize.quantize(w, s, E4M3, transpose=True).out
     yield f"gemm fp8 {m}x{k}x{n} (+ bias, residual)", lambda qa, qwt, bias, res: gemm.gemm(
-        qa, qwt, lhs_scale_inv=1 / s, rhs_scale_inv=1 / s, bias=bias, residual=res), (
+        QuantizedTensor(qa, 1 / s), QuantizedTensor(qwt, 1 / s), bias=bias, residual=res), (
         qa.data, qw.data_t, _x((n,)), _x((m, n), seed=7))
     parts = 2
     if n % (16 * parts):
       continue
-    qp = quantize.quantize(w, s, E4M3, transpose=True, transpose_parts=(parts, n // parts))
+    qp = quantize.quantize(w, s, E4M3, transpose=True, transpose_parts=(parts, n // parts)).out
     yield f"gemm fp8 {m}x{k}x{n} in {parts} parts (batched)", lambda qa, qwt: gemm.gemm(
-        qa, qwt, lhs_scale_inv=1 / s, rhs_scale_inv=1 / s, rhs_parts=True), (qa.data, qp.data_t)
+        QuantizedTensor(qa, 1 / s), QuantizedTensor(qwt, 1 / s), rhs_parts=True), (qa.data, qp.data_t)
 
 
 def _poison(byte: int) -> None:

@@ -16,6 +16,7 @@
 
 import functools
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from test_sharding import all_reduces
 from te_jax._core import native
 from te_jax.ops.activation import ActivationConfig, activation_bwd_ref, activation_fwd_ref
 from te_jax.ops.activation import activation_bwd, activation_fwd
-from te_jax.ops.quantize import Quantized, quantize
+from te_jax.ops.quantize import CastOutput, quantize
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -47,6 +48,36 @@ ACTS = pytest.mark.parametrize("act", ACT_TYPES, ids=lambda a: "-".join(a))
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
+
+
+class Flat(NamedTuple):
+  """An op's results side by side, as the tests compare them; fields that do not apply are None."""
+
+  data: jax.Array
+  data_t: jax.Array | None
+  amax: jax.Array | None
+  dbias: jax.Array | None
+  scale_inv: jax.Array | None = None
+
+
+def flat(c: CastOutput) -> Flat:
+  """A CastOutput as (data, data_t, amax, dbias, scale_inv): an FP8 ``out`` is a per-tensor QuantizedTensor (whose
+  transposed copy, when there is one, has the same scale), a high-precision one the array itself."""
+  if isinstance(c.out, te_jax.QuantizedTensor):
+    q = c.out
+    assert q.mode is te_jax.ScalingMode.PER_TENSOR and q.global_scale_inv is None, q.mode
+    assert (q.data_t is None) == (q.scale_inv_t is None)
+    if q.data_t is not None and not isinstance(q.scale_inv, jax.core.Tracer):  # traced (shard_map): no values
+      assert_f32_equal(q.scale_inv_t, q.scale_inv, what="scale_inv_t")
+    return Flat(q.data, q.data_t, c.amax, c.dbias, q.scale_inv)
+  assert c.amax is None, "amax comes with FP8 outputs only"
+  return Flat(c.out, None, c.amax, c.dbias)
+
+
+def flatten(tree):
+  """``flat`` of every CastOutput in ``tree`` (what a test function returns: a result, a tuple of them, a list)."""
+  return jax.tree_util.tree_map(lambda v: flat(v) if isinstance(v, CastOutput) else v, tree,
+                                is_leaf=lambda v: isinstance(v, CastOutput))
 
 
 def input_shape(out_shape, act) -> tuple:
@@ -72,7 +103,7 @@ def run_many(fn, args_list, device, target=None, calls=1):
   compiled = jax.jit(lambda al: [fn(*a) for a in al]).lower(args_list).compile()
   if target is not None:
     assert compiled.as_text().count(f'custom_call_target="{target}"') == calls * len(args_list), target
-  return compiled(args_list)
+  return flatten(compiled(args_list))
 
 
 def reference_fwd(x, act, *, dtype, scale=None, transpose=False):
@@ -80,7 +111,7 @@ def reference_fwd(x, act, *, dtype, scale=None, transpose=False):
                             batch_ndim=x.ndim - (3 if len(act) == 2 else 2) if transpose else 0)
   outs = list(activation_fwd_ref(x, jnp.float32(1.0 if scale is None else scale), config=config))
   fp8 = config.fp8
-  return Quantized(outs[0], outs[1] if fp8 and transpose else None, outs[-1] if fp8 else None, None)
+  return Flat(outs[0], outs[1] if fp8 and transpose else None, outs[-1] if fp8 else None, None)
 
 
 def reference_bwd(g, x, act, *, dtype, scale=None, transpose=False, dbias=False):
@@ -91,7 +122,7 @@ def reference_bwd(g, x, act, *, dtype, scale=None, transpose=False, dbias=False)
   data = outs.pop(0)
   data_t = outs.pop(0) if config.fp8 and transpose else None
   amax = outs.pop(0) if config.fp8 else None
-  return Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+  return Flat(data, data_t, amax, outs.pop(0) if dbias else None)
 
 
 def t_axes(ndim: int, feature_ndim: int) -> tuple:
@@ -167,6 +198,8 @@ def test_cpu_forward(act, dtype):
   for x, (q, h, s), (rq, rh, rs) in zip(xs, outs, refs, strict=True):
     what = f"shape {x.shape}"
     assert_fp8_equal(q.data_t, np.transpose(np.asarray(q.data), t_axes(q.data.ndim, feature_ndim)), what="data_t")
+    assert_f32_equal(q.scale_inv, np.float32(1) / np.float32(0.75), what="scale_inv")
+    assert h.scale_inv is None and s.scale_inv is None  # high-precision outputs are plain arrays
     assert s.data.dtype == dtype
     if exact:
       assert_fp8_equal(q.data, rq.data, what=what)
@@ -202,6 +235,8 @@ def test_cpu_backward(act, dtype):
   for (g, x), (q, h), (rq, rh) in zip(args, outs, refs, strict=True):
     what = f"shape {x.shape}"
     assert q.data.shape == x.shape and q.dbias.shape == x.shape[-feature_ndim:]
+    assert_f32_equal(q.scale_inv, np.float32(0.5), what="scale_inv")
+    assert h.scale_inv is None
     assert_fp8_equal(q.data_t, np.transpose(np.asarray(q.data), t_axes(x.ndim, feature_ndim)), what="data_t")
     assert_column_sums_close(np.asarray(q.dbias).reshape(-1), np.asarray(h.data).reshape(-1, q.dbias.size))
     assert_f32_equal(q.dbias, h.dbias, what="dbias: the same sums in the FP8 and f32 runs")
@@ -261,8 +296,8 @@ def test_cpu_fp8_amax_propagates_nan():
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0)], ids=str)
 def test_cpu_empty(shape):
   x = np.zeros(shape, np.float32)
-  out = activation_bwd(jnp.asarray(x), jnp.asarray(x), ("gelu",), dtype=E4M3, scale=1.0, transpose=True,
-                              dbias=True)
+  out = flat(activation_bwd(jnp.asarray(x), jnp.asarray(x), ("gelu",), dtype=E4M3, scale=1.0, transpose=True,
+                                   dbias=True))
   assert out.data.shape == shape and float(out.amax) == 0.0
   np.testing.assert_array_equal(np.asarray(out.dbias), np.zeros(shape[-1:], np.float32))
 
@@ -310,7 +345,7 @@ def test_activation_grad_is_the_bwd_op():
   act = ("silu", "linear")
   y, vjp = jax.vjp(lambda x: te_jax.activation(x, act), x)
   assert y.dtype == jnp.bfloat16 and y.shape == (2, 4, 16)
-  assert_hp_equal(vjp(g)[0], activation_bwd(g, x, act).data, what="grad")
+  assert_hp_equal(vjp(g)[0], activation_bwd(g, x, act).out, what="grad")
   assert_hp_equal(jax.jit(lambda x: te_jax.activation(x, act))(x), y, what="jit == eager")
 
 
@@ -318,7 +353,7 @@ def test_vmap_is_per_element():
   x = random_input((3, 5, 2, 24), np.float32, seed=7)
   f = jax.jit(jax.vmap(lambda x: activation_fwd(x, ("relu", "linear"), dtype=E4M3, scale=0.5,
                                                         transpose=True)))
-  out = f(jax.device_put(x, CPU))
+  out = flat(f(jax.device_put(x, CPU)))
   for i in range(3):
     ref = reference_fwd(jnp.asarray(x[i]), ("relu", "linear"), dtype=E4M3, scale=0.5, transpose=True)
     assert_fp8_equal(out.data[i], ref.data)
@@ -330,8 +365,8 @@ def test_transpose_batch_dims():
   x = random_input((2, 3, 5, 2, 8), np.float32, seed=8)
   g = random_input((2, 3, 5, 8), np.float32, seed=9)
   for b in (0, 1, 2):
-    out = activation_bwd(jnp.asarray(g), jnp.asarray(x), ("relu", "linear"), dtype=E4M3, scale=1.0,
-                                transpose=True, transpose_batch_dims=b)
+    out = flat(activation_bwd(jnp.asarray(g), jnp.asarray(x), ("relu", "linear"), dtype=E4M3, scale=1.0,
+                              transpose=True, transpose_batch_dims=b))
     axes = tuple(range(b)) + (3, 4) + tuple(range(b, 3))
     assert_fp8_equal(out.data_t, np.transpose(np.asarray(out.data), axes), what=f"batch dims {b}")
 
@@ -391,14 +426,14 @@ def test_sharded_equals_unsharded(x_shape, spec, act):
 
   args = (jax.device_put(g, NamedSharding(mesh, g_spec)), jax.device_put(x, NamedSharding(mesh, spec)))
   compiled = jax.jit(f).lower(*args).compile()
-  y, dx = compiled(*args)
-  ry, rdx = jax.jit(f)(jax.device_put(g, jax.devices("cpu")[0]), jax.device_put(x, jax.devices("cpu")[0]))
+  y, dx = flatten(compiled(*args))
+  ry, rdx = flatten(jax.jit(f)(jax.device_put(g, jax.devices("cpu")[0]), jax.device_put(x, jax.devices("cpu")[0])))
   for a, b, what in [(y.data, ry.data, "y"), (y.data_t, ry.data_t, "y_t"), (dx.data, rdx.data, "dx"),
                      (dx.data_t, rdx.data_t, "dx_t")]:
     assert_fp8_equal(a, b, what=what)
   assert_f32_equal(y.amax, ry.amax)
   assert_f32_equal(dx.amax, rdx.amax)
-  dx32 = activation_bwd(jnp.asarray(g), jnp.asarray(x), act, dtype=jnp.float32).data
+  dx32 = activation_bwd(jnp.asarray(g), jnp.asarray(x), act, dtype=jnp.float32).out
   feature_ndim = 2 if gated else 1
   assert_column_sums_close(dx.dbias.reshape(-1), np.asarray(dx32).reshape(-1, int(np.prod(x_shape[-feature_ndim:]))))
   hlo = compiled.as_text()

@@ -1,8 +1,9 @@
 """te_jax.flax.LayerNorm against flax.linen.LayerNorm / RMSNorm with synced parameters.
 
 - The same parameters from the same init key (names, shapes, dtypes, values); zero_centered_gamma stores scale - 1.
-- Outputs and gradients against float64, under DESIGN.md's rule with Flax's own float32 computation as the yardstick:
-  err(ours, f64) <= 2 * err(flax, f64) + noise; the same output dtype as Flax for every dtype/param_dtype pair.
+- Outputs and gradients against float64, under the tolerance rule (CONTRIBUTING.md) with Flax's own float32
+  computation as the yardstick: err(ours, f64) <= 2 * err(flax, f64) + noise; the same output dtype as Flax for every
+  dtype/param_dtype pair.
 - Logical axis names, initializers, argument errors, a few optimizer steps alongside Flax, and the docstring examples
   of the normalization modules.
 """

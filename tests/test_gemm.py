@@ -1,6 +1,6 @@
 """gemm: ``out = lhs @ rhs^T`` (K-major operands), FP8 or bfloat16/float16/float32, with a bias epilogue.
 
-- Values against a float64 numpy reference, with flash-attention's rule (DESIGN.md, "Tests"):
+- Values against a float64 numpy reference, with flash-attention's rule (the tolerance rule (CONTRIBUTING.md)):
   ``err(ours, f64) <= 2 * err(baseline, f64) + noise``, errors as the max absolute error over the output. The
   baseline is the same math at our precision (operands in their dtype, float32 accumulation, bias in float32, one
   cast to the output dtype): an independent jnp einsum on CPU, ``gemm_ref`` jitted on the same GPU on a GPU. FP8
@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import F32_U
+from te_jax import QuantizedTensor, ScalingMode
 from te_jax._core import native
 from te_jax.ops.gemm import GemmConfig, gemm_ref
 from te_jax.ops.gemm import gemm
@@ -71,6 +72,13 @@ class Operand:
     """(rows, K) in float64."""
     return self.logical64.reshape(-1, self.logical64.shape[-1])
 
+  def arg(self, put=None, array=None):
+    """The operand as ``gemm`` takes it: the stored array (or ``array``, a placed copy of it), as a
+    ``QuantizedTensor`` with its scale_inv when FP8; ``put`` places the array and the scale_inv."""
+    put = put or (lambda x: x)
+    data = put(self.array) if array is None else array
+    return data if self.scale_inv is None else QuantizedTensor(data, put(self.scale_inv))
+
 
 def hp_operand(rows: tuple, k: int, dtype, transposed: bool, seed: int) -> Operand:
   """Normal values in ``dtype``; stored with K first when ``transposed`` (rows keep their order)."""
@@ -86,7 +94,7 @@ def fp8_operand(rows: tuple, k: int, fp8, seed: int) -> Operand:
   rng = np.random.default_rng(seed)
   x = (rng.standard_normal((*rows, k)) * 3.0).astype(np.float32)
   scale = np.float32(0.8 * float(ml_dtypes.finfo(fp8).max) / np.abs(x).max())
-  data = quantize(jax.device_put(x, CPU), jax.device_put(scale, CPU), fp8).data
+  data = quantize(jax.device_put(x, CPU), jax.device_put(scale, CPU), fp8).out.data
   scale_inv = np.float32(1.0) / scale
   assert scale_inv != 1.0
   data = np.asarray(data)
@@ -157,17 +165,14 @@ def bias64_of(bias, out_dtype):
 def run_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, device=CPU, **kwargs):
   """gemm, jitted, on ``device``; returns (out, compiled HLO text)."""
   put = functools.partial(jax.device_put, device=device)
-  args = [put(lhs.array), put(rhs.array)]
-  scales = {}
-  if lhs.scale_inv is not None:
-    scales = {"lhs_scale_inv": put(lhs.scale_inv), "rhs_scale_inv": put(rhs.scale_inv)}
+  args = [lhs.arg(put), rhs.arg(put)]
   b = None if bias is None else put(bias)
 
-  def f(a, r, s, b):
-    return gemm(a, r, bias=b, dtype=out_dtype, **s, **kwargs)
+  def f(a, r, b):
+    return gemm(a, r, bias=b, dtype=out_dtype, **kwargs)
 
-  compiled = jax.jit(f).lower(*args, scales, b).compile()
-  return compiled(*args, scales, b), compiled.as_text()
+  compiled = jax.jit(f).lower(*args, b).compile()
+  return compiled(*args, b), compiled.as_text()
 
 
 # ---- CPU: the reference lowering against float64 ------------------------------------------------------------------
@@ -226,7 +231,7 @@ def test_fp8_values(pair, out, with_bias, lhs_rows, rhs_rows):
 
 
 def test_fp8_scale_inv_is_applied():
-  """Doubling lhs_scale_inv doubles the result exactly (a power of two changes no rounding)."""
+  """Doubling lhs's scale_inv doubles the result exactly (a power of two changes no rounding)."""
   lhs = fp8_operand((16,), 32, E4M3, seed=10)
   rhs = fp8_operand((16,), 32, E4M3, seed=11)
   one, _ = run_gemm(lhs, rhs, None, jnp.float32)
@@ -337,38 +342,53 @@ def test_eager_and_vmap():
 
 
 def _f8(shape, dtype=E4M3):
+  """A bare FP8 array (no scale_inv)."""
   return jnp.zeros(shape, dtype)
 
 
 ONE = jnp.float32(1.0)
+
+
+def _q8(shape, dtype=E4M3, scale_inv=ONE):
+  """An FP8 operand: zeros as a per-tensor QuantizedTensor."""
+  return QuantizedTensor(_f8(shape, dtype), scale_inv)
+
+
 BF = functools.partial(jnp.zeros, dtype=jnp.bfloat16)
 ERROR_CASES = {
-    "fp8-without-scale-inv": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), rhs_scale_inv=ONE),
-                              ValueError, r"lhs is FP8 \(float8_e4m3fn\): pass lhs_scale_inv"),
-    "fp8-rhs-without-scale-inv": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=ONE),
-                                  ValueError, r"rhs is FP8.*pass rhs_scale_inv"),
-    "scale-inv-for-bf16": (lambda: gemm(BF((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
-                           ValueError, r"lhs_scale_inv applies to FP8 operands only; lhs is bfloat16"),
-    "scale-inv-not-f32-scalar": (lambda: gemm(_f8((16, 32)), _f8((16, 32)), lhs_scale_inv=jnp.ones((1,)),
-                                                     rhs_scale_inv=ONE),
-                                 TypeError, r"lhs_scale_inv must be a float32 scalar"),
-    "mixed-fp8-bf16": (lambda: gemm(_f8((16, 32)), BF((16, 32)), lhs_scale_inv=ONE),
+    "fp8-without-scale-inv": (lambda: gemm(_f8((16, 32)), _q8((16, 32))),
+                              TypeError, r"lhs is a bare float8_e4m3fn array: pass it as a te_jax QuantizedTensor"),
+    "fp8-rhs-without-scale-inv": (lambda: gemm(_q8((16, 32)), _f8((16, 32))),
+                                  TypeError, r"rhs is a bare float8_e4m3fn array: pass it as a te_jax QuantizedTensor"),
+    "fp8-e5m2-without-scale-inv": (lambda: gemm(_q8((16, 32)), _f8((16, 32), E5M2)),
+                                   TypeError, r"rhs is a bare float8_e5m2 array"),
+    "scale-inv-for-bf16": (lambda: gemm(QuantizedTensor(BF((16, 32)), ONE), BF((16, 32))),
+                           TypeError, r"lhs must hold float8_e4m3fn or float8_e5m2 data, got bfloat16"),
+    "scale-inv-not-f32-scalar": (lambda: gemm(_q8((16, 32), scale_inv=jnp.ones((1,))), _q8((16, 32))),
+                                 TypeError, r"lhs\.scale_inv must be a float32 scalar"),
+    "rhs-scale-inv-not-f32-scalar": (lambda: gemm(_q8((16, 32)), _q8((16, 32), scale_inv=jnp.ones((16,)))),
+                                     TypeError, r"rhs\.scale_inv must be a float32 scalar"),
+    "scale-inv-not-f32": (lambda: gemm(_q8((16, 32), scale_inv=jnp.ones((), jnp.bfloat16)), _q8((16, 32))),
+                          TypeError, r"lhs\.scale_inv must be a float32 scalar, got .*bfloat16"),
+    "rhs-scale-inv-not-f32": (lambda: gemm(_q8((16, 32)), _q8((16, 32), scale_inv=jnp.ones((), jnp.float16))),
+                              TypeError, r"rhs\.scale_inv must be a float32 scalar, got .*float16"),
+    "scale-inv-python-float": (lambda: gemm(_q8((16, 32), scale_inv=1.0), _q8((16, 32))),
+                               TypeError, r"lhs\.scale_inv must be a float32 scalar"),
+    "mixed-fp8-bf16": (lambda: gemm(_q8((16, 32)), BF((16, 32))),
                        TypeError, r"both be FP8 or both not"),
-    "e5m2xe5m2": (lambda: gemm(_f8((16, 32), E5M2), _f8((16, 32), E5M2), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "e5m2xe5m2": (lambda: gemm(_q8((16, 32), E5M2), _q8((16, 32), E5M2)),
                   TypeError, r"E5M2 x E5M2 has no FP8 GEMM"),
-    "fp8-transpose-lhs": (lambda: gemm(_f8((32, 16)), _f8((16, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
-                                              transpose_lhs=True),
+    "fp8-transpose-lhs": (lambda: gemm(_q8((32, 16)), _q8((16, 32)), transpose_lhs=True),
                           ValueError, r"FP8 operands must be K-major"),
-    "fp8-transpose-rhs": (lambda: gemm(_f8((16, 32)), _f8((32, 16)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
-                                              transpose_rhs=True),
+    "fp8-transpose-rhs": (lambda: gemm(_q8((16, 32)), _q8((32, 16)), transpose_rhs=True),
                           ValueError, r"FP8 operands must be K-major"),
     "k-mismatch": (lambda: gemm(BF((16, 32)), BF((16, 48))),
                    ValueError, r"contracting dims differ: lhs \(16, 32\) has K=32, rhs \(16, 48\) has K=48"),
     "k-mismatch-transposed": (lambda: gemm(BF((32, 16)), BF((16, 48)), transpose_lhs=True),
                               ValueError, r"contracting dims differ"),
-    "fp8-k-not-16": (lambda: gemm(_f8((16, 40)), _f8((16, 40)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "fp8-k-not-16": (lambda: gemm(_q8((16, 40)), _q8((16, 40))),
                      ValueError, r"multiples of 16, got K=40, N=16"),
-    "fp8-n-not-16": (lambda: gemm(_f8((16, 32)), _f8((24, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE),
+    "fp8-n-not-16": (lambda: gemm(_q8((16, 32)), _q8((24, 32))),
                      ValueError, r"multiples of 16, got K=32, N=24"),
     "bad-out-dtype": (lambda: gemm(BF((16, 32)), BF((16, 32)), dtype=jnp.int8),
                       ValueError, r"dtype must be bfloat16, float16 or float32, got int8"),
@@ -381,7 +401,7 @@ ERROR_CASES = {
     "rank1-lhs": (lambda: gemm(BF((32,)), BF((16, 32))), ValueError, r"lhs must have rank >= 2"),
     "rank1-rhs": (lambda: gemm(BF((16, 32)), BF((32,))), ValueError, r"rhs must have rank >= 2"),
     "int-operand": (lambda: gemm(jnp.zeros((16, 32), jnp.int8), BF((16, 32))),
-                    TypeError, r"lhs must be FP8 \(e4m3fn/e5m2\), bfloat16, float16 or float32, got int8"),
+                    TypeError, r"lhs must be bfloat16, float16, float32 or a QuantizedTensor, got int8"),
     "parts-2d-rhs": (lambda: gemm(BF((16, 32)), BF((48, 32)), rhs_parts=True),
                      ValueError, r"rhs_parts needs rhs of shape \(P, \.\.\., K\) with 1 <= P <= 4, got \(48, 32\)"),
     "parts-too-many": (lambda: gemm(BF((16, 32)), BF((5, 16, 32)), rhs_parts=True),
@@ -392,8 +412,7 @@ ERROR_CASES = {
                        ValueError, r"rhs_parts and residual exclude each other"),
     "parts-bias-shape": (lambda: gemm(BF((16, 32)), BF((3, 16, 32)), bias=jnp.zeros((48,)), rhs_parts=True),
                          ValueError, r"with rhs_parts, bias must have shape \(3, 16\), got \(48,\)"),
-    "parts-fp8-n-not-16": (lambda: gemm(_f8((16, 32)), _f8((3, 8, 32)), lhs_scale_inv=ONE, rhs_scale_inv=ONE,
-                                               rhs_parts=True),
+    "parts-fp8-n-not-16": (lambda: gemm(_q8((16, 32)), _q8((3, 8, 32)), rhs_parts=True),
                            ValueError, r"multiples of 16, got K=32, N=8"),
     "parts-k-mismatch": (lambda: gemm(BF((16, 32)), BF((3, 16, 48)), rhs_parts=True),
                          ValueError, r"contracting dims differ"),
@@ -413,6 +432,28 @@ def test_argument_errors(case):
     call()
   with pytest.raises(exc, match=match):  # raised while tracing, before anything is lowered
     jax.jit(call).lower()
+
+
+def _block_scaled(shape, mode):
+  """An FP8 operand of zeros whose scales are laid out per ``mode`` (ones, in the mode's scale dtype)."""
+  return QuantizedTensor(_f8(shape), jnp.ones(mode.scale_shape(shape), mode.scale_dtype), mode=mode)
+
+
+@pytest.mark.parametrize("mode", [m for m in ScalingMode if m is not ScalingMode.PER_TENSOR], ids=lambda m: m.name)
+@pytest.mark.parametrize("operand", ["lhs", "rhs"])
+@pytest.mark.parametrize("rhs_parts", [False, True], ids=["", "parts"])
+def test_block_scaled_operand_is_rejected(mode, operand, rhs_parts):
+  """The GEMM takes per-tensor scaled operands only: any other ScalingMode (BLOCK_1X128 first) is a ValueError that
+  names the operand and its mode, raised in Python, eagerly and under jax.jit."""
+  rhs_shape = (2, 32, 256) if rhs_parts else (32, 256)
+  lhs = _block_scaled((16, 256), mode) if operand == "lhs" else _q8((16, 256))
+  rhs = _block_scaled(rhs_shape, mode) if operand == "rhs" else _q8(rhs_shape)
+  call = functools.partial(gemm, lhs, rhs, rhs_parts=rhs_parts)
+  match = rf"{operand} is scaled {mode.name}; te_jax's GEMM takes per-tensor scaled operands"
+  with pytest.raises(ValueError, match=match):
+    call()
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda a, b: gemm(a, b, rhs_parts=rhs_parts)).lower(lhs, rhs)
 
 
 # ---- sharding on 8 CPU devices -------------------------------------------------------------------------------------
@@ -450,16 +491,15 @@ def test_sharded_gemm(case, kind, with_bias):
     lhs = hp_operand((m,), k, HP_DTYPES[kind], False, seed=20)
     rhs = hp_operand((n,), k, HP_DTYPES[kind], False, seed=21)
   bias = random_bias(n, seed=22) if with_bias else None
-  scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
 
-  def f(a, b, s, bias):
-    return gemm(a, b, bias=bias, dtype=jnp.float32, **s)
+  def f(a, b, bias):
+    return gemm(a, b, bias=bias, dtype=jnp.float32)
 
-  a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
-  b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
+  a_s = lhs.arg(array=jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)))
+  b_s = rhs.arg(array=jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)))
   jitted = jax.jit(f, out_shardings=None if out_spec is None else NamedSharding(mesh, out_spec))
-  compiled = jitted.lower(a_s, b_s, scales, bias).compile()
-  out = compiled(a_s, b_s, scales, bias)
+  compiled = jitted.lower(a_s, b_s, bias).compile()
+  out = compiled(a_s, b_s, bias)
   hlo = compiled.as_text()
 
   assert collections.Counter(_COLLECTIVE.findall(hlo)) == collections.Counter(want), _COLLECTIVE.findall(hlo)
@@ -519,7 +559,7 @@ def test_sequence_parallel_row_parallel_gemm(scatter_rows, with_bias):
   stream = NamedSharding(mesh, P("data", "tensor", None))
   args = (jax.device_put(lhs.array, NamedSharding(mesh, P("data", None, "tensor"))),
           jax.device_put(rhs.array, NamedSharding(mesh, P(None, "tensor"))), jax.device_put(residual, stream))
-  f = jax.jit(lambda a, w, r: gemm(a, w, lhs_scale_inv=lhs.scale_inv, rhs_scale_inv=rhs.scale_inv, residual=r,
+  f = jax.jit(lambda a, w, r: gemm(lhs.arg(array=a), rhs.arg(array=w), residual=r,
                                    bias=bias if with_bias else None, dtype=jnp.float32, scatter_rows=scatter_rows),
               out_shardings=stream)
   compiled = f.lower(*args).compile()
@@ -551,15 +591,14 @@ def test_sharded_parts_gemm(case):
   mesh = Mesh(np.array(CPU_DEVICES).reshape(mesh_shape), ("x", "y"))
   m, k, n = 64, 256, 128
   lhs, rhs, parts = parts_case("fp8", n_parts, m, k, n, seed=65)
-  scales = {"lhs_scale_inv": lhs.scale_inv, "rhs_scale_inv": rhs.scale_inv}
 
-  def f(a, b, s):
-    return gemm(a, b, dtype=jnp.float32, rhs_parts=True, **s)
+  def f(a, b):
+    return gemm(a, b, dtype=jnp.float32, rhs_parts=True)
 
-  a_s = jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec))
-  b_s = jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec))
-  compiled = jax.jit(f).lower(a_s, b_s, scales).compile()
-  outs = compiled(a_s, b_s, scales)
+  a_s = lhs.arg(array=jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)))
+  b_s = rhs.arg(array=jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)))
+  compiled = jax.jit(f).lower(a_s, b_s).compile()
+  outs = compiled(a_s, b_s)
   found = collections.Counter(_COLLECTIVE.findall(compiled.as_text()))
   if want is None:
     assert set(found) == {"all-reduce"}, found
@@ -770,9 +809,8 @@ def test_gpu_large_and_deterministic(kind, fast_accum, gpu):
     accum_u = FP8_ACCUM_U
   bias = random_bias(n, seed=40)
   put = functools.partial(jax.device_put, device=gpu)
-  scales = {} if lhs.scale_inv is None else {"lhs_scale_inv": put(lhs.scale_inv), "rhs_scale_inv": put(rhs.scale_inv)}
-  f = jax.jit(lambda a, b, s, bias: gemm(a, b, bias=bias, dtype=jnp.bfloat16, fast_accum=fast_accum, **s))
-  args = (put(lhs.array), put(rhs.array), scales, put(bias))
+  f = jax.jit(lambda a, b, bias: gemm(a, b, bias=bias, dtype=jnp.bfloat16, fast_accum=fast_accum))
+  args = (lhs.arg(put), rhs.arg(put), put(bias))
   compiled = f.lower(*args).compile()
   assert_calls_cublas(compiled.as_text())
   first = np.asarray(compiled(*args))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import te_jax
 from te_jax._core import native
 from te_jax.ops import activation, gemm, norm, quantize, quantize_interleaved, softmax
 
@@ -44,6 +45,25 @@ def test_cuda_module_capacity_covers_the_api_limits():
   assert cuda.quantize_interleaved_max_parts() >= quantize_interleaved.MAX_PARTS
   assert cuda.quantize_interleaved_max_cols() >= quantize_interleaved._MAX_COLS
   assert cuda.softmax_max_mask_groups() >= softmax.MAX_MASK_ROW_DIMS
+
+
+def _scaling_modes(module) -> dict[str, tuple[int, int, int]]:
+  """The module's scaling_modes() as {name: (number, block rows, block cols)}, each name once."""
+  table = module.scaling_modes()
+  modes = {name: (number, rows, cols) for name, number, rows, cols in table}
+  assert len(modes) == len(table), f"a mode is named twice: {table}"
+  return modes
+
+
+# te_jax.ScalingMode as ffi/include/te_jax/scaling_mode.h must name it: the number, then the block (0, 0 per tensor).
+_PYTHON_SCALING_MODES = {m.name: (m.value, *(m.block or (0, 0))) for m in te_jax.ScalingMode}
+
+
+@pytest.mark.parametrize("name", ["_te_cpu", "_te_cuda"])
+def test_kernel_scaling_modes_are_pythons(name):
+  """The kernels' scaling modes (ffi/include/te_jax/scaling_mode.h) are te_jax.ScalingMode: the same names, numbers
+  and blocks."""
+  assert _scaling_modes(_module(name)) == _PYTHON_SCALING_MODES
 
 
 def test_cuda_workspace_queries_reject_what_the_handlers_reject():

@@ -126,12 +126,12 @@ def test_kept_rows_unsharded_are_the_gemm():
   one = jax.jit(lambda a, b: gemm(a, b, dtype=jnp.float32))
   np.testing.assert_array_equal(jax.jit(lambda a, b: gemm(a, b, dtype=jnp.float32, keep_rows=True))(x, w),
                                 one(x, w))
-  q = lambda v: te_jax.ops.quantize.quantize(v, jnp.float32(1.0), jnp.float8_e4m3fn).data  # noqa: E731
+  q = lambda v: te_jax.ops.quantize.quantize(v, jnp.float32(1.0), jnp.float8_e4m3fn).out.data  # noqa: E731
   xt, gt = q(_normal((K, B, S), 8)), q(_normal((N, B, S), 9))
   s = jnp.float32(0.5)
-  two = gemm(xt, gt, lhs_scale_inv=s, rhs_scale_inv=s, dtype=jnp.float32, contract_dims=2)
-  np.testing.assert_array_equal(two, gemm(xt.reshape(K, -1), gt.reshape(N, -1), lhs_scale_inv=s, rhs_scale_inv=s,
-                                          dtype=jnp.float32))
+  two = gemm(te_jax.QuantizedTensor(xt, s), te_jax.QuantizedTensor(gt, s), dtype=jnp.float32, contract_dims=2)
+  np.testing.assert_array_equal(two, gemm(te_jax.QuantizedTensor(xt.reshape(K, -1), s),
+                                          te_jax.QuantizedTensor(gt.reshape(N, -1), s), dtype=jnp.float32))
 
 
 # (gemm call, its operands, the operand and result types the cuBLASLt handler is called with)
@@ -151,7 +151,10 @@ def test_cuda_handler_reads_2d_operands(case, monkeypatch):
   monkeypatch.setitem(native.registered, "cuda", [*native.registered.get("cuda", ()), "te_gemm_cuda"])
   monkeypatch.setitem(native.modules, "cuda", types.SimpleNamespace(gemm_workspace=lambda *a: (256, np.uint8)))
   one = jnp.float32(1.0)
-  f = lambda a, b: gemm(a, b, lhs_scale_inv=one, rhs_scale_inv=one, dtype=jnp.bfloat16, **kwargs)  # noqa: E731
+
+  def f(a, b):
+    return gemm(te_jax.QuantizedTensor(a, one), te_jax.QuantizedTensor(b, one), dtype=jnp.bfloat16, **kwargs)
+
   args = [jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn) for shape in shapes]
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   (call,) = [line for line in text.splitlines() if "custom_call @te_gemm_cuda" in line]

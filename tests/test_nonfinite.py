@@ -93,8 +93,8 @@ def check_cast(q, y, scale, fp8, what):
 def test_quantize(fp8, dtype, path, scale, monkeypatch):
   x = special_input(dtype, fp8)
   out = run(lambda x, s: quantize(x, s, fp8, transpose=True), (x, np.float32(scale)), path, monkeypatch=monkeypatch)
-  check_cast(out.data, x, scale, fp8, "data")
-  check_cast(out.data_t, x.T, scale, fp8, "data_t")
+  check_cast(out.out.data, x, scale, fp8, "data")
+  check_cast(out.out.data_t, x.T, scale, fp8, "data_t")
   assert not np.isfinite(np.asarray(out.amax))
 
 
@@ -109,8 +109,8 @@ def check_interleaved(fp8, path, device, monkeypatch=None):
   out = run(lambda a, b, s: quantize_interleaved([a, b], s, fp8, group=8, transpose=True), (*parts, np.float32(2.0)),
             path, device, monkeypatch)
   x = np.asarray(interleave([jnp.asarray(p) for p in parts], 8))
-  check_cast(out.data, x, 2.0, fp8, "data")
-  check_cast(out.data_t, x.T, 2.0, fp8, "data_t")
+  check_cast(out.out.data, x, 2.0, fp8, "data")
+  check_cast(out.out.data_t, x.T, 2.0, fp8, "data_t")
 
 
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
@@ -136,8 +136,8 @@ def test_norm_fp8_output(fp8, norm_type, path, monkeypatch):
 
   out, y = run(f, (x, gamma) + (() if beta is None else (beta,)), path, monkeypatch=monkeypatch)
   assert not np.all(np.isfinite(np.asarray(y)[4])) and not np.isfinite(np.asarray(y)[0, 5])
-  check_cast(out.out, y, 8.0, fp8, "out")
-  check_cast(out.out_t, np.asarray(y).T, 8.0, fp8, "out_t")
+  check_cast(out.out.data, y, 8.0, fp8, "out")
+  check_cast(out.out.data_t, np.asarray(y).T, 8.0, fp8, "out_t")
 
 
 @pytest.mark.parametrize("act", [("gelu",), ("relu",), ("silu", "linear"), ("squared_relu", "linear")],
@@ -151,14 +151,14 @@ def test_activation_fp8_output(fp8, act, path, monkeypatch):
   v = special_input(np.float32, fp8, (3, 2, 24) if gated else (3, 24))
 
   def f(x):
-    return activation_fwd(x, act, dtype=fp8, scale=2.0), activation_fwd(x, act, dtype=jnp.float32).data
+    return activation_fwd(x, act, dtype=fp8, scale=2.0), activation_fwd(x, act, dtype=jnp.float32).out
 
   out, y = run(f, (v,), path, monkeypatch=monkeypatch)
   y = np.asarray(y)
   assert not np.all(np.isfinite(y))
-  np.testing.assert_array_equal(isnan(out.data), ~np.isfinite(y), err_msg="NaN positions")
+  np.testing.assert_array_equal(isnan(out.out.data), ~np.isfinite(y), err_msg="NaN positions")
   if act[0] in ("relu", "squared_relu"):
-    check_cast(out.data, y, 2.0, fp8, "data")
+    check_cast(out.out.data, y, 2.0, fp8, "data")
 
 
 @FP8
@@ -168,7 +168,7 @@ def test_current_scaling_keeps_the_nan(fp8):
   a = amax(x)
   s = scaling.compute_scale(a, jnp.float32(1.0), scaling.fp8_max(fp8))
   assert not np.isfinite(float(a)) and float(s) == 1.0
-  q = quantize(x, s, fp8).data
+  q = quantize(x, s, fp8).out.data
   assert_fp8_equal(q, oracle(x, 1.0, fp8))
   assert isnan(q)[0, 2] and not isnan(q)[0, 1]
 
@@ -285,8 +285,8 @@ def test_gpu_casts(fp8, dtype, gpu):
   for shape in [(64, 256), (5, 24)]:  # the 128x128-tile kernel (cols % 8 == 0, rows % 8 == 0) and the generic one
     x = special_input(dtype, fp8, shape)
     out = run(lambda x, s: quantize(x, s, fp8, transpose=True, dbias=True), (x, np.float32(4.0)), "cuda", gpu)
-    check_cast(out.data, x, 4.0, fp8, f"data {shape}")
-    check_cast(out.data_t, x.T, 4.0, fp8, f"data_t {shape}")
+    check_cast(out.out.data, x, 4.0, fp8, f"data {shape}")
+    check_cast(out.out.data_t, x.T, 4.0, fp8, f"data_t {shape}")
   check_interleaved(fp8, "cuda", gpu)
   x = np.random.default_rng(0).standard_normal((64, 256)).astype(dtype)
   gamma = np.ones(256, np.float32)
@@ -299,11 +299,11 @@ def test_gpu_casts(fp8, dtype, gpu):
             norm_fwd(x, g, norm_type="rmsnorm", dtype=jnp.float32).out)
 
   out, y = run(f, (x, gamma), "cuda", gpu)
-  check_cast(out.out, y, 8.0, fp8, "norm out")
+  check_cast(out.out.data, y, 8.0, fp8, "norm out")
   v = special_input(dtype, fp8, (64, 256))
   out, y = run(lambda x: (activation_fwd(x, ("relu",), dtype=fp8, scale=2.0),
-                          activation_fwd(x, ("relu",), dtype=jnp.float32).data), (v,), "cuda", gpu)
-  check_cast(out.data, y, 2.0, fp8, "activation out")
+                          activation_fwd(x, ("relu",), dtype=jnp.float32).out), (v,), "cuda", gpu)
+  check_cast(out.out.data, y, 2.0, fp8, "activation out")
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 """norm_fwd / norm_bwd (LayerNorm and RMSNorm, te_jax.ops.norm) and the differentiable te_jax.layernorm.
 
-- The statistics (mean, rsigma) and dx are sums: against float64 under DESIGN.md's rule, ``err(ours, f64) <=
-  2 * err(the jnp reference in float32, f64) + noise``. dgamma/dbeta, sums over rows whose order the kernels choose,
-  are held to the a-priori bound of any float32 summation order (as quantize's dbias).
+- The statistics (mean, rsigma) and dx are sums: against float64 under the tolerance rule (CONTRIBUTING.md),
+  ``err(ours, f64) <= 2 * err(the jnp reference in float32, f64) + noise``. dgamma/dbeta, sums over rows whose order
+  the kernels choose, are held to the a-priori bound of any float32 summation order (as quantize's dbias).
 - Given the statistics, the rest is elementwise and checked bitwise: the normalized output in every dtype, the FP8
   bytes, amax and the transposed copy, against the reference's elementwise part run on XLA:CPU from the handler's
   own mean and rsigma. The reference's fused multiply-add is checked against an exact one.
@@ -17,6 +17,7 @@
 import collections
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,8 @@ def higham(n: int) -> float:
 
 
 def assert_rule(ours, ref32, truth, scale, what: str, noise: float):
-  """DESIGN.md's rule on errors normalized by ``scale`` (broadcastable): err(ours) <= 2 err(ref32) + noise.
+  """The tolerance rule (CONTRIBUTING.md) on errors normalized by ``scale`` (broadcastable): err(ours) <= 2 err(ref32)
+  + noise.
 
   noise: the float32 roundings after the sums, which both sides pay but not in the same places (a few units of
   F32_U); it matters where the float32 reference happens to be nearly exact.
@@ -131,6 +133,31 @@ def fma_f32(a, b, c) -> np.ndarray:
 # ---- running the handlers and the reference ------------------------------------------------------------------------
 
 
+class Fwd(NamedTuple):
+  """norm_fwd's results side by side, as the tests compare them; fields that do not apply are None."""
+
+  out: jax.Array  # an FP8 output's data, else the array
+  out_t: jax.Array | None  # an FP8 output's transposed copy
+  amax: jax.Array | None
+  mean: jax.Array | None
+  rsigma: jax.Array
+  scale_inv: jax.Array | None = None  # an FP8 output's 1 / scale
+
+
+def fwd_flat(o: NormOutput) -> Fwd:
+  """A NormOutput as Fwd: an FP8 ``out`` is a per-tensor QuantizedTensor (whose transposed copy, when there is one,
+  has the same scale), a high-precision one the array itself."""
+  if isinstance(o.out, te_jax.QuantizedTensor):
+    q = o.out
+    assert q.mode is te_jax.ScalingMode.PER_TENSOR and q.global_scale_inv is None, q.mode
+    assert (q.data_t is None) == (q.scale_inv_t is None)
+    if q.data_t is not None and not isinstance(q.scale_inv, jax.core.Tracer):  # traced (shard_map): no values
+      assert_f32_equal(q.scale_inv_t, q.scale_inv, what="scale_inv_t")
+    return Fwd(q.data, q.data_t, o.amax, o.mean, o.rsigma, q.scale_inv)
+  assert o.amax is None, "amax comes with FP8 outputs only"
+  return Fwd(o.out, None, o.amax, o.mean, o.rsigma)
+
+
 def fwd_kwargs(norm_type, out_dtype, transpose=False, **extra):
   out_dtype = jnp.dtype(out_dtype)
   fp8 = out_dtype in FP8_DTYPES
@@ -138,7 +165,7 @@ def fwd_kwargs(norm_type, out_dtype, transpose=False, **extra):
               scale=np.float32(FP8_SCALE[out_dtype]) if fp8 else None, **extra)
 
 
-def native_fwd_many(cases, *, device=CPU) -> list[NormOutput]:
+def native_fwd_many(cases, *, device=CPU) -> list[Fwd]:
   """norm_fwd on each ``(x, gamma, beta, kwargs)``, in one jitted program on ``device`` (one compile for many
   shapes); asserts that the compiled program calls the native handler once per case."""
   args = [tuple(jax.device_put(a, device) for a in c[:3]) for c in cases]
@@ -155,7 +182,7 @@ def native_fwd_many(cases, *, device=CPU) -> list[NormOutput]:
   compiled = jax.jit(run).lower(args).compile()
   target = {"cpu": "te_norm_fwd_cpu", "gpu": "te_norm_fwd_cuda"}[device.platform]
   assert compiled.as_text().count(f'custom_call_target="{target}"') == len(cases), target
-  return compiled(args)
+  return [fwd_flat(o) for o in compiled(args)]
 
 
 def config_of(kw) -> NormConfig:
@@ -215,9 +242,10 @@ def check_fwd_many(cases, *, device=CPU):
                 np.maximum(rsigma64[finite], 1e-30), f"rsigma (relative), {what}", noise=4 * F32_U)
     assert_same_bits(out.out, e_out, f"out, {what}")
     if e_amax is None:
-      assert out.amax is None and out.out_t is None
+      assert out.amax is None and out.out_t is None and out.scale_inv is None
       continue
     assert_f32_equal(out.amax, e_amax, what=f"amax, {what}")
+    assert_f32_equal(out.scale_inv, np.float32(1) / np.float32(kw["scale"]), what=f"scale_inv, {what}")
     if kw.get("transpose"):
       assert_fp8_equal(out.out_t, e_t, what=f"out_t, {what}")
       rows = np.asarray(out.out).reshape(-1, np.shape(x)[-1])
@@ -342,8 +370,8 @@ def test_cpu_zero_centered_gamma_and_epsilon(norm_type):
            (x, g - 1, b, fwd_kwargs(norm_type, BF16, zero_centered_gamma=True)),
            (x, g, b, {**fwd_kwargs(norm_type, F32), "epsilon": 10.0})]
   outs = check_fwd_many(cases)
-  plain = norm_fwd(jax.device_put(x, CPU), g, b if norm_type == "layernorm" else None, norm_type=norm_type,
-                          epsilon=EPS, dtype=BF16)
+  plain = fwd_flat(norm_fwd(jax.device_put(x, CPU), g, b if norm_type == "layernorm" else None,
+                           norm_type=norm_type, epsilon=EPS, dtype=BF16))
   assert_same_bits(outs[1].out, plain.out, "gamma - 1 with zero_centered_gamma == gamma")
 
 
@@ -378,8 +406,8 @@ def test_cpu_special_values(dtype, norm_type):
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 8)], ids=str)
 def test_cpu_no_rows(shape):
   x = np.zeros(shape, BF16)
-  out = norm_fwd(jax.device_put(x, CPU), np.ones(shape[-1], F32), np.zeros(shape[-1], F32), dtype=E4M3,
-                        scale=1.0, transpose=True)
+  out = fwd_flat(norm_fwd(jax.device_put(x, CPU), np.ones(shape[-1], F32), np.zeros(shape[-1], F32), dtype=E4M3,
+                          scale=1.0, transpose=True))
   assert out.out.shape == shape and out.out_t.shape == (shape[-1], *shape[:-1]) and float(out.amax) == 0.0
   assert out.mean.shape == out.rsigma.shape == shape[:-1]
   dx, dgamma, dbeta = norm_bwd(x, x, out.mean, out.rsigma, np.ones(shape[-1], F32))
@@ -468,8 +496,8 @@ def test_eager_equals_jit():
   x, g, b = make_case((5, 48), BF16, seed=2)
   x = jax.device_put(x, CPU)
   kw = dict(dtype=E5M2, scale=jnp.float32(3.0), transpose=True, epsilon=EPS)
-  eager = norm_fwd(x, g, b, **kw)
-  jitted = jax.jit(lambda x: norm_fwd(x, g, b, **kw))(x)
+  eager = fwd_flat(norm_fwd(x, g, b, **kw))
+  jitted = fwd_flat(jax.jit(lambda x: norm_fwd(x, g, b, **kw))(x))
   for a, c in zip(eager, jitted):
     assert_same_bits(a, c, "eager vs jit")
 
@@ -480,9 +508,9 @@ def test_vmap_high_precision_is_one_call(in_axis):
   x, g, b = make_case((3, 4, 40), BF16, seed=6)
   f = jax.jit(jax.vmap(lambda x: norm_fwd(x, g, b, epsilon=EPS), in_axes=in_axis))
   assert f.lower(x).compile().as_text().count('custom_call_target="te_norm_fwd_cpu"') == 1
-  out = f(jax.device_put(x, CPU))
+  out = fwd_flat(f(jax.device_put(x, CPU)))
   for i in range(x.shape[in_axis]):
-    ref = norm_fwd(jax.device_put(np.take(x, i, axis=in_axis), CPU), g, b, epsilon=EPS)
+    ref = fwd_flat(norm_fwd(jax.device_put(np.take(x, i, axis=in_axis), CPU), g, b, epsilon=EPS))
     for a, c in zip(out, ref):
       if c is not None:
         assert_same_bits(a[i], c, "vmapped element")
@@ -493,10 +521,10 @@ def test_vmap_fp8_is_per_element():
   x, g, _ = make_case((3, 6, 16), F16, seed=7)
   scales = np.array([1.0, 30.0, 300.0], F32)
   f = jax.vmap(lambda x, s: norm_fwd(x, g, norm_type="rmsnorm", dtype=E4M3, scale=s, transpose=True))
-  out = jax.jit(f)(jax.device_put(x, CPU), scales)
+  out = fwd_flat(jax.jit(f)(jax.device_put(x, CPU), scales))
   for i in range(3):
-    ref = norm_fwd(jax.device_put(x[i], CPU), g, norm_type="rmsnorm", dtype=E4M3, scale=scales[i],
-                          transpose=True)
+    ref = fwd_flat(norm_fwd(jax.device_put(x[i], CPU), g, norm_type="rmsnorm", dtype=E4M3, scale=scales[i],
+                            transpose=True))
     assert_fp8_equal(out.out[i], ref.out)
     assert_fp8_equal(out.out_t[i], ref.out_t, what="out_t")
     assert_f32_equal(out.amax[i], ref.amax)
@@ -526,7 +554,8 @@ def test_layernorm_forward_is_norm_fwd(norm_type, zero_centered):
   y = te_jax.layernorm(x, g, beta, norm_type=norm_type, epsilon=EPS, zero_centered_gamma=zero_centered,
                        dtype=jnp.float32)
   want = norm_fwd(x, g, beta, norm_type=norm_type, epsilon=EPS, zero_centered_gamma=zero_centered,
-                         dtype=jnp.float32)
+                  dtype=jnp.float32)
+  assert not isinstance(want.out, te_jax.QuantizedTensor)
   assert_same_bits(y, want.out, "layernorm")
 
 
@@ -535,7 +564,7 @@ def test_layernorm_forward_is_norm_fwd(norm_type, zero_centered):
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_gradients_against_autodiff_of_reference(norm_type, dtype, param_dtype):
   """custom_vjp gradients against jax.grad of the pure-jnp forward, both against the float64 gradients of the same
-  function: DESIGN.md's rule; each gradient in the dtype of what it differentiates."""
+  function: the tolerance rule (CONTRIBUTING.md); each gradient in the dtype of what it differentiates."""
   x, g, b = make_case((6, 96), IN_DTYPES[dtype], seed=10)
   g, b = g.astype(param_dtype), b.astype(param_dtype)
   dz = np.random.default_rng(0).standard_normal(x.shape).astype(F32)
@@ -666,9 +695,9 @@ def test_sharded_fwd_equals_unsharded(mesh_shape, names, shape, spec, norm_type,
   f = jax.jit(lambda x: norm_fwd(x, g, beta, **kw))
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   compiled = f.lower(xs).compile()
-  got = compiled(xs)
-  want = f(jax.device_put(x, CPU))
-  for name, a, c in zip(NormOutput._fields, got, want):
+  got = fwd_flat(compiled(xs))
+  want = fwd_flat(f(jax.device_put(x, CPU)))
+  for name, a, c in zip(Fwd._fields, got, want, strict=True):
     if c is not None:
       assert_same_bits(a, c, name)  # whole rows on every shard: the same bits
   row_axes, full = _row_axes(spec, len(shape))
@@ -722,8 +751,8 @@ def test_shard_map_outputs_keep_varying_axes():
   x, g, b = make_case((16, 24), BF16, seed=16)
 
   def local(x):
-    out = norm_fwd(x, g, b, dtype=E4M3, scale=jnp.float32(10), transpose=True)
-    for v in out:
+    out = fwd_flat(norm_fwd(x, g, b, dtype=E4M3, scale=jnp.float32(10), transpose=True))
+    for v in out[:-1]:  # all but scale_inv, 1 / the replicated scale
       assert jax.typeof(v).manual_axis_type.varying == {"x"}, jax.typeof(v)
     dx, dgamma, dbeta = norm_bwd(x, x, out.mean, out.rsigma, g)
     for v in (dx, dgamma, dbeta):
@@ -731,7 +760,7 @@ def test_shard_map_outputs_keep_varying_axes():
     return out.out, jax.lax.pmax(out.amax, "x"), jax.lax.psum(dgamma, "x")
 
   q, amax, _ = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P(), P())))(x)
-  want = norm_fwd(jax.device_put(x, CPU), g, b, dtype=E4M3, scale=jnp.float32(10))
+  want = fwd_flat(norm_fwd(jax.device_put(x, CPU), g, b, dtype=E4M3, scale=jnp.float32(10)))
   assert_fp8_equal(q, want.out)
   assert_f32_equal(amax, want.amax)
 
@@ -853,8 +882,9 @@ def test_gpu_large_and_deterministic(norm_type, gpu):
 
 @pytest.mark.gpu
 def test_gpu_layernorm_grad_matches_cpu(gpu):
-  """The differentiable op end to end on the GPU against the same on the CPU handlers (DESIGN.md's rule against
-  float64 autodiff would be the same check as on CPU; here: within float32 summation error of each other)."""
+  """The differentiable op end to end on the GPU against the same on the CPU handlers (the tolerance rule
+  (CONTRIBUTING.md) against float64 autodiff would be the same check as on CPU; here: within float32 summation error
+  of each other)."""
   x, g, b = make_case((64, 1024), BF16, seed=19)
   f = jax.grad(lambda x, g, b: jnp.sum(te_jax.layernorm(x, g, b, epsilon=EPS).astype(jnp.float32) ** 2),
                argnums=(0, 1, 2))

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import F32_U, assert_column_sums_close, assert_f32_equal, assert_fp8_equal
+from te_jax import QuantizedTensor
 from te_jax._core import native
 from te_jax.ops.activation import activation_fwd
 from te_jax.ops.gemm import gemm
@@ -272,13 +273,13 @@ def test_quantize(dtype, fp8, scale, mix):
   for i, x in enumerate(xs):
     want, r = oracle(x, scale, fp8), ref[i]
     for out in (ours[i], ours[len(xs) + i]):
-      assert_same(out.data, r.data, "data")
-      assert_same(out.data, want, "data vs numpy")
+      assert_same(out.out.data, r.out.data, "data")
+      assert_same(out.out.data, want, "data vs numpy")
       assert_same(out.amax, r.amax, "amax")
       assert_same(out.amax, np_amax(x), "amax vs numpy")
     if x.ndim >= 2:
-      assert_same(ours[i].data_t, r.data_t, "data_t")
-      assert_same(ours[i].data_t, want.swapaxes(-1, -2), "data_t vs numpy")
+      assert_same(ours[i].out.data_t, r.out.data_t, "data_t")
+      assert_same(ours[i].out.data_t, want.swapaxes(-1, -2), "data_t vs numpy")
     assert_column_sums_close(np.asarray(ours[i].dbias), x)
     assert_column_sums_close(np.asarray(r.dbias), x)
 
@@ -319,8 +320,8 @@ def test_quantize_interleaved_is_quantize_of_the_interleave(dtype, fp8, mix):
   xs = [numpy_interleave(parts[i:i + 3], g) for i in range(0, len(parts), 3) for g in (1, 8)]
   want = run(_quantize_2d, (fp8,), np.float32(0.75), *xs)
   for out, w in zip(ours, want, strict=True):
-    assert_same(out.data, w.data, "data")
-    assert_same(out.data_t, w.data_t, "data_t")
+    assert_same(out.out.data, w.out.data, "data")
+    assert_same(out.out.data_t, w.out.data_t, "data_t")
     assert_same(out.amax, w.amax, "amax")
 
 
@@ -402,8 +403,8 @@ def test_norm_fwd_fp8(dtype, fp8, norm_type, mix):
   ref = run(_norm, (norm_type, None), np.float32(2.0), *args, reference=True)
   for (out, y), y_ref, x, (g, b) in zip(ours, ref, xs, params, strict=True):
     y, y_ref, x64 = np.asarray(y), np.asarray(y_ref), x.astype(np.float64)
-    assert_same(out.out, oracle(y, 2.0, fp8), "out vs the cast of y")
-    assert_same(np.asarray(out.out_t).reshape(y.shape[-1], -1), oracle(y, 2.0, fp8).reshape(-1, y.shape[-1]).T,
+    assert_same(out.out.data, oracle(y, 2.0, fp8), "out vs the cast of y")
+    assert_same(np.asarray(out.out.data_t).reshape(y.shape[-1], -1), oracle(y, 2.0, fp8).reshape(-1, y.shape[-1]).T,
                 "out_t")
     assert_same(out.amax, np_amax(y), "amax")
     y64, bound = norm64(x64, g, b if norm_type == "layernorm" else None)
@@ -465,7 +466,7 @@ def _act(fp8):
     for x in xs:
       for act in ACTS:
         xa = jnp.stack([x, x[..., ::-1] * 0.5], axis=-2) if len(act) == 2 else x
-        y = activation_fwd(xa, act, dtype=jnp.float32).data
+        y = activation_fwd(xa, act, dtype=jnp.float32).out
         outs.append(y if fp8 is None else (activation_fwd(xa, act, dtype=fp8, scale=s), y))
     return outs
 
@@ -488,7 +489,7 @@ def test_activation_fp8(dtype, fp8, mix):
   for i, ((out, y), y_ref) in enumerate(zip(ours, ref, strict=True)):
     act, x = ACTS[i % len(ACTS)], xs[i // len(ACTS)].astype(np.float64)
     y = np.asarray(y)
-    assert_same(out.data, oracle(y, 3.0, fp8), f"{act} data vs the cast of y")
+    assert_same(out.out.data, oracle(y, 3.0, fp8), f"{act} data vs the cast of y")
     assert_same(out.amax, np_amax(y), f"{act} amax")
     if act[0] in EXACT:
       assert_same(y, y_ref, f"{act} y")
@@ -657,7 +658,7 @@ G_SHAPES = [(16, 16, 16), (32, 48, 16), (48, 16, 64)]
 
 
 def _gemm(out_dtype):
-  return lambda sa, sb, *ab: [gemm(a, b, lhs_scale_inv=sa, rhs_scale_inv=sb, dtype=out_dtype)
+  return lambda sa, sb, *ab: [gemm(QuantizedTensor(a, sa), QuantizedTensor(b, sb), dtype=out_dtype)
                               for a, b in zip(ab[0::2], ab[1::2], strict=True)]
 
 

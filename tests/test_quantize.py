@@ -1,15 +1,19 @@
-"""quantize, dequantize and amax.
+"""quantize, QuantizedTensor (and its dequantize) and amax.
 
 - The CPU FFI handler against the pure-jnp reference ``quantize_ref``: bitwise for the FP8 bytes, the transposed copy
   and amax; dbias within the bound of float32 summation.
 - The reference itself against ml_dtypes/numpy and hand-computed values, so that the oracle is anchored independently.
 - jit, vmap, eager; argument checks; dequantize and amax against numpy.
+- QuantizedTensor itself: a pytree with a static mode, its transposed copy, and its scale layouts (per tensor, 1x128
+  and 128x128 blocks) against numpy.
 - On a GPU (``@pytest.mark.gpu``): the CUDA handler against the reference run on the same GPU.
 """
 
 import collections
 import functools
+import math
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +25,8 @@ import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal, fp8_bits
 from te_jax._core import native as te_native
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
-from te_jax.ops.quantize import Quantized, dequantize, quantize
+from te_jax import QuantizedTensor, ScalingMode
+from te_jax.ops.quantize import CastOutput, quantize
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -35,6 +40,20 @@ SHAPES = [(1,), (7,), (1, 1), (1, 17), (17, 1), (5, 7), (13, 31), (16, 16), (33,
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
+
+
+class Flat(NamedTuple):
+  """A quantize's results side by side, as the tests compare them."""
+
+  data: jax.Array
+  data_t: jax.Array | None
+  amax: jax.Array
+  dbias: jax.Array | None
+
+
+def flat(c: CastOutput) -> Flat:
+  """``quantize``'s CastOutput as (data, data_t, amax, dbias)."""
+  return Flat(c.out.data, c.out.data_t, c.amax, c.dbias)
 
 
 def fp8_max(fp8) -> float:
@@ -67,23 +86,36 @@ def t_axes(ndim: int, batch_dims: int) -> tuple:
   return tuple(range(batch_dims)) + (ndim - 1,) + tuple(range(batch_dims, ndim - 1))
 
 
-def native_many(xs, scale, fp8, *, device=CPU, **kwargs) -> list[Quantized]:
+def native_many(xs, scale, fp8, *, device=CPU, **kwargs) -> list[Flat]:
   """quantize on each of ``xs``, in one jitted program on ``device`` (one compile for many shapes); asserts
-  that the compiled program calls the native handler once per input."""
+  that the compiled program calls the native handler once per input, and that each result is a per-tensor
+  QuantizedTensor whose scale_inv (and, with a transposed copy, scale_inv_t) is 1 / scale."""
   args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
   compiled = jax.jit(lambda xs, s: [quantize(x, s, fp8, **kwargs) for x in xs]).lower(*args).compile()
   target = {"cpu": "te_quantize_cpu", "gpu": "te_quantize_cuda"}[device.platform]
   assert compiled.as_text().count(f'custom_call_target="{target}"') == len(xs), target
-  return compiled(*args)
+  outs = compiled(*args)
+  inv = np.float32(1) / np.float32(scale)
+  if abs(inv) < np.finfo(np.float32).tiny:  # a subnormal 1 / scale (scale > 2^126): XLA:CPU flushes it to zero
+    inv = np.float32(0) if device.platform == "cpu" else inv
+  for out in outs:
+    assert isinstance(out, CastOutput) and isinstance(out.out, QuantizedTensor), type(out)
+    assert out.out.mode is ScalingMode.PER_TENSOR and out.out.global_scale_inv is None
+    assert_f32_equal(out.out.scale_inv, inv, what="scale_inv")
+    if out.out.data_t is None:
+      assert out.out.scale_inv_t is None
+    else:
+      assert_f32_equal(out.out.scale_inv_t, inv, what="scale_inv_t")
+  return [flat(out) for out in outs]
 
 
-def native(x, scale, fp8, *, device=CPU, **kwargs) -> Quantized:
+def native(x, scale, fp8, *, device=CPU, **kwargs) -> Flat:
   """quantize, jitted, on ``device``; asserts that the compiled program calls the native handler once."""
   return native_many([x], scale, fp8, device=device, **kwargs)[0]
 
 
 def reference_many(xs, scale, fp8, *, transpose=False, transpose_batch_dims=None, dbias=False, device=CPU):
-  """quantize_ref on each of ``xs``, in one jitted program on ``device``, returned as Quantized tuples."""
+  """quantize_ref on each of ``xs``, in one jitted program on ``device``, returned as Flat tuples."""
 
   def one(x, s):
     batch = x.ndim - 2 if transpose_batch_dims is None else transpose_batch_dims
@@ -93,14 +125,14 @@ def reference_many(xs, scale, fp8, *, transpose=False, transpose_batch_dims=None
     data = outs.pop(0)
     data_t = outs.pop(0) if transpose else None
     amax = outs.pop(0)
-    return Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+    return Flat(data, data_t, amax, outs.pop(0) if dbias else None)
 
   args = ([jax.device_put(x, device) for x in xs], jax.device_put(np.float32(scale), device))
   return jax.jit(lambda xs, s: [one(x, s) for x in xs])(*args)
 
 
-def reference(x, scale, fp8, *, device=CPU, **kwargs) -> Quantized:
-  """quantize_ref, jitted, on ``device``, returned as a Quantized."""
+def reference(x, scale, fp8, *, device=CPU, **kwargs) -> Flat:
+  """quantize_ref, jitted, on ``device``, returned as a Flat."""
   return reference_many([x], scale, fp8, device=device, **kwargs)[0]
 
 
@@ -216,7 +248,7 @@ def test_sharded_transpose_parts(parts, want):
   x_s = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x")))
   f = jax.jit(lambda x: quantize(x, np.float32(0.5), E4M3, transpose=True, transpose_parts=parts))
   compiled = f.lower(x_s).compile()
-  out = compiled(x_s)
+  out = flat(compiled(x_s))
   found = collections.Counter(re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(",
                                          compiled.as_text()))
   assert set(found) - {"all-reduce"} == set(want), found  # the amax is max-reduced either way
@@ -392,7 +424,7 @@ def test_hand_computed_values(fp8, x, expected):
 
 def test_eager_equals_jit():
   x = jax.device_put(random_input((9, 11), ml_dtypes.bfloat16, seed=1), CPU)
-  eager = quantize(x, jnp.float32(0.5), E5M2, transpose=True, dbias=True)
+  eager = flat(quantize(x, jnp.float32(0.5), E5M2, transpose=True, dbias=True))
   jitted = native(x, 0.5, E5M2, transpose=True, dbias=True)
   assert_fp8_equal(eager.data, jitted.data)
   assert_fp8_equal(eager.data_t, jitted.data_t, what="data_t")
@@ -408,7 +440,7 @@ def test_vmap_is_per_element(in_axis, scale_batched):
   f = lambda x, s: quantize(x, s, E4M3, transpose=True, dbias=True)  # noqa: E731
   s_axis = 0 if scale_batched else None
   s_arg = scales if scale_batched else np.float32(0.5)
-  out = jax.jit(jax.vmap(f, in_axes=(in_axis, s_axis)))(jax.device_put(x, CPU), s_arg)
+  out = flat(jax.jit(jax.vmap(f, in_axes=(in_axis, s_axis)))(jax.device_put(x, CPU), s_arg))
   for i in range(x.shape[in_axis]):
     xi = np.take(x, i, axis=in_axis)
     ref = reference(xi, scales[i] if scale_batched else 0.5, E4M3, transpose=True, dbias=True)
@@ -420,7 +452,7 @@ def test_vmap_is_per_element(in_axis, scale_batched):
 
 def test_nested_vmap():
   x = random_input((2, 3, 5, 6), np.float32, seed=9)
-  out = jax.vmap(jax.vmap(lambda x: quantize(x, 1.0, E4M3, transpose=True)))(jax.device_put(x, CPU))
+  out = flat(jax.vmap(jax.vmap(lambda x: quantize(x, 1.0, E4M3, transpose=True)))(jax.device_put(x, CPU)))
   assert out.amax.shape == (2, 3)
   for i in range(2):
     for j in range(3):
@@ -432,15 +464,17 @@ def test_nested_vmap():
 
 def test_scale_accepts_python_numpy_and_jax_float32():
   x = jax.device_put(random_input((4, 6), np.float32, seed=2), CPU)
-  expected = fp8_bits(quantize(x, jnp.float32(0.5)).data)
+  expected = fp8_bits(quantize(x, jnp.float32(0.5)).out.data)
   for s in [0.5, np.float32(0.5), jnp.asarray(0.5)]:
-    np.testing.assert_array_equal(fp8_bits(quantize(x, s).data), expected)
+    np.testing.assert_array_equal(fp8_bits(quantize(x, s).out.data), expected)
 
 
 def test_fields_not_asked_for_are_none():
   out = quantize(jnp.ones((2, 3), jnp.float32), 1.0)
-  assert out.data_t is None and out.dbias is None
-  assert out.data.dtype == E4M3 and out.amax.dtype == jnp.float32 and out.amax.shape == ()
+  assert out.out.data_t is None and out.out.scale_inv_t is None and out.dbias is None
+  assert out.out.data.dtype == E4M3 and out.amax.dtype == jnp.float32 and out.amax.shape == ()
+  assert out.out.mode is ScalingMode.PER_TENSOR and out.out.scale_inv.dtype == jnp.float32
+  assert out.out.scale_inv.shape == ()
 
 
 # ---- argument checks -----------------------------------------------------------------------------------------------
@@ -490,36 +524,52 @@ def test_bad_arguments_raise_before_xla(args, kwargs, error, match):
 # ---- dequantize and amax -------------------------------------------------------------------------------------------
 
 
+def assert_hp_equal(got, want, what: str = "dequantized"):
+  """Bitwise equal float32/bfloat16/float16 arrays of one dtype and shape, any NaN matching any NaN."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.dtype, want.shape)
+  nan = np.isnan(want.astype(np.float32))
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=f"{what}: NaN positions")
+  bits = np.uint16 if want.dtype != np.float32 else np.uint32
+  np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits), err_msg=what)
+
+
 @pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
 @FP8
 def test_dequantize_matches_numpy(fp8, out_dtype):
   q = np.arange(256, dtype=np.uint8).view(fp8).reshape(16, 16)  # every code, NaN included
   for scale_inv in [1.0, 1.0 / 448.0, 3.0]:
-    got = dequantize(jnp.asarray(q), np.float32(scale_inv), out_dtype)
+    got = QuantizedTensor(jnp.asarray(q), jnp.float32(scale_inv)).dequantize(out_dtype)
     with np.errstate(over="ignore"):  # 3 * 57344 is inf in float16, in XLA too
       want = (q.astype(np.float32) * np.float32(scale_inv)).astype(out_dtype)
     assert got.dtype == out_dtype
-    nan = np.isnan(want.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(np.asarray(got).astype(np.float32)), nan)
-    np.testing.assert_array_equal(np.asarray(got)[~nan].view(np.uint16 if out_dtype != np.float32 else np.uint32),
-                                  want[~nan].view(np.uint16 if out_dtype != np.float32 else np.uint32))
+    assert_hp_equal(got, want)
 
 
 def test_quantize_dequantize_round_trip():
   x = random_input((8, 8), np.float32, seed=4) / 64  # within E4M3 range at scale 1 after the divide
-  q = quantize(jnp.asarray(x), 4.0)
-  y = np.asarray(dequantize(q.data, np.float32(0.25), jnp.float32))
+  q = quantize(jnp.asarray(x), 4.0).out
+  assert_f32_equal(q.scale_inv, np.float32(0.25), what="scale_inv")  # the quantize's own 1 / scale dequantizes
+  y = np.asarray(q.dequantize(jnp.float32))
   np.testing.assert_array_equal(y, numpy_quantize(x, 4.0, E4M3).astype(np.float32) * np.float32(0.25))
 
 
-@pytest.mark.parametrize("args,error,match", [
-    ((jnp.ones((2,), jnp.float32), 1.0), TypeError, "^q must be float8"),
-    ((jnp.ones((2,), E4M3), 1.0, jnp.int8), ValueError, "^dtype must be float32, bfloat16 or float16"),
-    ((jnp.ones((2,), E4M3), np.array(1.0, np.float64)), TypeError, "^scale must be a float32 scalar"),
-])
-def test_dequantize_bad_arguments(args, error, match):
-  with pytest.raises(error, match=match):
-    dequantize(*args)
+def test_dequantize_default_dtype_is_bfloat16():
+  q = QuantizedTensor(jnp.asarray(np.array([1.0, -3.5], np.float32).astype(E4M3)), jnp.float32(0.5))
+  got = q.dequantize()
+  assert got.dtype == jnp.bfloat16
+  assert_hp_equal(got, np.array([0.5, -1.75], ml_dtypes.bfloat16))
+
+
+# The removed ``dequantize(q, scale_inv, dtype)`` also raised for a non-FP8 ``q`` (TypeError) and a float64 scale_inv
+# (TypeError); QuantizedTensor.dequantize checks only the output dtype, so only that case is left.
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, np.float64], ids=["int8", "fp8", "f64"])
+def test_dequantize_bad_dtype(dtype):
+  q = QuantizedTensor(jnp.ones((2,), E4M3), jnp.float32(1.0))
+  with pytest.raises(ValueError, match="^dtype must be float32, bfloat16 or float16"):
+    q.dequantize(dtype)
+  with pytest.raises(ValueError, match="^dtype must be float32, bfloat16 or float16"):  # at trace time too
+    jax.jit(lambda q: q.dequantize(dtype))(q)
 
 
 @IN_DTYPES
@@ -538,6 +588,167 @@ def test_amax_edge_cases():
   assert_f32_equal(te_jax.ops.quantize.amax(jnp.array([-0.0], jnp.bfloat16)), np.float32(0.0))  # +0, float32
   with pytest.raises(TypeError, match="^x must be float32"):
     te_jax.ops.quantize.amax(jnp.ones((2,), jnp.int32))
+
+
+# ---- QuantizedTensor -----------------------------------------------------------------------------------------------
+
+
+def random_fp8(shape, fp8, seed: int) -> np.ndarray:
+  """Random FP8 codes, every one possible (NaN, and for E5M2 inf, included)."""
+  return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8).view(fp8)
+
+
+def random_scale_inv(shape, seed: int) -> np.ndarray:
+  """float32 reciprocal scales over 2^-8 .. 2^8, not powers of two: the products round."""
+  rng = np.random.default_rng(seed)
+  return (np.exp2(rng.uniform(-8, 8, shape))).astype(np.float32)
+
+
+def numpy_dequantize_blocks(data, scale_inv, block, out_dtype) -> np.ndarray:
+  """numpy: ``data * scale_inv`` with scale ``[..., bi, bj]`` applied to the elements ``[..., bi * rows:(bi + 1) *
+  rows, bj * cols:(bj + 1) * cols]`` (rows 1: ``[..., r, bj]`` to ``[..., r, bj * cols:(bj + 1) * cols]``), block by
+  block, in float32, then cast to ``out_dtype``."""
+  rows, cols = block
+  xf = np.asarray(data).astype(np.float32)
+  s = np.asarray(scale_inv, np.float32)
+  out = np.empty_like(xf)
+  if rows == 1:
+    for bj in range(s.shape[-1]):
+      cs = slice(bj * cols, (bj + 1) * cols)
+      out[..., cs] = xf[..., cs] * s[..., bj:bj + 1]
+  else:
+    for bi in range(s.shape[-2]):
+      for bj in range(s.shape[-1]):
+        rs, cs = slice(bi * rows, (bi + 1) * rows), slice(bj * cols, (bj + 1) * cols)
+        out[..., rs, cs] = xf[..., rs, cs] * s[..., bi:bi + 1, bj:bj + 1]
+  with np.errstate(over="ignore", invalid="ignore"):
+    return out.astype(out_dtype)
+
+
+def test_quantized_tensor_is_a_pytree_with_a_static_mode():
+  data = jnp.asarray(random_fp8((3, 300), E4M3, seed=1))
+  s = jnp.asarray(random_scale_inv((3, 3), seed=2))
+  q = QuantizedTensor(data, s, mode=ScalingMode.BLOCK_1X128)
+  leaves, treedef = jax.tree_util.tree_flatten(q)
+  assert len(leaves) == 2 and leaves[0] is data and leaves[1] is s  # None fields and the mode are not leaves
+  assert jax.tree_util.tree_unflatten(treedef, leaves).mode is ScalingMode.BLOCK_1X128
+  per_tensor = QuantizedTensor(data, jnp.float32(1.0))
+  assert jax.tree_util.tree_structure(per_tensor) != treedef  # the mode is part of the structure
+
+  traced_modes = []
+
+  def f(q):
+    traced_modes.append(q.mode)  # static: a Python value while tracing, not a tracer
+    return q
+
+  for t in (q, per_tensor, quantize(jnp.ones((4, 6)), 0.5, E5M2, transpose=True).out):
+    out = jax.jit(f)(t)
+    assert isinstance(out, QuantizedTensor) and out.mode is t.mode
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(t)
+    assert_fp8_equal(out.data, t.data)
+    assert_f32_equal(out.scale_inv, t.scale_inv, what="scale_inv")
+    assert (out.data_t is None) == (t.data_t is None) and (out.scale_inv_t is None) == (t.scale_inv_t is None)
+    if t.data_t is not None:
+      assert_fp8_equal(out.data_t, t.data_t, what="data_t")
+      assert_f32_equal(out.scale_inv_t, t.scale_inv_t, what="scale_inv_t")
+  assert traced_modes == [ScalingMode.BLOCK_1X128, ScalingMode.PER_TENSOR, ScalingMode.PER_TENSOR]
+  assert q.shape == (3, 300) and q.dtype == E4M3
+
+
+def test_quantized_tensor_transposed_and_without_transposed():
+  x = random_input((5, 7), np.float32, seed=3) / 64
+  q = quantize(jnp.asarray(x), 2.0, E4M3, transpose=True).out
+  t = q.transposed()
+  assert isinstance(t, QuantizedTensor) and t.mode is ScalingMode.PER_TENSOR
+  assert t.shape == (7, 5) and t.data_t is None and t.scale_inv_t is None
+  assert_fp8_equal(t.data, q.data_t)
+  assert_fp8_equal(t.data, np.asarray(q.data).T, what="transposed data")
+  assert_f32_equal(t.scale_inv, np.float32(0.5), what="scale_inv")
+  assert_hp_equal(t.dequantize(jnp.float32), np.asarray(q.dequantize(jnp.float32)).T)
+
+  d = q.without_transposed()
+  assert d.data_t is None and d.scale_inv_t is None and d.mode is q.mode
+  assert d.data is q.data and d.scale_inv is q.scale_inv
+  assert q.data_t is not None  # a copy: q itself keeps its transposed copy
+  with pytest.raises(ValueError, match="has no transposed copy"):
+    d.transposed()
+  with pytest.raises(ValueError, match="has no transposed copy"):
+    quantize(jnp.asarray(x), 2.0).out.transposed()
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", [(7,), (5, 9), (2, 3, 4)], ids=str)
+@FP8
+def test_per_tensor_dequantize_matches_numpy(fp8, shape, out_dtype):
+  assert ScalingMode.PER_TENSOR.scale_shape(shape) == ()
+  assert ScalingMode.PER_TENSOR.block is None and ScalingMode.PER_TENSOR.scale_dtype == np.float32
+  data = random_fp8(shape, fp8, seed=len(shape))
+  s = np.float32(0.3)
+  got = QuantizedTensor(jnp.asarray(data), jnp.float32(s)).dequantize(out_dtype)
+  with np.errstate(over="ignore", invalid="ignore"):
+    want = (data.astype(np.float32) * s).astype(out_dtype)
+  assert_hp_equal(got, want)
+
+
+# Shapes that are not multiples of the block (a partial block at the end of a row, and of the rows for 128x128),
+# blocks of one element, ranks 1 to 4.
+BLOCK_CASES = [
+    (ScalingMode.BLOCK_1X128, (1,), (1,)),
+    (ScalingMode.BLOCK_1X128, (127,), (1,)),
+    (ScalingMode.BLOCK_1X128, (129,), (2,)),
+    (ScalingMode.BLOCK_1X128, (3, 300), (3, 3)),
+    (ScalingMode.BLOCK_1X128, (4, 256), (4, 2)),
+    (ScalingMode.BLOCK_1X128, (2, 5, 129), (2, 5, 2)),
+    (ScalingMode.BLOCK_128X128, (1, 1), (1, 1)),
+    (ScalingMode.BLOCK_128X128, (130, 257), (2, 3)),
+    (ScalingMode.BLOCK_128X128, (256, 128), (2, 1)),
+    (ScalingMode.BLOCK_128X128, (2, 200, 100), (2, 2, 1)),
+    (ScalingMode.BLOCK_128X128, (2, 1, 129, 3), (2, 1, 2, 1)),
+]
+
+
+@pytest.mark.parametrize("mode,shape,scale_shape", BLOCK_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_block_scale_shape(mode, shape, scale_shape):
+  assert mode.scale_shape(shape) == scale_shape
+  rows, cols = mode.block
+  assert scale_shape[-1] == math.ceil(shape[-1] / cols)
+  if rows > 1:
+    assert scale_shape[-2] == math.ceil(shape[-2] / rows)
+  assert mode.scale_dtype == np.float32
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("mode,shape,scale_shape", BLOCK_CASES, ids=lambda v: getattr(v, "name", str(v)))
+@FP8
+def test_block_dequantize_matches_numpy(fp8, mode, shape, scale_shape, out_dtype):
+  data = random_fp8(shape, fp8, seed=sum(shape))
+  s = random_scale_inv(scale_shape, seed=len(shape))
+  q = QuantizedTensor(jnp.asarray(data), jnp.asarray(s), mode=mode)
+  want = numpy_dequantize_blocks(data, s, mode.block, out_dtype)
+  assert_hp_equal(q.dequantize(out_dtype), want)
+  assert_hp_equal(jax.jit(lambda q: q.dequantize(out_dtype))(q), want, what="dequantized under jit")
+
+
+def test_block_dequantize_scales_cover_their_block():
+  """Each scale multiplies exactly its block: ones dequantize to the scale of the block they are in, the partial
+  blocks at the end included."""
+  s = np.array([[2.0, 3.0, 5.0], [7.0, 11.0, 13.0]], np.float32)
+  got = np.asarray(QuantizedTensor(jnp.ones((130, 257), E4M3), jnp.asarray(s),
+                                   mode=ScalingMode.BLOCK_128X128).dequantize(jnp.float32))
+  rows = np.array([0, 127, 128, 129])
+  cols = np.array([0, 127, 128, 255, 256])
+  want = s[rows[:, None] // 128, cols[None, :] // 128]
+  np.testing.assert_array_equal(got[rows[:, None], cols[None, :]], want)
+  got = np.asarray(QuantizedTensor(jnp.ones((2, 257), E4M3), jnp.asarray(s),
+                                   mode=ScalingMode.BLOCK_1X128).dequantize(jnp.float32))
+  np.testing.assert_array_equal(got[:, cols], s[:, cols // 128])
+
+
+@pytest.mark.parametrize("mode,shape", [(ScalingMode.BLOCK_1X128, ()), (ScalingMode.BLOCK_128X128, (5,)),
+                                        (ScalingMode.BLOCK_128X128, ())], ids=str)
+def test_block_scale_shape_needs_rank(mode, shape):
+  with pytest.raises(ValueError, match=f"^{mode.name} scaling needs data of rank >= "):
+    mode.scale_shape(shape)
 
 
 # ---- CUDA handler vs reference on the GPU --------------------------------------------------------------------------

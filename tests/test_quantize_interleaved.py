@@ -8,6 +8,7 @@
 - ``dense`` / ``layernorm_dense`` with ``unstack_axis``: outputs and gradients equal to unstacking the stacked output.
 """
 
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +22,28 @@ import te_jax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal
 from te_jax._core import native
 from te_jax.ops.quantize_interleaved import interleave
-from te_jax.ops.quantize import quantize
+from te_jax.ops.quantize import CastOutput, quantize
 from te_jax.ops.quantize_interleaved import quantize_interleaved
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 CPU = jax.devices("cpu")[0]
+
+
+class Flat(NamedTuple):
+  """A quantize's results side by side, as the tests compare them."""
+
+  data: jax.Array
+  data_t: jax.Array | None
+  scale_inv: jax.Array
+  amax: jax.Array
+  dbias: jax.Array | None
+
+
+def flat(c: CastOutput) -> Flat:
+  """A CastOutput (its ``out`` a per-tensor QuantizedTensor) as (data, data_t, scale_inv, amax, dbias)."""
+  assert c.out.mode is te_jax.ScalingMode.PER_TENSOR, c.out.mode
+  return Flat(c.out.data, c.out.data_t, c.out.scale_inv, c.amax, c.dbias)
 
 
 def random_parts(n: int, shape, dtype, seed: int) -> list[np.ndarray]:
@@ -57,10 +74,11 @@ def check_against_quantize(parts, group, fp8, device, **kwargs):
   x = jax.device_put(numpy_interleave(parts, group), device)
   f = jax.jit(lambda ps, s: quantize_interleaved(ps, s, fp8, group=group, **kwargs))
   compiled = f.lower(dev_parts, jnp.float32(1.5)).compile()
-  out = compiled(dev_parts, jnp.float32(1.5))
-  ref = jax.jit(lambda x, s: quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5))
+  out = flat(compiled(dev_parts, jnp.float32(1.5)))
+  ref = flat(jax.jit(lambda x, s: quantize(x, s, fp8, **kwargs))(x, jnp.float32(1.5)))
   what = f"{len(parts)} x {parts[0].shape}, group {group}"
   assert_fp8_equal(out.data, ref.data, what=f"data, {what}")
+  assert_f32_equal(out.scale_inv, ref.scale_inv, what=f"scale_inv, {what}")
   assert_f32_equal(out.amax, ref.amax, what=f"amax, {what}")
   if kwargs.get("transpose"):
     assert_fp8_equal(out.data_t, ref.data_t, what=f"data_t, {what}")
@@ -92,9 +110,9 @@ def test_one_part_is_quantize():
 def test_vmap_is_per_element():
   parts = [jnp.asarray(p) for p in random_parts(3, (4, 16, 32), np.float32, seed=4)]
   f = jax.vmap(lambda a, b, c: quantize_interleaved([a, b, c], 2.0, group=8, transpose=True))
-  out = f(*parts)
+  out = flat(f(*parts))
   for i in range(4):
-    ref = quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True)
+    ref = flat(quantize(interleave([p[i] for p in parts], 8), 2.0, transpose=True))
     assert_fp8_equal(out.data[i], ref.data)
     assert_fp8_equal(out.data_t[i], ref.data_t)
     assert_f32_equal(out.amax[i], ref.amax)
@@ -110,8 +128,8 @@ def test_sharded_equals_unsharded(spec, group, cols):
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("a", "b"))
   parts = random_parts(3, (64, cols), np.float32, seed=5)
   f = jax.jit(lambda ps: quantize_interleaved(ps, 1.0, E4M3, group=group, transpose=True, dbias=True))
-  out = f([jax.device_put(p, NamedSharding(mesh, spec)) for p in parts])
-  ref = quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True)
+  out = flat(f([jax.device_put(p, NamedSharding(mesh, spec)) for p in parts]))
+  ref = flat(quantize(numpy_interleave(parts, group), 1.0, E4M3, transpose=True, dbias=True))
   assert_fp8_equal(out.data, ref.data)
   assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
   assert_f32_equal(out.amax, ref.amax)

@@ -119,25 +119,25 @@ def check_sharded_quantize(mesh, shape, spec, kwargs, dbias, seed=0):
   ref = f(jax.device_put(x, DEVICES[0]))  # unsharded, one device
 
   # Values: bitwise, and every replica of every output the same.
-  assert_fp8_equal(out.data, ref.data)
-  assert_replicas_agree(out.data, "data")
+  assert_fp8_equal(out.out.data, ref.out.data)
+  assert_replicas_agree(out.out.data, "data")
   for shard in out.amax.addressable_shards:
     assert_f32_equal(shard.data, ref.amax)
   assert_f32_equal(out.amax, np.max(np.abs(x.astype(np.float32))), what="amax vs numpy")
   ndim, spec = len(shape), full_spec(spec, len(shape))
   if kwargs.get("transpose"):
     b = kwargs.get("transpose_batch_dims", ndim - 2)
-    assert_fp8_equal(out.data_t, ref.data_t, what="data_t")
-    assert_fp8_equal(out.data_t, np.transpose(np.asarray(ref.data), t_axes(ndim, b)), what="data_t vs numpy")
-    assert_replicas_agree(out.data_t, "data_t")
-    assert_sharding(out.data_t, mesh, [spec[i] for i in t_axes(ndim, b)], "data_t")
+    assert_fp8_equal(out.out.data_t, ref.out.data_t, what="data_t")
+    assert_fp8_equal(out.out.data_t, np.transpose(np.asarray(ref.out.data), t_axes(ndim, b)), what="data_t vs numpy")
+    assert_replicas_agree(out.out.data_t, "data_t")
+    assert_sharding(out.out.data_t, mesh, [spec[i] for i in t_axes(ndim, b)], "data_t")
   if dbias:
     assert_column_sums_close(out.dbias, x)
     assert_replicas_agree(out.dbias, "dbias")
     assert_sharding(out.dbias, mesh, spec[-1:], "dbias")
 
   # Shardings.
-  assert_sharding(out.data, mesh, spec, "data")
+  assert_sharding(out.out.data, mesh, spec, "data")
   assert_sharding(out.amax, mesh, (), "amax")
 
   # Collectives.
@@ -174,7 +174,8 @@ def test_shard_map_on_local_shards():
 
   def local(x):
     o = quantize(x, SCALE, E4M3, transpose=True, dbias=True)
-    return o.data, o.data_t, o.amax.reshape(1, 1), jax.lax.pmax(o.amax, ("a", "b")), jax.lax.psum(o.dbias, "a")
+    return (o.out.data, o.out.data_t, o.amax.reshape(1, 1), jax.lax.pmax(o.amax, ("a", "b")),
+            jax.lax.psum(o.dbias, "a"))
 
   f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("a", "b"),
                             out_specs=(P("a", "b"), P("b", "a"), P("a", "b"), P(), P("b"))))
@@ -183,8 +184,8 @@ def test_shard_map_on_local_shards():
   data, data_t, local_amax, amax, dbias = compiled(xs)
   ref = quantize(jax.device_put(x, DEVICES[0]), SCALE, E4M3, transpose=True)
 
-  assert_fp8_equal(data, ref.data)  # elementwise: local casts tile the global one
-  assert_fp8_equal(data_t, ref.data_t, what="data_t")  # local transposes, placed at P("b", "a")
+  assert_fp8_equal(data, ref.out.data)  # elementwise: local casts tile the global one
+  assert_fp8_equal(data_t, ref.out.data_t, what="data_t")  # local transposes, placed at P("b", "a")
   blocks = x.astype(np.float32).reshape(4, 5, 2, 9)
   assert_f32_equal(local_amax, np.abs(blocks).max(axis=(1, 3)), what="per-shard amax")
   assert_f32_equal(amax, ref.amax)
@@ -203,9 +204,9 @@ def test_shard_map_outputs_keep_varying_axes():
   def local(x):
     o = quantize(x, SCALE, E4M3, transpose=True, dbias=True)
     assert jax.typeof(x).manual_axis_type.varying == {"x"}
-    for v in o:
+    for v in (o.out.data, o.out.data_t, o.amax, o.dbias):  # what the op writes (scale_inv is 1 / SCALE, replicated)
       assert jax.typeof(v).manual_axis_type.varying == {"x"}, jax.typeof(v)  # float8_e4m3fn[2,8]{V:x} etc.
-    return o.data
+    return o.out.data
 
   jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(random_input((16, 8), seed=2))
 
@@ -225,15 +226,15 @@ def _vmapped_on_sharded_batch():
 def test_vmap_over_sharded_batch_values():
   x, out, _ = _vmapped_on_sharded_batch()
   # Index on the host: slicing a sharded FP8 array on XLA:CPU may turn -0 into +0, which is no concern here.
-  data, data_t, amax = (np.asarray(a) for a in (out.data, out.data_t, out.amax))
+  data, data_t, amax = (np.asarray(a) for a in (out.out.data, out.out.data_t, out.amax))
   for i in range(x.shape[0]):
     ref = quantize(jax.device_put(x[i], DEVICES[0]), SCALE, E4M3, transpose=True)
-    assert_fp8_equal(data[i], ref.data)
-    assert_fp8_equal(data_t[i], ref.data_t, what="data_t")
+    assert_fp8_equal(data[i], ref.out.data)
+    assert_fp8_equal(data_t[i], ref.out.data_t, what="data_t")
     assert_f32_equal(amax[i], ref.amax)
 
 
 def test_vmap_over_sharded_batch_stays_sharded():
   _, out, hlo = _vmapped_on_sharded_batch()
   assert not _BAD_COLLECTIVES.search(hlo), _BAD_COLLECTIVES.search(hlo).group(0)
-  assert out.data.sharding.spec[0] == "x", out.data.sharding
+  assert out.out.data.sharding.spec[0] == "x", out.out.data.sharding

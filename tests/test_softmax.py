@@ -1,13 +1,13 @@
 """te_jax.scaled_softmax / scaled_masked_softmax / scaled_upper_triang_masked_softmax and their primitives.
 
-Tolerance (DESIGN.md's rule, from flash-attention): the handlers compute the reference's float32 formulas in another
-order (reductions, exp), so they are not bitwise equal to it. Against a float64 evaluation of the same formulas on the
-same inputs, a handler's largest error must be at most twice the largest error of the jnp reference at the same
-precision (same input and output dtype), plus ``noise`` = 4 float32 roundings of the largest term (the largest
-output for the forward; ``|scale * y| * (|dy| + sum|dy * y|)`` for the backward): the error of one element is a
-matter of rounding luck (one handler 1.7 ulps off at the largest output where XLA happened to be 0.5 off, on a
-4100-element row), so the rule compares the largest errors with that margin. Masked positions (and the causal upper
-triangle) must be exactly 0, and NaN positions must match.
+Tolerance (the tolerance rule of CONTRIBUTING.md, from flash-attention): the handlers compute the reference's float32
+formulas in another order (reductions, exp), so they are not bitwise equal to it. Against a float64 evaluation of the
+same formulas on the same inputs, a handler's largest error must be at most twice the largest error of the jnp
+reference at the same precision (same input and output dtype), plus ``noise`` = 4 float32 roundings of the largest
+term (the largest output for the forward; ``|scale * y| * (|dy| + sum|dy * y|)`` for the backward): the error of one
+element is a matter of rounding luck (one handler 1.7 ulps off at the largest output where XLA happened to be 0.5 off,
+on a 4100-element row), so the rule compares the largest errors with that margin. Masked positions (and the causal
+upper triangle) must be exactly 0, and NaN positions must match.
 
 - The reference itself against jax.nn.softmax (plain, masked with ``where``, causal) and jax.grad.
 - The CPU handlers against the reference: odd row lengths, 1-element rows, rows > 4096, every dtype, masks broadcast
@@ -92,8 +92,8 @@ def bwd_terms(dy, y, scale: float) -> np.ndarray:
 
 
 def assert_within_tolerance(ours, ref32, ref64, terms, what: str, zero=None):
-  """DESIGN.md's rule: max|ours - f64| <= 2 max|ref32 - f64| + 4 u max|terms|; exact zeros where ``zero``; NaN
-  positions equal."""
+  """The tolerance rule (CONTRIBUTING.md): max|ours - f64| <= 2 max|ref32 - f64| + 4 u max|terms|; exact
+  zeros where ``zero``; NaN positions equal."""
   ours, ref32 = np.asarray(ours), np.asarray(ref32)
   assert ours.dtype == ref32.dtype and ours.shape == ref32.shape, (what, ours.dtype, ours.shape, ref32.shape)
   o, r = ours.astype(np.float64), ref32.astype(np.float64)

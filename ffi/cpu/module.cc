@@ -1,7 +1,11 @@
 // The CPU extension module: exports the FFI handlers as capsules, keyed by target name, and the capacity of the
-// handlers that tests/test_geometry.py checks against the API's limits. The CPU handlers take no workspace.
+// handlers that tests/test_geometry.py checks against the API's limits, and the scaling modes' table
+// (te_jax/scaling_mode.h), checked against te_jax.ScalingMode. The CPU handlers take no workspace.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include "te_jax/scaling_mode.h"
 #include "te_jax/softmax_view.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -33,6 +37,8 @@ NB_MODULE(_te_cpu, m) {
     d["te_softmax_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(te_jax::SoftmaxBwdCpuHandler));
     return d;
   });
+  m.def("scaling_modes", &te_jax::scaling_mode_table,
+        "(te_jax.ScalingMode's name, the kernels' number, block rows, block cols) of each mode (scaling_mode.h).");
   m.def("softmax_max_mask_groups", []() { return te_jax::kMaxMaskGroups; },
         "The softmax handlers' most mask groups (runs of leading dims the mask broadcasts or not).");
 }

@@ -1,10 +1,12 @@
 // The CUDA extension module: exports the FFI handlers as capsules keyed by target name, the library versions
 // that `python -m te_jax.doctor` reports, and the kernels' geometry: the size of each handler's workspace result
 // (te_jax/workspace.h), which te_jax/ops asks for instead of computing it, and the kernels' capacities (most parts,
-// mask groups), which tests/test_geometry.py checks against the API's limits.
+// mask groups), which tests/test_geometry.py checks against the API's limits; and the scaling modes' table
+// (te_jax/scaling_mode.h), checked against te_jax.ScalingMode.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,6 +19,7 @@
 #include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
 #include "te_jax/quantize_view.h"
+#include "te_jax/scaling_mode.h"
 #include "te_jax/softmax_view.h"
 #include "te_jax/workspace.h"
 
@@ -146,6 +149,8 @@ NB_MODULE(_te_cuda, m) {
       nb::arg("x_shape"), nb::arg("rmsnorm"), "te_norm_bwd_cuda's workspace.");
 
   // ---- capacities: the most the kernels take, at least the API's limits (tests/test_geometry.py) -----------------
+  m.def("scaling_modes", &te_jax::scaling_mode_table,
+        "(te_jax.ScalingMode's name, the kernels' number, block rows, block cols) of each mode (scaling_mode.h).");
   m.def("gemm_max_parts", []() { return te_jax::kMaxGemmParts; }, "te_gemm_cuda's most outputs (rhs parts).");
   m.def("quantize_interleaved_max_parts", []() { return te_jax::kMaxInterleavedParts; },
         "te_quantize_interleaved_cuda's most parts.");

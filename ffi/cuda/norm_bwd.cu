@@ -52,9 +52,8 @@ struct BwdArgs {
 // Resident blocks per SM the backward kernel is compiled for: 2 (at most 64 registers per thread) for 16-bit x and
 // dz with up to 2 chunks per thread, so that the 256 workers of a large input (512 threads each at hidden 8192) are
 // resident at once on 132 SMs instead of running in two waves (before: 122 registers, one block per SM); otherwise
-// 1. The driver sizes the shared-memory carveout so that the shared memory does not limit this (Volta and later
-// tuning guides: "the driver automatically configures the shared memory capacity for each kernel to avoid shared
-// memory occupancy bottlenecks").
+// 1. Shared memory does not cap this: since Volta the driver picks each kernel's shared-memory carveout to fit the
+// resident blocks (NVIDIA's tuning guides, Volta and later).
 template <typename T, typename Tdz, int kN>
 constexpr int BwdMinBlocks() {
   return sizeof(T) == 2 && sizeof(Tdz) == 2 && kN <= 2 ? 2 : 1;

@@ -500,7 +500,7 @@ ffi::Error LaunchFp8Transpose(cudaStream_t stream, const void* in, uint8_t* out_
 
 // NormFwdRingKernel: as many blocks as the device holds at once (at most one per group of rows), each with its
 // two-stage ring of 2 * kN 8-byte slots per thread. FP8 outputs of hidden 4096 and 8192 (kN = 4, T = 128 or 256) take
-// the kernel compiled for their T: measured at (32768, 8192) bf16 -> E4M3, see benchmarks/NOTES.md.
+// the kernel compiled for their T: measured at (32768, 8192) bf16 -> E4M3 (benchmarks/DECISIONS.md).
 template <typename Tin, typename Tout>
 ffi::Error LaunchRing(cudaStream_t stream, const FwdArgs& a, bool rms, int n) {
   const int threads = a.rows_per_pass * a.threads_per_row;

@@ -236,22 +236,20 @@ class RelativePositionBiases(nn.Module):
 
   @staticmethod
   def bucket(relative_position: np.ndarray, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
-    """The bucket of each ``key_position - query_position`` (numpy; static shapes only)."""
-    n = -relative_position
-    buckets = np.zeros_like(n)
-    if bidirectional:
-      num_buckets //= 2
-      buckets += (n < 0).astype(n.dtype) * num_buckets
-      n = np.abs(n)
-    else:
-      n = np.maximum(n, 0)
-    max_exact = num_buckets // 2
-    is_small = n < max_exact
-    with np.errstate(divide="ignore"):
-      large = max_exact + (np.log(np.maximum(n, 1) / max_exact) / np.log(max_distance / max_exact)
-                           * (num_buckets - max_exact)).astype(n.dtype)
-    large = np.minimum(large, num_buckets - 1)
-    return buckets + np.where(is_small, n, large)
+    """The bucket of each ``key_position - query_position`` (numpy; static shapes only).
+
+    T5's scheme (Raffel et al. 2020, section 2.1): bidirectional, keys after the query take the upper half of the
+    buckets; unidirectional, keys after the query share bucket 0. Within a half, the first quarter of the buckets
+    hold one distance each, the rest cover the distances up to ``max_distance`` in logarithmically growing ranges,
+    and farther distances fall into the last bucket."""
+    rel = np.asarray(relative_position)
+    half = num_buckets // 2 if bidirectional else num_buckets
+    offset = np.where(rel > 0, half, 0).astype(rel.dtype) if bidirectional else 0
+    distance = np.abs(rel) if bidirectional else np.maximum(-rel, 0)
+    exact = half // 2
+    log_ratio = np.log(np.maximum(distance, exact) / exact) / np.log(max_distance / exact)
+    far = np.minimum(exact + (log_ratio * (half - exact)).astype(rel.dtype), half - 1)
+    return offset + np.where(distance < exact, distance, far)
 
   @nn.compact
   def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True,

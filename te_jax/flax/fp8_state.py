@@ -20,7 +20,8 @@ from te_jax._core import scaling
 from te_jax._core.autocast import calibration_pass, resolve_recipe
 from te_jax._core.jax_compat import differentiated_from_outside
 from te_jax._core.scaling import FP8_COLLECTION
-from te_jax.fused.linear import DenseFp8Meta, keep_state
+from te_jax.fused.linear import keep_state, keeps_state
+from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
 from te_jax.recipe import DelayedScaling, Recipe
 
@@ -38,7 +39,7 @@ def fp8_state(module: nn.Module, recipe: Recipe | None, x, prefixes: tuple[str, 
   metas are None, and a state the variables hold anyway is tied to the input ``x``, so the step hands it back
   unchanged as its gradient instead of a zero that ``TrainState.apply_gradients`` would write over it.
   """
-  if not isinstance(recipe, DelayedScaling):
+  if not keeps_state(recipe):
     return _keep_state(module, x, prefixes), (None,) * len(prefixes)
   return x, tuple(_meta(module, recipe, prefix) for prefix in prefixes)
 
@@ -144,7 +145,7 @@ def calibrate(fn: Callable, variables: Mapping, *args, has_aux: bool = False):
     raise TypeError(f"calibrate: fn must be a callable loss function, got {type(fn).__name__}")
   if not isinstance(variables, Mapping):
     raise TypeError(f"calibrate: variables must be the variables dict, got {type(variables).__name__}")
-  delayed = isinstance(resolve_recipe(None), DelayedScaling)
+  delayed = keeps_state(resolve_recipe(None))
   if FP8_COLLECTION not in variables:
     if delayed:
       raise ValueError(f"calibrate: variables has no {FP8_COLLECTION!r} collection (te_jax.FP8_COLLECTION) under an "

@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, Unstack, as_arrays, check_residual,
-                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, layer_output, linear_bwd,
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, Unstack, as_arrays, check_residual, fp8_dims_aligned,
+                                 fp8_recipe, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
                                  linear_fwd, pad_rows, primal_values, quantize_grad, residual_rows, state_as_float32,
                                  state_like)
+from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.quantize import quantize
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.recipe import Recipe
 
 __all__ = ["dense", "normalize_axes"]
 
@@ -62,10 +63,9 @@ def _dense_fp8_fwd(cfg: _Config, *primals):
 def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
   fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
-  sx = fp8.scale(meta and meta.x, x, fp8.fwd_dtype)
+  sx = fp8.quantizer.scale(meta and meta.x, x, fp8.fwd_dtype)
   qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M), or kept rows
-  out, res = linear_fwd(fp8, qx.data, qx.data_t, 1.0 / sx, kernel, meta and meta.kernel, bias, residual, cfg.unstack,
-                        cfg.out_rows)
+  out, res = linear_fwd(fp8, qx.out, kernel, meta and meta.kernel, bias, residual, cfg.unstack, cfg.out_rows)
   return out, _Residuals(res, qx.amax, meta_in)
 
 
@@ -76,13 +76,13 @@ def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
     g = g.reshape(-1, g.shape[-1])
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
-  sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
+  sg = fp8.quantizer.scale(meta and meta.grad, g, fp8.bwd_dtype)
   qg = quantize_grad(fp8, g, sg, cfg.unstack)  # (M, N) and (N, M)
-  dx, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg)
+  dx, dw = linear_bwd(fp8, r.linear, qg.out)
   dbias = qg.dbias.astype(fp8.bias_dtype) if fp8.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = state_like(fp8.update_metas([(meta, r.amax_x, r.linear.amax_w, qg.amax)])[0], r.meta)
+    new_meta = state_like(fp8.quantizer.update([(meta, r.amax_x, r.linear.amax_w, qg.amax)])[0], r.meta)
   return dx, dw, dbias, (g_out if cfg.has_residual else None), new_meta
 
 
@@ -134,7 +134,8 @@ def dense(
       backward then reads the parts' gradients straight into the GEMM's FP8 operand, never stacking them.
     residual: optional, the output's shape: added to the output (a residual connection); under FP8 in the GEMM's
       epilogue, so ``x @ kernel + bias + residual`` is rounded once and costs no pass of its own.
-    fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``, unused otherwise.
+    fp8_meta: the layer's scaling state (``DenseFp8Meta``), for a recipe that keeps one (``DelayedScaling``);
+      unused otherwise.
     recipe: overrides the autocast recipe for this call.
     precision: ``lax.dot_general``'s precision for the high-precision GEMM (FP8 GEMMs accumulate as the recipe says).
     scatter_rows: ``x``'s dims other than ``axis`` are two, (B, S), and the caller constrains the output, whose (B, S)
@@ -176,7 +177,7 @@ def dense(
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   k, n = math.prod(kernel.shape[:n_contract]), math.prod(features)
   if recipe is None or not fp8_dims_aligned(k, n):
-    if recipe is not None and isinstance(recipe, DelayedScaling):  # a GEMM FP8 cannot take: its state is kept
+    if keeps_state(recipe):  # a GEMM FP8 cannot take: its state is kept
       x = keep_state(x, fp8_meta)
     dims = ((axes, tuple(range(n_contract))), ((), ()))
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision)
@@ -193,7 +194,7 @@ def dense(
   x2d, pad = pad_rows(x.reshape(m, k))
   b = None if bias is None else bias.reshape(n)
   cfg = Fp8Config.of(recipe, x, kernel, bias)
-  meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
+  meta = fp8_meta if keeps_state(recipe) else None
   out_rows = batch_shape if scatter_rows and not pad else None
   keep = bool(keep_rows) and not pad
   r = residual_rows(residual, m, n, pad, x.dtype, out_rows or (batch_shape if keep else None))

@@ -18,11 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays,
-                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, layer_output, linear_bwd,
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays, fp8_dims_aligned,
+                                 fp8_recipe, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
                                  linear_fwd, norm_to_fp8, pad_rows, primal_values, quantize_grad, state_as_float32,
                                  state_like)
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.fused.quantizer import DenseFp8Meta
+from te_jax.recipe import Recipe
 
 __all__ = ["layernorm_dense"]
 
@@ -67,7 +68,7 @@ def _forward(cfg: _Config, x, gamma, beta, kernel, bias, meta_in):
   meta = state_as_float32(meta_in)
   x_rows = x if cfg.keep_rows else x.reshape(-1, x.shape[-1])
   z = norm_to_fp8(cfg.fp8, cfg.norm, meta and meta.x, x_rows, gamma, beta, keep_hp=cfg.keep_hp)
-  out, res = linear_fwd(cfg.fp8, z.data, z.data_t, z.sx_inv, kernel, meta and meta.kernel, bias, unstack=cfg.unstack)
+  out, res = linear_fwd(cfg.fp8, z.x, kernel, meta and meta.kernel, bias, unstack=cfg.unstack)
   outputs = (out, z.hp, x if cfg.pass_input else None)
   return outputs, _Residuals(x, gamma, beta, z.mean, z.rsigma, res, z.amax, meta_in)
 
@@ -76,10 +77,10 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
   g, g_hp, g_x = jax.tree.map(instantiate, cotangents, is_leaf=lambda c: c is None)
-  sg = fp8.scale(meta and meta.grad, g, fp8.bwd_dtype)
+  sg = fp8.quantizer.scale(meta and meta.grad, g, fp8.bwd_dtype)
   qg = quantize_grad(fp8, g, sg, cfg.unstack)
   dgrad_rows = None if cfg.grad_sharding is None else r.x.shape[:-1]
-  dz, dw = linear_bwd(fp8, r.linear, qg.data, qg.data_t, 1.0 / sg, dgrad_rows)
+  dz, dw = linear_bwd(fp8, r.linear, qg.out, dgrad_rows)
   if cfg.grad_sharding is not None:
     dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
   if cfg.keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
@@ -90,7 +91,7 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   dbias = qg.dbias.astype(fp8.bias_dtype) if fp8.has_bias else None
   new_meta = None
   if meta is not None:
-    new_meta = state_like(fp8.update_metas([(meta, r.amax_z, r.linear.amax_w, qg.amax)])[0], r.meta)
+    new_meta = state_like(fp8.quantizer.update([(meta, r.amax_z, r.linear.amax_w, qg.amax)])[0], r.meta)
   dbeta = None if dbeta is None else dbeta.astype(r.beta.dtype)
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dw, dbias, new_meta
 
@@ -135,7 +136,7 @@ def layernorm_dense(
       separate pass over memory.
     unstack_axis: a feature axis of the output to return it unstacked along, as in ``te_jax.dense`` (q, k and v of
       an (H, 3, D) QKV projection with ``unstack_axis=-2``).
-    fp8_meta: the delayed-scaling state (``DenseFp8Meta``); required under ``DelayedScaling``.
+    fp8_meta: the layer's scaling state (``DenseFp8Meta``), for a recipe that keeps one (``DelayedScaling``).
     recipe: overrides the autocast recipe.
     keep_rows: ``x`` is (B, S, H) and every op of the layer keeps (B, S) as two dims, sharded as ``x``'s are
       (``te_jax.ops.gemm.gemm``'s ``keep_rows``), instead of folding them into the GEMM's M: rows whose batch and
@@ -169,13 +170,13 @@ def layernorm_dense(
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   n = math.prod(features)
   if recipe is None or not fp8_dims_aligned(h, n):  # high precision; a state kept where FP8 cannot take the dims
-    x_in = keep_state(x, fp8_meta) if isinstance(recipe, DelayedScaling) else x
+    x_in = keep_state(x, fp8_meta) if keeps_state(recipe) else x
     z = norm.plain(x_in, gamma, beta)
     y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
     return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
   x2d, pad = pad_rows(x.reshape(-1, h))
   fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
-  meta = fp8_meta if isinstance(recipe, DelayedScaling) else None
+  meta = fp8_meta if keeps_state(recipe) else None
   b = None if bias is None else bias.reshape(n)
   rows = tuple(x.shape[:2]) if (keep_rows or grad_sharding is not None) and not pad else None  # x passed (B, S, H)
   x_in, gamma, beta, k2d, b = to_common_varying(x2d if rows is None else x, gamma, beta, kernel.reshape(h, n),

@@ -21,12 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import dense
-from te_jax.fused.linear import (DenseFp8Meta, Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual,
-                                 fp8_dims_aligned, fp8_recipe, instantiate, keep_state, linear_bwd, linear_fwd,
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual, fp8_dims_aligned,
+                                 fp8_recipe, instantiate, keep_state, keeps_state, linear_bwd, linear_fwd,
                                  norm_to_fp8, pad_rows, primal_values, residual_rows, state_as_float32, state_like)
+from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
 from te_jax.ops.quantize import quantize
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.recipe import Recipe
 
 __all__ = ["intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
 
@@ -126,18 +127,17 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   if cfg.residual_kind == _INPUT_RESIDUAL:
     residual = x_rows
   z = norm_to_fp8(fc1, cfg.norm, meta_1 and meta_1.x, x_rows, gamma, beta, keep_hp=False)
-  h, res_1 = linear_fwd(fc1, z.data, z.data_t, z.sx_inv, kernel_1, meta_1 and meta_1.kernel, bias_1)
+  h, res_1 = linear_fwd(fc1, z.x, kernel_1, meta_1 and meta_1.kernel, bias_1)
   if cfg.gated:  # the activated half first, as kernel_1's (H, 2, F) lays it out
     h = split_parts(h, -1, 2, cfg.intermediate_axes)
-  if fc2.delayed:
-    s2 = meta_2.x.scale
+  if fc2.quantizer.fused_cast:
+    s2 = fc2.quantizer.scale(meta_2.x, None, fc2.fwd_dtype)
     a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
-  else:  # current scaling needs the activation's amax before its cast: a second pass
-    a_hp = activation_fwd(h, cfg.activation_type).data
-    s2 = fc2.scale(None, a_hp, fc2.fwd_dtype)
+  else:  # the activation's amax is needed before its cast (current scaling): a second pass
+    a_hp = activation_fwd(h, cfg.activation_type).out
+    s2 = fc2.quantizer.scale(meta_2 and meta_2.x, a_hp, fc2.fwd_dtype)
     a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
-  y, res_2 = linear_fwd(fc2, a.data, a.data_t, 1.0 / s2, kernel_2, meta_2 and meta_2.kernel, bias_2, residual,
-                        out_rows=cfg.out_rows)
+  y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
 
@@ -149,26 +149,27 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
   meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
-  sg2 = fc2.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
+  sg2 = fc2.quantizer.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
   qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc2.has_bias)
-  da, dk2 = linear_bwd(fc2, res_2, qg.data, qg.data_t, 1.0 / sg2)
+  da, dk2 = linear_bwd(fc2, res_2, qg.out)
   rows = da.shape[:-1]  # (M,), or (B, S) kept
   axes = cfg.intermediate_axes
-  if fc1.delayed:  # gated: the kernel writes (M, 2, F), (2, F, M) and a (2, F) bias gradient, merged as kernel_1 was
-    sg1 = meta_1.grad.scale
+  if fc1.quantizer.fused_cast:  # gated: the kernel writes (M, 2, F), (2, F, M) and a (2, F) bias gradient, merged
+    sg1 = fc1.quantizer.scale(meta_1.grad, None, fc1.bwd_dtype)  # as kernel_1 was
     dh = activation_bwd(da, h, cfg.activation_type, dtype=fc1.bwd_dtype, scale=sg1, transpose=True,
                         transpose_batch_dims=0, dbias=fc1.has_bias)
     if cfg.gated:
-      dh = dh._replace(data=merge_parts(dh.data, len(rows), axes), data_t=merge_parts(dh.data_t, 0, axes),
-                       dbias=None if dh.dbias is None else merge_parts(dh.dbias, 0, axes))
+      merged = dataclasses.replace(dh.out, data=merge_parts(dh.out.data, len(rows), axes),
+                                   data_t=merge_parts(dh.out.data_t, 0, axes))
+      dh = dh._replace(out=merged, dbias=None if dh.dbias is None else merge_parts(dh.dbias, 0, axes))
   else:  # gated: the (M, 2, F) gradient merged before its cast
-    dh_hp = activation_bwd(da, h, cfg.activation_type).data
-    sg1 = fc1.scale(None, dh_hp, fc1.bwd_dtype)
+    dh_hp = activation_bwd(da, h, cfg.activation_type).out
+    sg1 = fc1.quantizer.scale(meta_1 and meta_1.grad, dh_hp, fc1.bwd_dtype)
     dh_hp = merge_parts(dh_hp, len(rows), axes) if cfg.gated else dh_hp
     dh = quantize(dh_hp, sg1, fc1.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc1.has_bias)
-  dh_q, dh_t = dh.data, dh.data_t  # (M, N) and (N, M), N = F or 2F; with the rows kept (B, S, N) and (N, B, S)
+  # dh.out: (M, N) and (N, M), N = F or 2F; with the rows kept (B, S, N) and (N, B, S)
   dgrad_rows = None if cfg.grad_sharding is None else x.shape[:-1]
-  dz, dk1 = linear_bwd(fc1, res_1, dh_q, dh_t, 1.0 / sg1, dgrad_rows)
+  dz, dk1 = linear_bwd(fc1, res_1, dh.out, dgrad_rows)
   dz = dz.reshape(x.shape)  # x's rows: (M, H), or (B, S, H) as passed
   if cfg.grad_sharding is not None:
     dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
@@ -179,7 +180,8 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   new_1 = new_2 = None
   if meta_1 is not None:
     # One batched update for both GEMMs (fc1 and fc2 share the recipe).
-    new = fc1.update_metas([(meta_1, r.amax_z, res_1.amax_w, dh.amax), (meta_2, r.amax_a, res_2.amax_w, qg.amax)])
+    new = fc1.quantizer.update([(meta_1, r.amax_z, res_1.amax_w, dh.amax),
+                                (meta_2, r.amax_a, res_2.amax_w, qg.amax)])
     new_1, new_2 = state_like(tuple(new), (r.meta_1, r.meta_2))
   dbeta = None if dbeta is None else dbeta.astype(r.beta.dtype)
   dres = g_out if cfg.residual_kind == _GIVEN_RESIDUAL else None
@@ -292,7 +294,7 @@ def layernorm_mlp(
   k1 = merge_parts(kernel_1, 1, split_axes)
   b1 = None if bias_1 is None else merge_parts(bias_1, 0, split_axes)
   if recipe is None or not fp8_dims_aligned(h_dim, f_dim):  # high precision; a state kept where FP8 cannot take it
-    x_in = keep_state(x, (fp8_meta_1, fp8_meta_2)) if isinstance(recipe, DelayedScaling) else x
+    x_in = keep_state(x, (fp8_meta_1, fp8_meta_2)) if keeps_state(recipe) else x
     z = norm.plain(x_in, gamma, beta)
     h = dense(z, k1, b1, recipe=None)
     if gated:
@@ -300,7 +302,7 @@ def layernorm_mlp(
     return dense(activation(h, act), kernel_2, bias_2, residual=residual, recipe=None)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
-  delayed = isinstance(recipe, DelayedScaling)
+  stateful = keeps_state(recipe)
   rows = None if pad else tuple(x.shape[:2])
   out_rows = rows if scatter_rows else None
   keep = bool(keep_rows) and rows is not None
@@ -314,6 +316,6 @@ def layernorm_mlp(
                 intermediate_axes=split_axes)
   x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
   x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
-  y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if delayed else None,
-                  fp8_meta_2 if delayed else None)
+  y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if stateful else None,
+                  fp8_meta_2 if stateful else None)
   return y.reshape(x.shape) if y.ndim == 3 else y[: x2d.shape[0] - pad].reshape(x.shape)

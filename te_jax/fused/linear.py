@@ -21,52 +21,35 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from te_jax._core import scaling
 from te_jax._core.autocast import get_autocast_state, resolve_recipe
-from te_jax._core.manual_axes import max_over_shards, varying_axes
+from te_jax._core.manual_axes import varying_axes
+from te_jax._core.quantized_tensor import QuantizedTensor
+from te_jax.fused.quantizer import Quantizer, quantizer_for
 from te_jax.ops.gemm import FP8_ALIGN, gemm
 from te_jax.ops.norm import check_norm_args, layernorm, norm_bwd, norm_fwd
-from te_jax.ops.quantize import Quantized, amax, group_parts, quantize
+from te_jax.ops.quantize import CastOutput, group_parts, quantize
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
 from te_jax.ops.quantize_interleaved import quantize_interleaved
-from te_jax.ops.scale_update import update_scale_states
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.recipe import Recipe
 
 __all__ = [
-    "DenseFp8Meta", "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays",
-    "check_residual", "fp8_dims_aligned", "fp8_recipe", "instantiate", "keep_state", "layer_output", "linear_bwd",
-    "linear_fwd", "norm_to_fp8", "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32",
-    "state_like",
+    "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_residual",
+    "fp8_dims_aligned", "fp8_recipe", "instantiate", "keep_state", "keeps_state", "layer_output", "linear_bwd", "linear_fwd",
+    "norm_to_fp8", "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32", "state_like",
 ]
-
-
-class DenseFp8Meta(NamedTuple):
-  """Delayed-scaling state of one FP8 GEMM: its input, kernel and output gradient.
-
-  >>> import te_jax
-  >>> meta = te_jax.DenseFp8Meta.create(history_len=16)
-  >>> meta.x.amax_history.shape, float(meta.kernel.scale)
-  ((16,), 1.0)
-  """
-
-  x: scaling.ScaleState
-  kernel: scaling.ScaleState
-  grad: scaling.ScaleState
-
-  @classmethod
-  def create(cls, history_len: int) -> "DenseFp8Meta":
-    return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
 
 
 def fp8_recipe(recipe: Recipe | None, **states) -> Recipe | None:
   """The recipe an FP8 op runs with (its own ``recipe``, else autocast's; None: high precision), checked to come with
-  the delayed-scaling state it needs: ``states`` are the op's state arguments by name (``fp8_meta=...``)."""
+  the state its quantizer keeps: ``states`` are the op's state arguments by name (``fp8_meta=...``)."""
   recipe = resolve_recipe(recipe)
-  if isinstance(recipe, DelayedScaling):
-    for name, state in states.items():
-      if state is None:
-        raise ValueError(f"DelayedScaling needs {name} (a te_jax.DenseFp8Meta) with the layer's scaling state")
-      if not isinstance(state, DenseFp8Meta):
-        raise TypeError(f"{name} must be a te_jax.DenseFp8Meta, got {type(state).__name__}")
+  if recipe is not None:
+    quantizer_for(recipe).check_state(states)
   return recipe
+
+
+def keeps_state(recipe: Recipe | None) -> bool:
+  """Whether an op under ``recipe`` (None: high precision) takes and updates a per-GEMM state."""
+  return recipe is not None and quantizer_for(recipe).stateful
 
 
 def as_arrays(x, *params):
@@ -171,34 +154,28 @@ def state_like(tree, ref):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-  """Static facts of one FP8 GEMM: the recipe and the dtypes around it."""
+  """Static facts of one FP8 GEMM: the recipe, its quantizer and the dtypes around it."""
 
   recipe: Recipe
+  quantizer: Quantizer
   out_dtype: jnp.dtype  # the compute dtype: the layer input's dtype
   kernel_dtype: jnp.dtype  # the weight gradient's dtype
   bias_dtype: jnp.dtype | None  # None: no bias
   # Inside shard_map: the manual axes the kernel varies over as the caller passed it, before the layer cast it to
   # vary like its input (a replicated weight's current-scaling amax needs no reduction over the batch shards).
   kernel_axes: frozenset[str] | None = None
-  # A calibration pass (``te_jax.autocast.calibration_pass``): a delayed recipe's tensors are cast by their own amax.
-  calibrating: bool = False
 
   @classmethod
   def of(cls, recipe: Recipe, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> "Fp8Config":
-    """The config of the GEMM of layer input ``x`` with ``kernel`` (and ``bias``), as the layer's caller passed them."""
+    """The config of the GEMM of layer input ``x`` with ``kernel`` (and ``bias``), as the layer's caller passed them;
+    in a calibration pass (``te_jax.autocast.calibration_pass``) with the recipe's calibrating quantizer."""
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
-    return cls(recipe, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel),
-               get_autocast_state().calibrating)
+    quantizer = quantizer_for(recipe, get_autocast_state().calibrating)
+    return cls(recipe, quantizer, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel))
 
   @property
   def has_bias(self) -> bool:
     return self.bias_dtype is not None
-
-  @property
-  def delayed(self) -> bool:
-    """Whether the tensors are cast with the scales of a delayed-scaling state (known before the cast, so the
-    kernel that produces a tensor can cast it too). A calibration pass keeps the state but not its scales."""
-    return isinstance(self.recipe, DelayedScaling) and not self.calibrating
 
   @property
   def fwd_dtype(self):
@@ -207,36 +184,6 @@ class Fp8Config:
   @property
   def bwd_dtype(self):
     return self.recipe.fp8_format.bwd_dtype
-
-  def scale(self, state: scaling.ScaleState | None, x: jax.Array | tuple[jax.Array, ...] | None, dtype,
-            shard_axes: frozenset[str] | None = None) -> jax.Array:
-    """The scale to cast ``x`` (an array, or the parts of one) with: the delayed state's, or one from ``x``'s own
-    amax (current scaling), inside shard_map the amax of the whole tensor: reduced over ``shard_axes`` (None: every
-    manual axis ``x`` varies over)."""
-    if self.delayed:
-      return state.scale
-    a = jnp.max(jnp.stack([amax(p) for p in x])) if isinstance(x, tuple) else amax(x)
-    (a,) = max_over_shards([a], [shard_axes])
-    return scaling.compute_scale(a, jnp.float32(1.0), scaling.fp8_max(dtype))
-
-  def update_metas(self, items):
-    """The next step's delayed-scaling states of one or more GEMMs, updated together (one batched computation):
-    ``items`` are ``(meta, amax_x, amax_kernel, amax_grad)`` with ``meta`` a (x, kernel, grad) state tuple such as
-    ``DenseFp8Meta``; returns the new metas, of the same types.
-
-    A non-finite amax never enters a history: when any amax of the call is NaN or infinite, every state of the call
-    stays as it was. A step whose loss is not finite has non-finite output gradients in every layer, so such a step
-    leaves the whole FP8 state unchanged, as ``optax.apply_if_finite`` leaves the parameters."""
-    states = [s for meta, *_ in items for s in meta]
-    # Inside shard_map: the amax of the whole tensor wherever the state is replicated (as under jax.jit).
-    amaxes = [a for _, *amaxes in items for a in amaxes]
-    amaxes = max_over_shards(amaxes, [varying_axes(a) - varying_axes(s.amax_history) for a, s in zip(amaxes, states)])
-    dtypes = [self.fwd_dtype, self.fwd_dtype, self.bwd_dtype] * len(items)
-    new = update_scale_states(states, amaxes, dtypes, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo)
-    finite = jnp.all(jnp.isfinite(jnp.stack(amaxes)))
-    new = [scaling.ScaleState(jnp.where(finite, n.amax_history, s.amax_history), jnp.where(finite, n.scale, s.scale))
-           for n, s in zip(new, states)]
-    return [type(meta)(*new[3 * i:3 * i + 3]) for i, (meta, *_) in enumerate(items)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +244,8 @@ def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype,
 
 
 def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: jax.Array,
-                  unstack: Unstack | None) -> Quantized:
-  """The output gradient as the backward GEMMs need it: FP8 (M, N), its transposed copy (N, M), its amax, and the
+                  unstack: Unstack | None) -> CastOutput:
+  """The output gradient as the backward GEMMs need it: FP8 (M, N) with its transposed copy (N, M), its amax, and the
   bias gradient when there is a bias. ``g`` is the (M, N) gradient, or with ``unstack`` the parts' gradients; with the
   rows kept, (B, S, N) and (N, B, S)."""
   if unstack is None:
@@ -308,64 +255,69 @@ def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: j
 
 
 class LinearResiduals(NamedTuple):
-  """What the backward GEMMs need from the forward: FP8 tensors and scalars only."""
+  """What the backward GEMMs need from the forward: quantized tensors and scalars only."""
 
-  x_t: jax.Array  # the FP8 input, transposed: (K, M), or (K, B, S) with the rows kept
-  w: jax.Array  # the FP8 kernel: (K, N)
-  sx_inv: jax.Array
-  sw_inv: jax.Array
+  x_t: QuantizedTensor  # the FP8 input's transposed copy: (K, M), or (K, B, S) with the rows kept
+  w: QuantizedTensor  # the FP8 kernel: (K, N)
   amax_w: jax.Array
 
 
-def linear_fwd(cfg: Fp8Config, x_q, x_t, sx_inv, kernel, kernel_state, bias, residual=None,
+def _reshaped(t: QuantizedTensor, *shape: int) -> QuantizedTensor:
+  """A per-tensor scaled tensor with its data reshaped (its scale covers any shape)."""
+  return dataclasses.replace(t, data=t.data.reshape(*shape))
+
+
+def _saved(t: QuantizedTensor) -> QuantizedTensor:
+  """``t`` as a residual of the backward pass: without a transposed copy, its data named ``FP8_RESIDUAL`` for
+  ``jax.checkpoint`` policies."""
+  return dataclasses.replace(t.without_transposed(), data=checkpoint_name(t.data, scaling.FP8_RESIDUAL))
+
+
+def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, residual=None,
                unstack: Unstack | None = None,
                out_rows: tuple[int, int] | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
-  """``x @ kernel + bias (+ residual)`` from the FP8 input ``x_q`` (M, K): quantizes the (K, N) kernel (with its
-  transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the recipe's
-  ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each written
-  by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part. With
+  """``x @ kernel + bias (+ residual)`` from the FP8 input ``x`` (M, K) with its transposed copy: quantizes the (K, N)
+  kernel (with its transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the
+  recipe's ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each
+  written by the GEMM where it is wanted: one batched GEMM against the transposed kernel's rows grouped by part. With
   ``out_rows`` (B, S), M = B * S, the output is (B, S, N), its rows sharded as its consumer asks (``gemm``'s
   ``scatter_rows``: a sequence-parallel row-parallel GEMM's reduce-scatter); a residual is then (B, S, N) too.
 
-  With the rows kept (``x_q`` (B, S, K), ``x_t`` (K, B, S): a layer's ``keep_rows``), every GEMM keeps (B, S) as two
+  With the rows kept (``x`` (B, S, K), its copy (K, B, S): a layer's ``keep_rows``), every GEMM keeps (B, S) as two
   dims sharded as they come (``gemm``'s ``keep_rows`` and ``contract_dims``), the output (B, S, N)."""
-  sw = cfg.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
-  sw_inv = 1.0 / sw
-  fwd_gemm = functools.partial(gemm, lhs_scale_inv=sx_inv, rhs_scale_inv=sw_inv, dtype=cfg.out_dtype,
-                               fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
-  keep_rows = x_q.ndim > 2
+  sw = cfg.quantizer.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
+  fwd_gemm = functools.partial(gemm, dtype=cfg.out_dtype, fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
+  keep_rows = x.data.ndim > 2
   if unstack is None or unstack.parts == 1:
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
-    lhs = x_q if out_rows is None else x_q.reshape(*out_rows, x_q.shape[-1])
-    out = fwd_gemm(lhs, qw.data_t, bias=bias, residual=residual, scatter_rows=out_rows is not None,
+    lhs = x if out_rows is None else _reshaped(x, *out_rows, x.shape[-1])
+    out = fwd_gemm(lhs, qw.out.transposed(), bias=bias, residual=residual, scatter_rows=out_rows is not None,
                    keep_rows=keep_rows)
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
     qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
-    out = fwd_gemm(x_q, qw.data_t, bias=biases, rhs_parts=True, keep_rows=keep_rows)
-  x_t, w = (checkpoint_name(a, scaling.FP8_RESIDUAL) for a in (x_t, qw.data))
-  return out, LinearResiduals(x_t, w, sx_inv, sw_inv, qw.amax)
+    out = fwd_gemm(x, qw.out.transposed(), bias=biases, rhs_parts=True, keep_rows=keep_rows)
+  return out, LinearResiduals(_saved(x.transposed()), _saved(qw.out), qw.amax)
 
 
-def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g_q, g_t, sg_inv,
+def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g: QuantizedTensor,
                dgrad_rows: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
-  """dgrad and wgrad from the FP8 output gradient ``g_q`` (M, N) and its transposed copy ``g_t`` (N, M) (with the
-  rows kept, (B, S, N) and (N, B, S)), accumulating as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full
-  precision by default). Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``, dx
-  (B, S, K) with the rows kept.
+  """dgrad and wgrad from the FP8 output gradient ``g`` (M, N) with its transposed copy (N, M) (with the rows kept,
+  (B, S, N) and (N, B, S)), accumulating as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full precision
+  by default). Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``, dx (B, S, K) with
+  the rows kept.
 
   With ``dgrad_rows`` (B, S), dx is (B, S, K) with its rows sharded as its consumer asks (``gemm``'s
   ``scatter_rows``): a column-parallel layer that constrains its input's gradient to a sequence-parallel residual
   stream (its ``grad_sharding``) reduce-scatters dx onto it."""
   recipe = cfg.recipe
-  keep_rows = g_q.ndim > 2
-  lhs = g_q if dgrad_rows is None else g_q.reshape(*dgrad_rows, g_q.shape[-1])
-  dx = gemm(lhs, res.w, lhs_scale_inv=sg_inv, rhs_scale_inv=res.sw_inv, dtype=cfg.out_dtype,
-            fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator, scatter_rows=dgrad_rows is not None,
-            keep_rows=keep_rows)
-  dw = gemm(res.x_t, g_t, lhs_scale_inv=res.sx_inv, rhs_scale_inv=sg_inv, dtype=cfg.kernel_dtype,
-            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, contract_dims=res.x_t.ndim - 1)
+  keep_rows = g.data.ndim > 2
+  lhs = g if dgrad_rows is None else _reshaped(g, *dgrad_rows, g.shape[-1])
+  dx = gemm(lhs, res.w, dtype=cfg.out_dtype, fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator,
+            scatter_rows=dgrad_rows is not None, keep_rows=keep_rows)
+  dw = gemm(res.x_t, g.transposed(), dtype=cfg.kernel_dtype,
+            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, contract_dims=res.x_t.data.ndim - 1)
   return dx, dw
 
 
@@ -401,9 +353,7 @@ class NormSpec:
 class NormFp8(NamedTuple):
   """The FP8 input of the GEMM after a norm, and what the norm's backward needs."""
 
-  data: jax.Array  # (M, H) FP8
-  data_t: jax.Array  # (H, M) FP8
-  sx_inv: jax.Array
+  x: QuantizedTensor  # (M, H) FP8 with its (H, M) transposed copy
   amax: jax.Array
   mean: jax.Array | None
   rsigma: jax.Array
@@ -414,14 +364,15 @@ def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep
   """Normalizes ``x2d`` (M, H) into the FP8 GEMM input ((B, S, H) with the rows kept: the transposed copy is then
   (H, B, S)).
 
-  Delayed scaling knows the scale up front, so the norm kernel casts directly. Current scaling needs the amax of the
-  normalized tensor first (and ``keep_hp`` asks for that tensor itself), so the norm writes it in the compute dtype
-  and a quantize pass follows.
+  Where the quantizer knows the scale up front (delayed scaling), the norm kernel casts directly. Otherwise (current
+  scaling needs the amax of the normalized tensor first), and where ``keep_hp`` asks for the normalized tensor
+  itself, the norm writes it in the compute dtype and a quantize pass follows.
   """
-  if cfg.delayed and not keep_hp:
-    out = norm.fwd(x2d, gamma, beta, dtype=cfg.fwd_dtype, scale=state.scale, transpose=True)
-    return NormFp8(out.out, out.out_t, 1.0 / state.scale, out.amax, out.mean, out.rsigma, None)
+  if cfg.quantizer.fused_cast and not keep_hp:
+    scale = cfg.quantizer.scale(state, None, cfg.fwd_dtype)
+    out = norm.fwd(x2d, gamma, beta, dtype=cfg.fwd_dtype, scale=scale, transpose=True)
+    return NormFp8(out.out, out.amax, out.mean, out.rsigma, None)
   out = norm.fwd(x2d, gamma, beta, dtype=x2d.dtype)
-  s = cfg.scale(state, out.out, cfg.fwd_dtype)
+  s = cfg.quantizer.scale(state, out.out, cfg.fwd_dtype)
   q = quantize(out.out, s, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)
-  return NormFp8(q.data, q.data_t, 1.0 / s, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)
+  return NormFp8(q.out, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)

@@ -19,9 +19,10 @@ from flax import nnx
 
 from te_jax._core.autocast import calibration_pass, resolve_recipe
 from te_jax._core.scaling import ScaleState
-from te_jax.fused.linear import DenseFp8Meta, keep_state
+from te_jax.fused.linear import keep_state, keeps_state
+from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.recipe import Recipe
 
 __all__ = ["Fp8State", "calibrate", "declare_fp8_state", "fp8_metas", "grad", "update_fp8_state", "value_and_grad"]
 
@@ -47,7 +48,7 @@ def declare_fp8_state(module: nnx.Module, recipe: Recipe | None, prefixes: tuple
   ``{prefix}{x,kernel,grad}_scale`` (scalar), when the recipe (the module's own, else autocast's) is
   ``DelayedScaling``; none otherwise."""
   recipe = resolve_recipe(recipe)
-  if not isinstance(recipe, DelayedScaling):
+  if not keeps_state(recipe):
     return
   for prefix in prefixes:
     for role in _ROLES:
@@ -64,7 +65,7 @@ def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str,
   """At call time: ``(x, metas)``, the delayed-scaling state of each GEMM of ``module`` for the fused ops (as
   ``te_jax.flax``'s layers hand it over). Under a recipe without state (current scaling, FP8 off) the metas are None,
   and a state the module holds anyway is tied to ``x`` (``keep_state``), so the step hands it back unchanged."""
-  if not isinstance(recipe, DelayedScaling):
+  if not keeps_state(recipe):
     views = [_view(module, name, var) for prefix in prefixes for name, var in _state_vars(module, prefix)
              if var is not None]
     return (keep_state(x, tuple(views)) if views else x), (None,) * len(prefixes)
@@ -175,7 +176,7 @@ def calibrate(fn: Callable, model, *args, has_aux: bool = False) -> None:
   """
   if not callable(fn):
     raise TypeError(f"calibrate: fn must be a callable loss function, got {type(fn).__name__}")
-  delayed = isinstance(resolve_recipe(None), DelayedScaling)
+  delayed = keeps_state(resolve_recipe(None))
   old = nnx.state(model, Fp8State)
   if not jax.tree.leaves(old):
     if delayed:

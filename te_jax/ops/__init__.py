@@ -3,9 +3,13 @@ primitives with their abstract evaluation, lowerings (the CUDA and CPU FFI handl
 they exist, the reference everywhere else), the vmap rule and the sharding rule; ops that are differentiable on their
 own (norm, activation, softmax, rope) end with the ``custom_vjp`` that pairs their forward and backward primitives.
 
+The ops that write or read FP8 take and return ``te_jax.QuantizedTensor`` values (data, scales and their
+``te_jax.ScalingMode``, an optional transposed copy): ``quantize``, the FP8 outputs of ``norm`` and ``activation``,
+``gemm``'s operands.
+
 Modules:
 
-- ``quantize``: the saturating FP8 cast with amax, transposed copy and bias gradient fused; ``dequantize``, ``amax``.
+- ``quantize``: the saturating FP8 cast with amax, transposed copy and bias gradient fused; ``amax``.
 - ``quantize_interleaved``: the same cast of several arrays' column chunks, interleaved.
 - ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues.
 - ``norm``: LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward; ``layernorm``.

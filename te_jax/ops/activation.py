@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
-from te_jax.ops.quantize import FP8_DTYPES, Quantized, amax_f32, saturating_cast
+from te_jax.ops.quantize import FP8_DTYPES, CastOutput, amax_f32, per_tensor, saturating_cast
 
 __all__ = ["activation", "activation_bwd", "activation_bwd_ref", "activation_fwd", "activation_fwd_ref",
     "ActivationConfig", "ACTIVATIONS", "parse_activation_type"]
@@ -443,12 +443,13 @@ def _config(activation_type, dtype, default_dtype, scale, transpose, transpose_b
   return config, scale
 
 
-def _result(outs, config: ActivationConfig, dbias: bool) -> Quantized:
+def _result(outs, config: ActivationConfig, scale, dbias: bool) -> CastOutput:
   outs = list(outs)
   data = outs.pop(0)
   data_t = outs.pop(0) if config.fp8 and config.transpose else None
   amax = outs.pop(0) if config.fp8 else None
-  return Quantized(data, data_t, amax, outs.pop(0) if dbias else None)
+  out = per_tensor(data, data_t, scale) if config.fp8 else data
+  return CastOutput(out, amax, outs.pop(0) if dbias else None)
 
 
 def activation_fwd(
@@ -459,15 +460,15 @@ def activation_fwd(
     scale: jax.Array | float | None = None,
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
-) -> Quantized:
+) -> CastOutput:
   """``act(x)`` (``act(x[..., 0, :]) * x[..., 1, :]`` when gated), computed in float32, cast in the same pass.
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-1.0, 0.0, 2.0, 1000.0]], jnp.bfloat16)
-  >>> te_jax.ops.activation.activation_fwd(x, ("relu",)).data.tolist()
+  >>> te_jax.ops.activation.activation_fwd(x, ("relu",)).out.tolist()
   [[0.0, 0.0, 2.0, 1000.0]]
   >>> out = te_jax.ops.activation.activation_fwd(x, ("relu",), dtype=jnp.float8_e4m3fn, scale=1.0, transpose=True)
-  >>> out.data.astype(jnp.float32).tolist(), out.data_t.shape, float(out.amax)
+  >>> out.out.data.astype(jnp.float32).tolist(), out.out.data_t.shape, float(out.amax)
   ([[0.0, 0.0, 2.0, 448.0]], (4, 1), 1000.0)
 
   Args:
@@ -476,20 +477,20 @@ def activation_fwd(
     dtype: the output dtype: ``x.dtype`` by default; float32, bfloat16, float16, or an FP8 dtype (then ``scale``
       is required and ``amax`` is returned).
     scale: float32 scalar multiplying the float32 activation before the FP8 cast.
-    transpose: also return the transposed FP8 copy in ``data_t`` (FP8 only).
+    transpose: also make the transposed FP8 copy (``out.data_t``; FP8 only).
     transpose_batch_dims: leading dims kept in front in ``data_t`` (default: all but the last leading dim, so the
       last two dims of a 2-D output swap); 0 moves the features in front of every leading dim.
 
   Returns:
-    ``Quantized(data, data_t, amax, None)``: ``data`` is ``(..., N)``; ``data_t`` and ``amax`` are None unless
-    asked for (amax comes with every FP8 output).
+    ``CastOutput(out, amax, None)``: ``out`` is ``(..., N)``, a ``QuantizedTensor`` for an FP8 ``dtype`` (with
+    amax), else an array.
   """
   _, gated = parse_activation_type(activation_type)
   x = _check_array(x, "x", 2 if gated else 1)
   _check_gated(x, gated, "x")
   lead_ndim = x.ndim - (2 if gated else 1)
   config, scale = _config(activation_type, dtype, x.dtype, scale, transpose, transpose_batch_dims, lead_ndim)
-  return _result(_ACT_FWD.bind(x, scale, config=config), config, dbias=False)
+  return _result(_ACT_FWD.bind(x, scale, config=config), config, scale, dbias=False)
 
 
 def activation_bwd(
@@ -502,12 +503,12 @@ def activation_bwd(
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
     dbias: bool = False,
-) -> Quantized:
+) -> CastOutput:
   """``dx = g * act'(x)`` in float32 (both halves of a gated pair), cast in the same pass; optional dbias.
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-1.0, 2.0]], jnp.float32)
-  >>> te_jax.ops.activation.activation_bwd(jnp.full((1, 2), 3.0), x, ("relu",), dbias=True).data.tolist()
+  >>> te_jax.ops.activation.activation_bwd(jnp.full((1, 2), 3.0), x, ("relu",), dbias=True).out.tolist()
   [[0.0, 3.0]]
 
   Args:
@@ -517,13 +518,14 @@ def activation_bwd(
     dtype: the dtype of ``dx``: ``g.dtype`` by default, or float32, bfloat16, float16, or an FP8 dtype (then
       ``scale`` is required and ``amax`` is returned).
     scale: float32 scalar multiplying ``dx`` before the FP8 cast.
-    transpose: also return the transposed FP8 copy of ``dx`` in ``data_t``: the feature dims (``N``, or ``(2, N)``
+    transpose: also make the transposed FP8 copy of ``dx`` (``out.data_t``): the feature dims (``N``, or ``(2, N)``
       when gated) move in front of the leading dims after the first ``transpose_batch_dims``.
     transpose_batch_dims: as in ``activation_fwd``.
     dbias: also return the float32 column sums of ``dx`` (over the leading dims), shaped like the feature dims.
 
   Returns:
-    ``Quantized(dx, dx_t, amax, dbias)``, ``dx`` shaped like ``x``; fields not asked for are None.
+    ``CastOutput(dx, amax, dbias)``, ``dx`` shaped like ``x`` (a ``QuantizedTensor`` for an FP8 ``dtype``);
+    fields not asked for are None.
   """
   _, gated = parse_activation_type(activation_type)
   x = _check_array(x, "x", 2 if gated else 1)
@@ -537,7 +539,7 @@ def activation_bwd(
   lead_ndim = x.ndim - (2 if gated else 1)
   config, scale = _config(activation_type, dtype, g.dtype, scale, transpose, transpose_batch_dims, lead_ndim,
                           dbias=dbias)
-  return _result(_ACT_BWD.bind(g, x, scale, config=config), config, dbias=bool(dbias))
+  return _result(_ACT_BWD.bind(g, x, scale, config=config), config, scale, dbias=bool(dbias))
 
 
 # ---- differentiable activation: activation_fwd and activation_bwd as one custom_vjp ------------------------------
@@ -545,15 +547,15 @@ def activation_bwd(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _activation(x, activation_type):
-  return activation_fwd(x, activation_type).data
+  return activation_fwd(x, activation_type).out
 
 
 def _activation_fwd(x, activation_type):
-  return activation_fwd(x, activation_type).data, x
+  return activation_fwd(x, activation_type).out, x
 
 
 def _activation_bwd(activation_type, x, g):
-  return (activation_bwd(g.astype(x.dtype), x, activation_type).data,)
+  return (activation_bwd(g.astype(x.dtype), x, activation_type).out,)
 
 
 _activation.defvjp(_activation_fwd, _activation_bwd)

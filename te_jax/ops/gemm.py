@@ -2,11 +2,11 @@
 
 ``gemm(lhs, rhs)`` computes ``out[M, N] = lhs[M, K] @ rhs[N, K]^T``: both operands K-major (contracting dim
 last), the layout Hopper's FP8 tensor cores need. Leading dims of ``lhs`` fold into M, of ``rhs`` into N. FP8
-operands come with their ``scale_inv`` and are dequantized inside the GEMM. A residual (M, N) is added in the
+operands are ``QuantizedTensor`` values, dequantized inside the GEMM by their ``scale_inv``. A residual (M, N) is added in the
 epilogue (cuBLASLt's C input with beta = 1), so a residual connection costs no pass of its own. bf16/fp16/fp32
 operands may also be
-given transposed (``lhs`` as (K, M...), ``rhs`` as (K, N...)); FP8 operands may not, use the transposed copies
-``te_jax.ops.quantize.quantize(..., transpose=True)`` makes.
+given transposed (``lhs`` as (K, M...), ``rhs`` as (K, N...)); FP8 operands may not, use the transposed copy
+``te_jax.ops.quantize.quantize(..., transpose=True)`` makes (``QuantizedTensor.transposed()``).
 
 FP8 shapes: cuBLASLt's FP8 kernels need K and N to be multiples of 16 (the leading dims of the stored
 operands); such shapes are rejected with a ValueError, never padded behind the caller's back (``dense`` pads the
@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
+from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
@@ -303,19 +304,26 @@ _GEMM = define_op(
 # ---- public API --------------------------------------------------------------------------------------------------
 
 
-def _check_operand(x, name: str, scale_inv):
+def _operand(x, name: str) -> tuple[jax.Array, jax.Array | None]:
+  """An operand as (data, scale_inv): a per-tensor ``QuantizedTensor``'s, or a high-precision array with None."""
+  if isinstance(x, QuantizedTensor):
+    if x.mode is not ScalingMode.PER_TENSOR:
+      raise ValueError(f"{name} is scaled {x.mode.name}; te_jax's GEMM takes per-tensor scaled operands")
+    if x.dtype not in FP8_DTYPES:
+      raise TypeError(f"{name} must hold float8_e4m3fn or float8_e5m2 data, got {x.dtype.name}")
+    s = x.scale_inv
+    if not hasattr(s, "dtype") or jnp.dtype(s.dtype) != jnp.float32 or jnp.shape(s) != ():
+      raise TypeError(f"{name}.scale_inv must be a float32 scalar, got {getattr(s, 'dtype', s)!r}")
+    return x.data, s
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be a jax array or a te_jax QuantizedTensor, got {type(x).__name__}")
   dt = jnp.dtype(x.dtype)
   if dt in FP8_DTYPES:
-    if scale_inv is None:
-      raise ValueError(f"{name} is FP8 ({dt.name}): pass {name}_scale_inv")
-    if not hasattr(scale_inv, "dtype") or jnp.dtype(scale_inv.dtype) != jnp.float32 or jnp.shape(scale_inv) != ():
-      raise TypeError(f"{name}_scale_inv must be a float32 scalar, got {getattr(scale_inv, 'dtype', scale_inv)!r}")
-    return True
+    raise TypeError(f"{name} is a bare {dt.name} array: pass it as a te_jax QuantizedTensor with its scale_inv "
+                    "(what te_jax.ops.quantize.quantize returns)")
   if dt not in HP_DTYPES:
-    raise TypeError(f"{name} must be FP8 (e4m3fn/e5m2), bfloat16, float16 or float32, got {dt.name}")
-  if scale_inv is not None:
-    raise ValueError(f"{name}_scale_inv applies to FP8 operands only; {name} is {dt.name}")
-  return False
+    raise TypeError(f"{name} must be bfloat16, float16, float32 or a QuantizedTensor, got {dt.name}")
+  return x, None
 
 
 def _native_output(in_dtype, out_dtype, fp8: bool) -> tuple[jnp.dtype, bool]:
@@ -333,11 +341,9 @@ def _native_output(in_dtype, out_dtype, fp8: bool) -> tuple[jnp.dtype, bool]:
 
 
 def gemm(
-    lhs: jax.Array,
-    rhs: jax.Array,
+    lhs: jax.Array | QuantizedTensor,
+    rhs: jax.Array | QuantizedTensor,
     *,
-    lhs_scale_inv: jax.Array | None = None,
-    rhs_scale_inv: jax.Array | None = None,
     bias: jax.Array | None = None,
     residual: jax.Array | None = None,
     dtype=jnp.bfloat16,
@@ -360,9 +366,9 @@ def gemm(
   (32, 48)
 
   Args:
-    lhs: (..., K), or (K, ...) with ``transpose_lhs``; FP8 or bfloat16/float16/float32.
+    lhs: (..., K), or (K, ...) with ``transpose_lhs``: a per-tensor ``QuantizedTensor`` (FP8), or a bfloat16,
+      float16 or float32 array.
     rhs: (..., K), or (K, ...) with ``transpose_rhs``; the same kind (FP8 or not) as ``lhs``.
-    lhs_scale_inv, rhs_scale_inv: float32 scalars, required for FP8 operands and only for them.
     bias: optional (N,) bias, cast to ``dtype``, fused into the GEMM epilogue.
     residual: optional, shaped as the output (or (M, N)), cast to ``dtype``, added in the epilogue: the output
       is ``lhs @ rhs^T + bias + residual`` rounded once.
@@ -387,6 +393,8 @@ def gemm(
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
     ``(*lhs_rows, *rhs.shape[1:-1])``.
   """
+  lhs, lhs_scale_inv = _operand(lhs, "lhs")
+  rhs, rhs_scale_inv = _operand(rhs, "rhs")
   if scatter_rows and (rhs_parts or transpose_lhs or lhs.ndim != 3):
     raise ValueError(f"scatter_rows needs lhs (B, S, K), untransposed, and no rhs_parts; got lhs {lhs.shape}"
                      f"{' transposed' if transpose_lhs else ''}{' with rhs_parts' if rhs_parts else ''}")
@@ -402,8 +410,7 @@ def gemm(
       raise ValueError("rhs_parts contracts one dim: contract_dims must be 1")
     return _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, dtype, transpose_lhs,
                        transpose_rhs, fast_accum, keep_rows)
-  lhs_fp8 = _check_operand(lhs, "lhs", lhs_scale_inv)
-  rhs_fp8 = _check_operand(rhs, "rhs", rhs_scale_inv)
+  lhs_fp8, rhs_fp8 = lhs_scale_inv is not None, rhs_scale_inv is not None
   if lhs_fp8 != rhs_fp8:
     raise TypeError(f"lhs and rhs must both be FP8 or both not, got {lhs.dtype} and {rhs.dtype}")
   out_dtype = jnp.dtype(dtype)
@@ -470,6 +477,11 @@ def _scales(fp8: bool, lhs_scale_inv, rhs_scale_inv):
   return (lhs_scale_inv, rhs_scale_inv) if fp8 else (one, one)
 
 
+def _as_operand(data: jax.Array, scale_inv: jax.Array | None):
+  """``_operand``'s inverse: (data, scale_inv) as ``gemm`` takes it."""
+  return data if scale_inv is None else QuantizedTensor(data, scale_inv)
+
+
 def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtype, transpose_lhs, transpose_rhs,
                 fast_accum, keep_rows) -> tuple[jax.Array, ...]:
   """``gemm(..., rhs_parts=True)``: checks, then one batched GEMM (or, with a bias, one GEMM per part)."""
@@ -484,14 +496,14 @@ def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtyp
   if bias is not None and bias.shape != (n_parts, n):
     raise ValueError(f"with rhs_parts, bias must have shape ({n_parts}, {n}), got {bias.shape}")
   if bias is not None or n_parts == 1:
-    return tuple(gemm(lhs, rhs[i], lhs_scale_inv=lhs_scale_inv, rhs_scale_inv=rhs_scale_inv,
+    return tuple(gemm(_as_operand(lhs, lhs_scale_inv), _as_operand(rhs[i], rhs_scale_inv),
                       bias=None if bias is None else bias[i], dtype=out_dtype, transpose_lhs=transpose_lhs,
                       fast_accum=fast_accum, keep_rows=keep_rows)
                  for i in range(n_parts))
   # The checks of one part's GEMM (dtypes, scales, shapes), traced only for its shape.
-  part_out = jax.eval_shape(lambda a, b, sa, sb: gemm(a, b, lhs_scale_inv=sa, rhs_scale_inv=sb, dtype=out_dtype,
-                                                      transpose_lhs=transpose_lhs, fast_accum=fast_accum),
-                            lhs, rhs[0], lhs_scale_inv, rhs_scale_inv)
+  part_out = jax.eval_shape(lambda a, b: gemm(a, b, dtype=out_dtype, transpose_lhs=transpose_lhs,
+                                              fast_accum=fast_accum),
+                            _as_operand(lhs, lhs_scale_inv), _as_operand(rhs[0], rhs_scale_inv))
   fp8 = jnp.dtype(lhs.dtype) in FP8_DTYPES
   a = lhs if keep_rows else _fold(lhs, transpose_lhs)
   m, k = _mk(a.shape, transpose_lhs)

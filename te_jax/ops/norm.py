@@ -49,7 +49,8 @@ from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.manual_axes import to_common_varying
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
-from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
+from te_jax._core.quantized_tensor import QuantizedTensor
+from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, per_tensor, quantize_ref
 
 __all__ = ["check_norm_args", "layernorm", "norm_bwd", "norm_bwd_ref", "norm_fwd", "norm_fwd_ref", "NORM_TYPES",
     "NormConfig", "NormOutput"]
@@ -89,15 +90,14 @@ class NormOutput(NamedTuple):
   """What ``norm_fwd`` returns; fields that do not apply are None.
 
   Attributes:
-    out: the normalized tensor, ``x``'s shape, in the output dtype.
-    out_t: the transposed FP8 copy ``(hidden, *rows)``, when asked for.
+    out: the normalized tensor, ``x``'s shape: a ``QuantizedTensor`` for an FP8 output (its transposed copy
+      ``(hidden, *rows)`` when asked for), else an array in the output dtype.
     amax: ``max|y|`` of the float32 normalized tensor, FP8 outputs only.
     mean: the float32 row means, shape ``x.shape[:-1]``, LayerNorm only.
     rsigma: the float32 reciprocal standard deviations (RMSNorm: reciprocal root mean squares), ``x.shape[:-1]``.
   """
 
-  out: jax.Array
-  out_t: jax.Array | None
+  out: QuantizedTensor | jax.Array
   amax: jax.Array | None
   mean: jax.Array | None
   rsigma: jax.Array
@@ -440,7 +440,7 @@ def norm_fwd(
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[1.0, 2.0, 3.0, 6.0]], jnp.bfloat16)
   >>> out = te_jax.ops.norm.norm_fwd(x, jnp.ones(4), jnp.zeros(4), dtype=jnp.float8_e4m3fn, scale=1.0)
-  >>> out.out.astype(jnp.float32).tolist(), float(out.mean[0]), round(float(out.amax), 3)
+  >>> out.out.data.astype(jnp.float32).tolist(), float(out.mean[0]), round(float(out.amax), 3)
   ([[-1.125, -0.5625, 0.0, 1.625]], 3.0, 1.604)
 
   Args:
@@ -455,7 +455,7 @@ def norm_fwd(
     transpose: also return the transposed FP8 copy ``(hidden, *rows)`` (FP8 outputs, rank >= 2).
 
   Returns:
-    ``NormOutput(out, out_t, amax, mean, rsigma)``.
+    ``NormOutput(out, amax, mean, rsigma)``.
   """
   x = _check_x(x, "x")
   hidden = x.shape[-1]
@@ -484,7 +484,7 @@ def norm_fwd(
   out_t = outs.pop(0) if transpose else None
   amax = outs.pop(0) if fp8 else None
   mean = None if config.rms else outs.pop(0)
-  return NormOutput(out, out_t, amax, mean, outs.pop(0))
+  return NormOutput(per_tensor(out, out_t, scale) if fp8 else out, amax, mean, outs.pop(0))
 
 
 def norm_bwd(

@@ -32,10 +32,11 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core import native
 from te_jax._core.dtypes import FP8_DTYPES, HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax._core.quantized_tensor import QuantizedTensor, scale_inv
 
-__all__ = ["amax", "amax_f32", "check_input", "check_scale", "dequantize", "every_axis_divides", "FP8_DTYPES",
-           "group_parts", "holds_whole_groups", "make_config", "MAX_TRANSPOSE_PARTS", "quantize",
-           "quantize_abstract_eval", "quantize_native_signature", "quantize_ref", "QuantizeConfig", "Quantized",
+__all__ = ["amax", "amax_f32", "CastOutput", "check_input", "check_scale", "every_axis_divides", "FP8_DTYPES",
+           "group_parts", "holds_whole_groups", "make_config", "MAX_TRANSPOSE_PARTS", "per_tensor", "quantize",
+           "quantize_abstract_eval", "quantize_native_signature", "quantize_ref", "QuantizeConfig",
            "saturating_cast", "shard_plan", "unpack"]
 
 # The most parts ``transpose_parts`` groups the transposed copy into: its consumer, ``gemm(..., rhs_parts=True)``,
@@ -88,13 +89,25 @@ def group_parts(x: jax.Array, parts: int, group: int) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(parts, n // parts, *rest)
 
 
-class Quantized(NamedTuple):
-  """What ``quantize`` returns; fields not asked for are None."""
+class CastOutput(NamedTuple):
+  """What an op that casts returns (``quantize``, ``activation_fwd`` / ``activation_bwd``); fields not asked for are
+  None.
 
-  data: jax.Array
-  data_t: jax.Array | None
-  amax: jax.Array
+  Attributes:
+    out: a ``QuantizedTensor`` for an FP8 output (with its transposed copy when one was asked for), else the array.
+    amax: ``max|x|`` of the high-precision values, FP8 outputs only.
+    dbias: the float32 column sums, when asked for.
+  """
+
+  out: QuantizedTensor | jax.Array
+  amax: jax.Array | None
   dbias: jax.Array | None
+
+
+def per_tensor(data: jax.Array, data_t: jax.Array | None, scale: jax.Array) -> QuantizedTensor:
+  """The per-tensor scaled tensor that a cast of ``scale`` wrote as ``data`` (and ``data_t``)."""
+  inv = scale_inv(scale)
+  return QuantizedTensor(data, inv, data_t, None if data_t is None else inv)
 
 
 # ---- reference ---------------------------------------------------------------------------------------------------
@@ -343,12 +356,12 @@ def quantize(
     transpose_batch_dims: int | None = None,
     transpose_parts: tuple[int, int] | None = None,
     dbias: bool = False,
-) -> Quantized:
+) -> CastOutput:
   """Casts ``x * scale`` to FP8 (saturating) and returns it with ``amax = max|x|``, in one pass over ``x``.
 
   >>> import jax.numpy as jnp, te_jax
   >>> out = te_jax.ops.quantize.quantize(jnp.array([[1.0, -600.0]], jnp.bfloat16), jnp.float32(1.0), transpose=True)
-  >>> out.data.astype(jnp.float32).tolist(), out.data_t.shape, float(out.amax)
+  >>> out.out.data.astype(jnp.float32).tolist(), out.out.data_t.shape, float(out.amax)
   ([[1.0, -448.0]], (2, 1), 600.0)
 
   Args:
@@ -366,14 +379,16 @@ def quantize(
     dbias: also return the float32 column sums of ``x`` (over every dim but the last) in ``dbias``.
 
   Returns:
-    ``Quantized(data, data_t, amax, dbias)``; ``data_t`` and ``dbias`` are None unless asked for.
+    ``CastOutput(out, amax, dbias)``: ``out`` the per-tensor ``QuantizedTensor`` (``data_t`` only when asked for),
+    ``dbias`` None unless asked for.
   """
   x = check_input(x)
   config = make_config(x.shape, dtype, transpose, transpose_batch_dims, dbias, "x")
   if transpose_parts is not None:
     config = dataclasses.replace(config, **_check_transpose_parts(transpose_parts, x.shape, transpose,
                                                                   transpose_batch_dims))
-  return unpack(_QUANTIZE.bind(x, check_scale(scale), config=config), config)
+  scale = check_scale(scale)
+  return unpack(_QUANTIZE.bind(x, scale, config=config), config, scale)
 
 
 def make_config(shape, dtype, transpose: bool, transpose_batch_dims: int | None, dbias: bool,
@@ -409,28 +424,14 @@ def _check_transpose_parts(transpose_parts, shape, transpose: bool, transpose_ba
   return {"t_parts": parts, "t_group": group}
 
 
-def unpack(outs, config: QuantizeConfig) -> Quantized:
-  """The primitive's results as ``Quantized``."""
+def unpack(outs, config: QuantizeConfig, scale: jax.Array) -> CastOutput:
+  """The primitive's results, cast with ``scale``, as ``CastOutput``."""
   outs = list(outs)
   data = outs.pop(0)
   data_t = outs.pop(0) if config.transpose else None
   amax_ = outs.pop(0)
   dbias_ = outs.pop(0) if config.dbias else None
-  return Quantized(data, data_t, amax_, dbias_)
-
-
-def dequantize(q: jax.Array, scale_inv: jax.Array | float, dtype=jnp.bfloat16) -> jax.Array:
-  """``q * scale_inv`` in ``dtype`` (bfloat16, float16 or float32), computed in float32.
-
-  Left to XLA on purpose: it fuses the multiply into whatever consumes the result (a GEMM operand, an add), which
-  a custom call would prevent.
-  """
-  if jnp.dtype(q.dtype) not in FP8_DTYPES:
-    raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {jnp.dtype(q.dtype).name}")
-  out = jnp.dtype(dtype)
-  if out not in HP_DTYPES:
-    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-  return (q.astype(jnp.float32) * check_scale(scale_inv)).astype(out)
+  return CastOutput(per_tensor(data, data_t, scale), amax_, dbias_)
 
 
 def amax(x: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.primitive import define_op, full_spec, sequential_batcher
-from te_jax.ops.quantize import (QuantizeConfig, Quantized, amax_f32, check_input, check_scale, every_axis_divides,
+from te_jax.ops.quantize import (CastOutput, QuantizeConfig, amax_f32, check_input, check_scale, every_axis_divides,
                                  holds_whole_groups, make_config, quantize, quantize_abstract_eval,
                                  quantize_native_signature, quantize_ref, shard_plan, unpack)
 
@@ -158,12 +158,12 @@ def quantize_interleaved(
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
     dbias: bool = False,
-) -> Quantized:
+) -> CastOutput:
   """``quantize(interleave(parts, group), ...)`` in one pass over the parts, never writing the interleave.
 
   >>> import jax.numpy as jnp, te_jax
   >>> q = te_jax.ops.quantize_interleaved.quantize_interleaved([jnp.ones((2, 4)), -jnp.ones((2, 4))], 1.0, group=2)
-  >>> q.data.astype(jnp.float32)[0].tolist()
+  >>> q.out.data.astype(jnp.float32)[0].tolist()
   [1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0]
 
   Args:
@@ -173,7 +173,7 @@ def quantize_interleaved(
     group: the chunk width; must divide C.
 
   Returns:
-    ``Quantized`` of x (see the module docstring).
+    ``CastOutput`` of x (see the module docstring).
   """
   if isinstance(parts, jax.Array) or not isinstance(parts, Sequence) or not 1 <= len(parts) <= MAX_PARTS:
     raise ValueError(f"parts must be a sequence of 1 to {MAX_PARTS} arrays, got {type(parts).__name__}")
@@ -192,4 +192,5 @@ def quantize_interleaved(
                     dbias=dbias)
   base = make_config(shape, dtype, transpose, transpose_batch_dims, dbias, "parts")
   config = InterleavedConfig(base, int(group))
-  return unpack(_QUANTIZE_INTERLEAVED.bind(check_scale(scale), *parts, config=config), base)
+  scale = check_scale(scale)
+  return unpack(_QUANTIZE_INTERLEAVED.bind(scale, *parts, config=config), base, scale)

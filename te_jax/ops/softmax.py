@@ -31,7 +31,7 @@ backward reads and writes only keys ``j <= i``: ``dx`` is exactly 0 above the di
 too. The masked backward needs no mask: ``y`` is 0 there.
 
 Numerics: the handlers compute these formulas in float32 but in their own order (max and sum reductions, ``exp``
-implementations, ``1 / s`` then a product). Following DESIGN.md's rule (from flash-attention), their largest error
+implementations, ``1 / s`` then a product). Following the tolerance rule (CONTRIBUTING.md), their largest error
 against a float64 evaluation of the same formulas is at most twice the largest error of this module's jnp reference
 at the same precision (same input and output dtypes), plus 4 float32 roundings of the largest output (forward) or of
 the largest ``|scale * y| * (|dy| + sum|dy * y|)`` (backward); tests/test_softmax.py checks exactly that, and that
