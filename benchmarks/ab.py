@@ -7,14 +7,17 @@ For a change that must not move any number (a refactor), run with the tree befor
   python benchmarks/ab.py compare --base build/ab/base_site --new build/ab/new_site [--rounds 2]
 
 Each tree runs in processes of its own, which import ``te_jax`` from its directory (``PYTHONPATH``, with an editable
-install's import redirection removed, so that neither is the one installed in the environment). ``bits`` trains a few te_jax modules five steps under each
-per-tensor recipe (delayed scaling, with a calibration pass first; current scaling; E4M3 delayed scaling with fast
+install's import redirection removed, so that neither is the one installed in the environment). ``bits`` trains a few
+te_jax modules five steps under each per-tensor recipe (delayed scaling, with a calibration pass first; current scaling; E4M3 delayed scaling with fast
 accumulation) and records every output, loss, gradient (parameters and FP8 state) and the variables after the last
 step; the two records must be equal bit for bit. The base tree's final variables are also saved with
 ``flax.serialization`` and the new tree restores them and applies its module to them: a checkpoint written before
 the change loads after it and computes the same output. ``speed`` times the layers' training step (``jax.vjp`` of
-``apply``, as ``bench_dense``, ``bench_layernorm_mlp`` and ``bench_transformer`` do) in the trees alternately,
-``--rounds`` times each, and prints each case's median time per tree and their ratio (new / base) last.
+``apply``, as ``bench_dense``, ``bench_layernorm_mlp`` and ``bench_transformer`` do; for ``te_jax.compare``'s LM,
+its loss and gradients) in the trees alternately, ``--rounds`` times each, and prints each case's median time per
+tree and their ratio (new / base) last. It also
+compares the programs XLA compiled for each case (the optimized HLO, source locations left out): where they are the
+same, a gap in time is the machine's noise, not the change's.
 
 Shapes: small on a CPU (the bits), the benchmarks' shapes on a GPU (the GPT layer of ``bench_transformer``, the
 LayerNormMLP of ``bench_layernorm_mlp``, the Dense of ``bench_dense``).
@@ -23,9 +26,11 @@ LayerNormMLP of ``bench_layernorm_mlp``, the Dense of ``bench_dense``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -123,6 +128,40 @@ def bits(out: pathlib.Path, load: pathlib.Path | None) -> None:
   print(f"ab bits: {len(record)} arrays -> {out / 'bits.npz'}")
 
 
+def _program_text(hlo: str) -> str:
+  """Optimized HLO without what names the Python source (op metadata, the stack-frame tables)."""
+  hlo = re.sub(r",? metadata=\{[^}]*\}", "", hlo)
+  return re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*\n?", "", hlo, flags=re.M)
+
+
+def _lm_case(gpu: bool):
+  """The training step of ``te_jax.compare``'s LM (gpt-small on a GPU, tiny on a CPU): loss and gradients of the
+  parameters and FP8 state at the preset's batch, as ``te_jax.compare`` trains it."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  import te_jax  # noqa: PLC0415
+  from te_jax.compare import lm  # noqa: PLC0415
+  name = "gpt-small" if gpu else "tiny"
+  preset = lm.PRESETS[name]
+  model = lm.LM(**preset.model)
+  tokens = jax.random.randint(jax.random.key(3), (preset.batch, preset.seq + 1), 0, lm.VOCAB)
+  x, y = tokens[:, :-1], tokens[:, 1:]
+
+  def lm_step(rec):
+    def f(variables, x, y):
+      with te_jax.autocast(enabled=True, recipe=rec):
+        def loss(v):
+          return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
+        return jax.value_and_grad(loss)(variables)
+    return jax.jit(f)
+
+  with te_jax.autocast(enabled=True, recipe=_recipes()["delayed"]):
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+  return f"compare LM {name} ({preset.batch}, {preset.seq})", lm_step, (variables, x, jnp.asarray(y))
+
+
 def speed(out: pathlib.Path) -> None:
   """The median ms of each case's training step, as JSON in ``out``."""
   import jax  # noqa: PLC0415
@@ -138,7 +177,7 @@ def speed(out: pathlib.Path) -> None:
       "LayerNormMLP (16384, 4096) -> 16384": ("layernorm_mlp", (1, 16384, 4096), 16384, 32),
       "Dense (16384, 8192) -> 8192": ("dense", (1, 16384, 8192), 8192, 32),
   }
-  times = {}
+  times, programs = {}, {}
   for case, (name, shape, mlp, heads) in cases.items():
     b, s, h = shape[0], shape[1] // shrink, shape[2] // shrink
     model = _models(h if name != "dense" else mlp // shrink, mlp // shrink, max(heads // shrink, 1))[name]
@@ -152,8 +191,20 @@ def speed(out: pathlib.Path) -> None:
       variables, _ = harness.warm_layer(model, rec, fn, ki, x, dy, **_apply_kw(name))
       t = harness.time_calls(fn, variables, x, dy, runs=20 if gpu else 3, batch=5 if gpu else 1, warmup=2)
       times[f"{case} {recipe_name}"] = t.ms
+      hlo = _program_text(fn.lower(variables, x, dy).compile().as_text())
+      programs[f"{case} {recipe_name}"] = hashlib.sha256(hlo.encode()).hexdigest()
+      (out / f"{re.sub(r'[^A-Za-z0-9]+', '_', case)}_{recipe_name}.hlo").write_text(hlo)
       print(f"ab speed: {case} {recipe_name}: {t.ms:.3f} ms", flush=True)
+  case, lm_step, args = _lm_case(gpu)
+  for recipe_name in ("delayed", "current"):
+    fn = lm_step(_recipes()[recipe_name])
+    t = harness.time_calls(fn, *args, runs=20 if gpu else 3, batch=5 if gpu else 1, warmup=2)
+    times[f"{case} {recipe_name}"] = t.ms
+    programs[f"{case} {recipe_name}"] = hashlib.sha256(
+        _program_text(fn.lower(*args).compile().as_text()).encode()).hexdigest()
+    print(f"ab speed: {case} {recipe_name}: {t.ms:.3f} ms", flush=True)
   (out / "speed.json").write_text(json.dumps(times))
+  (out / "programs.json").write_text(json.dumps(programs))
 
 
 # ---- the parent: both trees ----------------------------------------------------------------------------------------
@@ -203,10 +254,13 @@ def compare(base: pathlib.Path, new: pathlib.Path, out: pathlib.Path, rounds: in
         d.mkdir(exist_ok=True)
         _child(tree, "speed", "--out", str(d))
         runs[name].append(json.loads((d / "speed.json").read_text()))
-    lines.append(f"| case | base ms | new ms | new / base |  ({rounds} rounds each, alternating; medians)")
+    programs = {n: json.loads((dirs[n] / "speed_0" / "programs.json").read_text()) for n in dirs}
+    lines.append(f"| case | base ms | new ms | new / base | compiled program |  ({rounds} rounds each, alternating; "
+                 "medians)")
     for case in runs["base"][0]:
       ms = {n: statistics.median(r[case] for r in runs[n]) for n in runs}
-      lines.append(f"| {case} | {ms['base']:.3f} | {ms['new']:.3f} | {ms['new'] / ms['base']:.4f} |")
+      same = "the same" if programs["base"][case] == programs["new"][case] else "differs"
+      lines.append(f"| {case} | {ms['base']:.3f} | {ms['new']:.3f} | {ms['new'] / ms['base']:.4f} | {same} |")
   print("\n".join(lines))
   (out / "ab.txt").write_text("\n".join(lines) + "\n")
   return 0 if ok else 1
