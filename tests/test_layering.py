@@ -3,19 +3,26 @@ module takes a private name (one not in the other module's ``__all__``) from ano
 touches JAX's private APIs.
 
 Layers, bottom to top: ``te_jax._core`` and ``te_jax.recipe`` (infrastructure); ``te_jax.ops`` (primitives);
-``te_jax.fused`` (differentiable ops built from several primitives); ``te_jax.flax`` (Flax linen modules) and beside it
-``te_jax.nnx`` (Flax NNX modules, which may use ``te_jax.flax.params``' axis names and checks); then the package
+``te_jax.fused`` (differentiable ops built from several primitives); ``te_jax.modules`` (the modules' framework-neutral
+bodies); ``te_jax.flax`` (Flax linen modules) and beside it ``te_jax.nnx`` (Flax NNX modules, which may use
+``te_jax.flax.params``' axis names and checks); then the package
 itself and ``te_jax.doctor``; then ``te_jax.compare`` (BF16 against FP8 on a model), which may use everything.
+
+The public API: what the ``__all__`` of ``te_jax``, ``te_jax.flax``, ``te_jax.nnx`` and ``te_jax.ops`` list is what
+users call, each name either used by the README, docs/ or examples/ (``PUBLIC``) or one of a few public names those
+leave to the docstrings (``DOCSTRING_API``, each with its reason); a helper one layer shares with another is imported
+from the module that defines it (and lists it in its own ``__all__``), never through a package's ``__init__``.
 """
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "te_jax"
-LAYERS = {"te_jax._core": 0, "te_jax.recipe": 0, "te_jax.ops": 1, "te_jax.fused": 2, "te_jax.flax": 3,
-          "te_jax.nnx": 3, "te_jax.doctor": 4, "te_jax": 4, "te_jax.compare": 5}
+LAYERS = {"te_jax._core": 0, "te_jax.recipe": 0, "te_jax.ops": 1, "te_jax.fused": 2, "te_jax.modules": 3,
+          "te_jax.flax": 4, "te_jax.nnx": 4, "te_jax.doctor": 5, "te_jax": 5, "te_jax.compare": 6}
 JAX_COMPAT = "te_jax._core.jax_compat"
 
 
@@ -68,7 +75,7 @@ def edges():
 
 
 def test_every_module_is_in_a_layer():
-  assert {layer(m) for m in MODULES} == {0, 1, 2, 3, 4, 5}
+  assert {layer(m) for m in MODULES} == {0, 1, 2, 3, 4, 5, 6}
 
 
 def test_imports_go_down_the_layers():
@@ -135,3 +142,129 @@ def test_private_jax_only_in_the_compat_module():
 def test_files_stay_small(module):
   """A file past ~800 lines is two files."""
   assert len(MODULES[module].read_text().splitlines()) <= 800
+
+
+# The public API, package by package: the names of ``__all__`` that the README, docs/ or examples/ use.
+PUBLIC = {
+    "te_jax": {
+        "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
+        "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_product_attention", "layernorm",
+        "layernorm_dense", "layernorm_mlp", "ops", "recipe", "scaled_softmax", "to_zigzag", "zigzag_order",
+    },
+    "te_jax.flax": {
+        "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
+        "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
+        "accumulate_gradients", "calibrate", "convert_blocks", "convert_train_state", "flax_block_to_te",
+        "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
+    },
+    "te_jax.nnx": {
+        "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm", "LayerNormDenseGeneral",
+        "LayerNormMLP", "MultiHeadAttention", "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen",
+        "update_fp8_state", "value_and_grad",
+    },
+    "te_jax.ops": {"activation", "gemm", "norm", "quantize", "quantize_interleaved", "rope", "scale_update", "softmax"},
+}
+# The exceptions: public names of ``__all__`` that the documents leave to the docstrings, each with why a user calls
+# it. A name here is user API all the same (tests call it through the package); not a helper exported for another
+# layer's sake, which belongs in its defining module's ``__all__`` only.
+DOCSTRING_API = {
+    "te_jax": {
+        "DenseFp8Meta": "the fp8_meta state te_jax.dense, layernorm_dense and layernorm_mlp take under DelayedScaling "
+                        "(their docstrings and argument errors name te_jax.DenseFp8Meta)",
+        "context_parallel_backend": "context_parallel_attention's attention_backend: which backend a call gets, why",
+        "from_zigzag": "the inverse of to_zigzag: outputs back into the sequence's natural order",
+        "make_attention_mask": "the mask dot_product_attention applies for a mask type, segment_ids and window, as an "
+                               "array",
+        "rope_frequencies": "the angles apply_rope takes (its freqs argument)",
+        "scaled_masked_softmax": "scaled_softmax's masked form",
+        "scaled_upper_triang_masked_softmax": "scaled_softmax's causal form",
+    },
+    "te_jax.flax": {
+        "convert_like": "a checkpoint conversion applied to the optimizer state's parameter-shaped subtrees "
+                        "(convert_train_state's building block, for a state of one's own)",
+    },
+    "te_jax.nnx": {},
+    "te_jax.ops": {},
+}
+DOCUMENTS = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT.parent / "docs").glob("*.md")),
+             *sorted(f"examples/{p.name}" for p in (ROOT.parent / "examples").glob("*.py")))
+# A name the documents use as another library's (``nn.make_attention_mask``, ``jax.grad``) is not te_jax's.
+_FOREIGN = "".join(rf"(?<!\b{p}\.)" for p in ("nn", "nnx", "jax", "jnp", "np", "lax", "optax", "linen"))
+
+
+def _used_in_documents(name: str) -> list[str]:
+  pattern = re.compile(rf"{_FOREIGN}(?<!\w){re.escape(name)}(?!\w)")
+  return [doc for doc in DOCUMENTS if pattern.search((ROOT.parent / doc).read_text())]
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_package_exports_are_the_public_api(package):
+  """A package lists what users call: each name of its ``__all__`` is in PUBLIC or DOCSTRING_API, and each of those in
+  its ``__all__``."""
+  names = exported(package)
+  public, docstring_api = PUBLIC[package], set(DOCSTRING_API[package])
+  assert not public & docstring_api, f"{package}: in PUBLIC and DOCSTRING_API both: {sorted(public & docstring_api)}"
+  unknown = sorted(names - public - docstring_api)
+  assert not unknown, (f"{package}.__all__ lists {unknown}, neither in PUBLIC (used by the documents) nor in "
+                       "DOCSTRING_API: a user's name goes in one of them; a helper another layer needs is imported "
+                       "from its defining module's __all__ instead")
+  stale = sorted((public | docstring_api) - names)
+  assert not stale, f"PUBLIC / DOCSTRING_API list {stale}, which {package}.__all__ does not"
+  assert all(isinstance(r, str) and r for r in DOCSTRING_API[package].values()), "each exception gives its reason"
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_public_names_are_used_by_the_documents(package):
+  """PUBLIC is what the README, docs/ and examples/ use: a name they do not mention belongs in DOCSTRING_API."""
+  unused = sorted(n for n in PUBLIC[package] if not _used_in_documents(n))
+  assert not unused, f"{package}: PUBLIC names no document uses: {unused} (move them to DOCSTRING_API, with why)"
+
+
+def _package_names(module: str):
+  """(package, name, line) for each name ``module`` takes from a public package's ``__init__``, by ``from package
+  import name`` or as an attribute (``te_flax.name`` after ``import te_jax.flax as te_flax``); submodules and dunder
+  names (``te_jax.__version__``) are not names of the API."""
+  for target, name, line in imports(module):
+    if target in PUBLIC and name is not None:
+      yield target, name, line
+  bound = {}  # local name -> the te_jax module it binds
+  for node in ast.walk(TREES[module]):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "te_jax":
+          bound[alias.asname or "te_jax"] = alias.name if alias.asname else "te_jax"
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("te_jax") and not node.level:
+      for alias in node.names:
+        if f"{node.module}.{alias.name}" in MODULES:
+          bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+  for node in ast.walk(TREES[module]):
+    chain = []
+    while isinstance(node, ast.Attribute):
+      chain.append(node.attr)
+      node = node.value
+    if not (isinstance(node, ast.Name) and node.id in bound and chain):
+      continue
+    target = bound[node.id]
+    for attr in reversed(chain):
+      if f"{target}.{attr}" in MODULES:
+        target = f"{target}.{attr}"
+        continue
+      if target in PUBLIC and not attr.startswith("__"):
+        yield target, attr, node.lineno
+      break
+
+
+def test_te_jax_takes_only_public_names_from_the_packages():
+  """Within te_jax, a package's ``__init__`` is a way in for users only: a module takes from it only its public names
+  (as te_jax.compare and te_jax.doctor do, on top of everything), and a helper shared across layers (the NNX modules'
+  use of ``te_jax.flax.params``, the FP8 state types of ``te_jax.fused``) comes from its defining module."""
+  bad = sorted({f"{module}:{line} takes {name!r} from {package}" for module in MODULES
+                for package, name, line in _package_names(module)
+                if name not in PUBLIC[package] and name not in DOCSTRING_API[package]})
+  assert not bad, "\n".join(bad) + "\n(import helpers from the module that defines them)"
+
+
+def test_the_package_rule_can_fail():
+  """``_package_names`` sees both ways of taking a name from a package (so the rule above is not vacuous)."""
+  found = {(p, n) for p, n, _ in _package_names("te_jax.compare.lm")}
+  assert ("te_jax.flax", "TransformerLayer") in found and ("te_jax", "zigzag_order") in found, found

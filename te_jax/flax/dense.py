@@ -8,13 +8,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import Initializer, features_tuple, flat_init, logical, reshaped, rule_shards, sequence_kept
-from te_jax.fused.dense import dense, normalize_axes
-from te_jax.fused.linear import Unstack
+from te_jax.flax.scope import LinenScope, options_of
+from te_jax.modules.axes import Initializer
+from te_jax.modules.dense import DenseGeneralOptions, dense_general, fp8_dot_general
 from te_jax.recipe import Recipe
 
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
@@ -85,61 +82,10 @@ class DenseGeneral(nn.Module):
   output_axes: tuple[str | None, ...] = ()
   recipe: Recipe | None = None
 
-  def _constrained(self, y):
-    return nn.with_logical_constraint(y, tuple(self.output_axes)) if self.output_axes else y
-
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
-    inputs = jnp.asarray(inputs)
-    features = features_tuple(self.features)
-    batch_dims = tuple(sorted(normalize_axes(self.batch_dims, inputs.ndim, "batch_dims")))
-    if batch_dims != tuple(range(len(batch_dims))):
-      raise ValueError(f"batch_dims {self.batch_dims} must be consecutive leading dimensions starting from 0")
-    axis = tuple(sorted(normalize_axes(self.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
-    if set(axis) & set(batch_dims):
-      raise ValueError(f"axis {self.axis} and batch_dims {self.batch_dims} overlap")
-    if self.dot_general is not None and self.dot_general_cls is not None:
-      raise ValueError("give dot_general or dot_general_cls, not both")
-    n_batch, n_in = len(batch_dims), len(axis)
-    if self.output_axes and (len(self.output_axes) != inputs.ndim - n_in + len(features) or
-                             self.unstack_axis is not None):
-      raise ValueError(f"output_axes {self.output_axes} must name each of the output's "
-                       f"{inputs.ndim - n_in + len(features)} dims, and not with unstack_axis")
-    batch_shape = tuple(inputs.shape[a] for a in batch_dims)
-    kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
-
-    unstack = Unstack.of(self.unstack_axis, inputs.ndim - n_in + len(features), features)
-    part_axis = None if unstack is None else n_batch + n_in + unstack.feature_axis
-    kernel_init = flat_init(self.kernel_init, n_batch + n_in, part_axis)
-    kernel = self.param("kernel", logical(kernel_init, self.kernel_axes), kernel_shape, self.param_dtype)
-    bias = None
-    if self.use_bias:
-
-      def bias_init(rng, shape, dtype):
-        return reshaped(self.bias_init(rng, (int(np.prod(shape)),), dtype), shape)
-
-      bias = self.param("bias", logical(bias_init, self.bias_axes), batch_shape + features, self.param_dtype)
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    x = inputs.astype(dtype)
-    custom = self.dot_general or (self.dot_general_cls() if self.dot_general_cls is not None else None)
-    if custom is None and not batch_dims:
-      recipe = resolve_recipe(self.recipe)
-      x, (meta,) = fp8_state(self, recipe, x)
-      rows = inputs.ndim - n_in
-      scatter = rows == 2 and bool(self.output_axes) and rule_shards(self.output_axes[1])
-      return self._constrained(dense(x, kernel, bias, axis=axis, unstack_axis=self.unstack_axis, residual=residual,
-                                     fp8_meta=meta, recipe=recipe, precision=self.precision, scatter_rows=scatter,
-                                     keep_rows=scatter and sequence_kept(self.output_axes[1])))
-    # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
-    if self.unstack_axis is not None:
-      raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")
-    x, _ = fp8_state(self, None, x)
-    dims = ((axis, tuple(range(n_batch, n_batch + n_in))), (batch_dims, tuple(range(n_batch))))
-    y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=self.precision)
-    if bias is not None:
-      y = y + jnp.reshape(bias.astype(y.dtype), batch_shape + (1,) * (x.ndim - n_batch - n_in) + features)
-    return self._constrained(y if residual is None else y + residual.astype(y.dtype))
+    return dense_general(LinenScope(self), options_of(self, DenseGeneralOptions), inputs, residual)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -163,15 +109,5 @@ class Fp8DotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    recipe = resolve_recipe(self.recipe)
-    if recipe is None:
-      return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                 preferred_element_type=preferred_element_type)
-    if lhs_batch or rhs_batch or tuple(rhs_contract) != tuple(range(len(rhs_contract))):
-      raise ValueError(
-          f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}"
-      )
-    lhs, (meta,) = fp8_state(self, recipe, lhs)
-    out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe)
-    return out if preferred_element_type is None else out.astype(preferred_element_type)
+    return fp8_dot_general(LinenScope(self), self.recipe, lhs, rhs, dimension_numbers, precision,
+                           preferred_element_type)

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import FrozenDict
 
-from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.params import Initializer
-from te_jax.fused.dense import dense, normalize_axes
-from te_jax.nnx.fp8_state import declare_fp8_state, fp8_metas
-from te_jax.nnx.params import as_tuple, make_param, part_axis
+from te_jax.fused.dense import normalize_axes
+from te_jax.modules.axes import Initializer, is_int
+from te_jax.modules.dense import DenseGeneralOptions, dense_general, dense_general_params, fp8_dot_general
+from te_jax.nnx.fp8_state import declare_fp8_state
+from te_jax.nnx.params import as_tuple
+from te_jax.nnx.scope import NnxScope
 from te_jax.recipe import Recipe
 
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
@@ -33,12 +35,16 @@ class DenseGeneral(nnx.Module):
   ((64, 32), (8, 32), dtype(bfloat16))
 
   The FP8 state (``Fp8State`` variables) is created when the layer is constructed under a ``DelayedScaling`` recipe
-  (autocast's or ``recipe=``). A GEMM whose sizes are not multiples of 16 runs in high precision.
+  (autocast's or ``recipe=``). The body is te_jax.flax.DenseGeneral's (``te_jax.modules.dense``): with
+  ``batch_axis`` or a ``dot_general`` of the caller's, or sizes that are not multiples of 16, the layer computes in
+  high precision as Flax's does.
 
   Args:
     in_features: the sizes of the contracted input axes (int or tuple).
     out_features: the output features (int or tuple).
     axis: the input axes to contract, as many as ``in_features``.
+    batch_axis: leading input axes the kernel has too, with their sizes (``{0: n}``: one kernel per index), as in
+      ``nnx.LinearGeneral``; te_jax.flax.DenseGeneral's ``batch_dims``.
     use_bias: add a bias.
     unstack_axis: return the output unstacked along this feature axis (``te_jax.dense``'s ``unstack_axis``).
     dtype: the compute dtype (None: the promotion of the input's and ``param_dtype``).
@@ -47,33 +53,41 @@ class DenseGeneral(nnx.Module):
       ``nnx.with_partitioning`` for sharding names.
     bias_init: the bias's initializer.
     precision: ``lax.dot_general``'s precision for the high-precision GEMM.
+    dot_general, dot_general_cls: a GEMM of the caller's instead of te_jax's (it runs in high precision).
     kernel_axes, bias_axes: logical axis names, as ``out_sharding`` metadata.
+    output_axes: logical axis names of the output, one per dim: the output is constrained to them, and a
+      sequence-parallel output's rows are sharded as te_jax.flax.DenseGeneral's ``output_axes`` says.
     kernel_metadata, bias_metadata: more metadata for the variables.
     recipe: an FP8 recipe for this layer, overriding autocast's.
     rngs: the ``params`` stream initializes the parameters.
   """
 
   def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
-               axis: int | Sequence[int] = -1, use_bias: bool = True, unstack_axis: int | None = None,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
+               axis: int | Sequence[int] = -1, batch_axis: Mapping[int, int] = FrozenDict(), use_bias: bool = True,
+               unstack_axis: int | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                kernel_init: Initializer = nnx.initializers.lecun_normal(),
                bias_init: Initializer = nnx.initializers.zeros_init(), precision: Any = None,
-               kernel_axes: tuple[str | None, ...] = (), bias_axes: tuple[str | None, ...] = (),
+               dot_general: Any = None, dot_general_cls: Any = None, kernel_axes: tuple[str | None, ...] = (),
+               bias_axes: tuple[str | None, ...] = (), output_axes: tuple[str | None, ...] = (),
                kernel_metadata=None, bias_metadata=None, recipe: Recipe | None = None, rngs: nnx.Rngs):
     self.in_features = as_tuple(in_features, "in_features")
-    self.out_features = as_tuple(out_features, "out_features")
     self.axis = tuple(axis) if isinstance(axis, Sequence) else (axis,)
     if len(self.axis) != len(self.in_features):
       raise ValueError(f"in_features {self.in_features} and axis {self.axis} must have the same length")
-    self.unstack_axis = unstack_axis
-    self.dtype, self.param_dtype, self.precision, self.recipe = dtype, param_dtype, precision, recipe
-    self.kernel = make_param(kernel_init, rngs.params(), self.in_features + self.out_features, param_dtype,
-                             n_in=len(self.in_features), part_axis=part_axis(unstack_axis, len(self.in_features), self.out_features), axes=kernel_axes, metadata=kernel_metadata)
+    batch_axis = dict(batch_axis)
+    if sorted(batch_axis) != list(range(len(batch_axis))) or not all(is_int(v) and v > 0 for v in batch_axis.values()):
+      raise ValueError(f"batch_axis must map the leading input axes 0, 1, ... to their sizes, got {batch_axis!r}")
+    self.batch_axis = FrozenDict(batch_axis)
+    self.options = nnx.static(DenseGeneralOptions(
+        features=as_tuple(out_features, "out_features"), axis=self.axis, batch_dims=tuple(sorted(batch_axis)),
+        unstack_axis=unstack_axis, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
+        param_dtype=param_dtype, precision=precision, dot_general=dot_general, dot_general_cls=dot_general_cls,
+        kernel_axes=tuple(kernel_axes), bias_axes=tuple(bias_axes), output_axes=tuple(output_axes), recipe=recipe))
+    self.out_features = self.options.features
     self.bias = nnx.data(None)
-    if use_bias:
-      self.bias = make_param(bias_init, rngs.params(), self.out_features, param_dtype, n_in=0, axes=bias_axes,
-                             metadata=bias_metadata)
-    declare_fp8_state(self, recipe)
+    scope = NnxScope(self, rngs, {"kernel": kernel_metadata, "bias": bias_metadata})
+    dense_general_params(scope, self.options, tuple(batch_axis[a] for a in sorted(batch_axis)), self.in_features,
+                         None)
 
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None):
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
@@ -82,12 +96,7 @@ class DenseGeneral(nnx.Module):
     if tuple(inputs.shape[a] for a in axis) != self.in_features:
       raise ValueError(f"inputs of shape {inputs.shape} have {tuple(inputs.shape[a] for a in axis)} on axis "
                        f"{self.axis}, the layer was built for in_features={self.in_features}")
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    recipe = resolve_recipe(self.recipe)
-    x, (meta,) = fp8_metas(self, recipe, inputs.astype(dtype))
-    bias = None if self.bias is None else self.bias[...]
-    return dense(x, self.kernel[...], bias, axis=tuple(axis), unstack_axis=self.unstack_axis, residual=residual,
-                 fp8_meta=meta, recipe=recipe, precision=self.precision)
+    return dense_general(NnxScope(self), self.options, inputs, residual)
 
 
 class Fp8DotGeneral(nnx.Module):
@@ -115,15 +124,5 @@ class Fp8DotGeneral(nnx.Module):
     declare_fp8_state(self, recipe)
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    recipe = resolve_recipe(self.recipe)
-    if recipe is None:
-      return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                 preferred_element_type=preferred_element_type, out_sharding=out_sharding)
-    if out_sharding is not None:
-      raise ValueError("Fp8DotGeneral takes no out_sharding: shard the input and the kernel instead")
-    if lhs_batch or rhs_batch or tuple(rhs_contract) != tuple(range(len(rhs_contract))):
-      raise ValueError(f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}")
-    lhs, (meta,) = fp8_metas(self, recipe, lhs)
-    out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe)
-    return out if preferred_element_type is None else out.astype(preferred_element_type)
+    return fp8_dot_general(NnxScope(self), self.recipe, lhs, rhs, dimension_numbers, precision,
+                           preferred_element_type, out_sharding=out_sharding)

@@ -1,0 +1,133 @@
+"""The body of ``DenseGeneral``: a dense layer over any input axes whose GEMM runs in FP8 under ``te_jax.autocast``
+(``te_jax.flax.DenseGeneral``, ``te_jax.nnx.DenseGeneral``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from te_jax._core.autocast import resolve_recipe
+from te_jax.fused.dense import dense, normalize_axes
+from te_jax.fused.linear import Unstack
+from te_jax.modules.axes import Initializer, constrain, features_tuple, rule_shards, sequence_kept
+from te_jax.modules.scope import Scope
+from te_jax.recipe import Recipe
+
+__all__ = ["DenseGeneralOptions", "dense_general", "dense_general_params", "fp8_dot_general"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseGeneralOptions:
+  """The options of ``DenseGeneral``: the linen module's attributes (documented there, with their defaults); the
+  NNX module maps its constructor's arguments onto them."""
+
+  features: tuple[int, ...]
+  axis: int | Sequence[int]
+  batch_dims: Sequence[int]
+  unstack_axis: int | None
+  use_bias: bool
+  kernel_init: Initializer
+  bias_init: Initializer
+  dtype: Any
+  param_dtype: Any
+  precision: Any
+  dot_general: Any
+  dot_general_cls: Any
+  kernel_axes: tuple[str | None, ...]
+  bias_axes: tuple[str | None, ...]
+  output_axes: tuple[str | None, ...]
+  recipe: Recipe | None
+
+  def __post_init__(self):
+    object.__setattr__(self, "features", features_tuple(self.features))
+    if self.dot_general is not None and self.dot_general_cls is not None:
+      raise ValueError("give dot_general or dot_general_cls, not both")
+
+  @property
+  def custom_gemm(self) -> bool:
+    """Whether a GEMM of the caller's (``dot_general``, ``dot_general_cls``) runs instead of te_jax's."""
+    return self.dot_general is not None or self.dot_general_cls is not None
+
+
+def dense_general_params(scope: Scope, o: DenseGeneralOptions, batch_shape: tuple[int, ...],
+                         in_shape: tuple[int, ...], out_ndim: int | None):
+  """``(kernel, bias)`` of a layer over inputs whose batch dims have ``batch_shape`` and whose contracted axes have
+  ``in_shape``; ``out_ndim`` is the output's rank (None where it is not known yet: ``unstack_axis`` must then count
+  from the end). The FP8 state of a layer that runs te_jax's GEMM is declared too."""
+  n_batch, n_in = len(batch_shape), len(in_shape)
+  if out_ndim is None and o.unstack_axis is not None and not (isinstance(o.unstack_axis, int) and o.unstack_axis < 0):
+    raise ValueError(f"unstack_axis must count from the output's end (one of {tuple(range(-len(o.features), 0))}) "
+                     f"where the input's rank is not known, got {o.unstack_axis!r}")
+  unstack = Unstack.of(o.unstack_axis, len(o.features) if out_ndim is None else out_ndim, o.features)
+  if unstack is not None and (o.custom_gemm or batch_shape):
+    raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")
+  part_axis = None if unstack is None else n_batch + n_in + unstack.feature_axis
+  kernel = scope.param("kernel", o.kernel_init, batch_shape + in_shape + o.features, o.param_dtype,
+                       n_in=n_batch + n_in, part_axis=part_axis, axes=o.kernel_axes)
+  bias = None
+  if o.use_bias:
+    bias = scope.param("bias", o.bias_init, batch_shape + o.features, o.param_dtype, n_in=0, axes=o.bias_axes)
+  if not (o.custom_gemm or batch_shape):
+    scope.declare_fp8_state(o.recipe)
+  return kernel, bias
+
+
+def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, residual: jax.Array | None = None):
+  """The layer's output for ``inputs``, plus ``residual`` (the output's shape) when given, added in the GEMM's
+  epilogue (te_jax's GEMM) or after it."""
+  inputs = jnp.asarray(inputs)
+  batch_dims = tuple(sorted(normalize_axes(o.batch_dims, inputs.ndim, "batch_dims")))
+  if batch_dims != tuple(range(len(batch_dims))):
+    raise ValueError(f"batch_dims {o.batch_dims} must be consecutive leading dimensions starting from 0")
+  axis = tuple(sorted(normalize_axes(o.axis, inputs.ndim, "inputs")))  # sorted, as Flax does: same kernel shapes
+  if set(axis) & set(batch_dims):
+    raise ValueError(f"axis {o.axis} and batch_dims {o.batch_dims} overlap")
+  n_batch, n_in = len(batch_dims), len(axis)
+  out_ndim = inputs.ndim - n_in + len(o.features)
+  if o.output_axes and (len(o.output_axes) != out_ndim or o.unstack_axis is not None):
+    raise ValueError(f"output_axes {o.output_axes} must name each of the output's {out_ndim} dims, and not with "
+                     "unstack_axis")
+  batch_shape = tuple(inputs.shape[a] for a in batch_dims)
+  kernel, bias = dense_general_params(scope, o, batch_shape, tuple(inputs.shape[a] for a in axis), out_ndim)
+  dtype = o.dtype or jnp.result_type(inputs.dtype, o.param_dtype)
+  x = inputs.astype(dtype)
+  custom = o.dot_general or (o.dot_general_cls() if o.dot_general_cls is not None else None)
+  if custom is None and not batch_dims:
+    recipe = resolve_recipe(o.recipe)
+    x, (meta,) = scope.fp8_state(recipe, x)
+    rows = inputs.ndim - n_in
+    scatter = rows == 2 and bool(o.output_axes) and rule_shards(o.output_axes[1])
+    return constrain(dense(x, kernel, bias, axis=axis, unstack_axis=o.unstack_axis, residual=residual, fp8_meta=meta,
+                           recipe=recipe, precision=o.precision, scatter_rows=scatter,
+                           keep_rows=scatter and sequence_kept(o.output_axes[1])), o.output_axes)
+  # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
+  x, _ = scope.fp8_state(None, x)
+  dims = ((axis, tuple(range(n_batch, n_batch + n_in))), (batch_dims, tuple(range(n_batch))))
+  y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=o.precision)
+  if bias is not None:
+    y = y + jnp.reshape(bias.astype(y.dtype), batch_shape + (1,) * (x.ndim - n_batch - n_in) + o.features)
+  return constrain(y if residual is None else y + residual.astype(y.dtype), o.output_axes)
+
+
+def fp8_dot_general(scope: Scope, recipe: Recipe | None, lhs, rhs, dimension_numbers, precision=None,
+                    preferred_element_type=None, **kwargs):
+  """``Fp8DotGeneral``'s call: ``lax.dot_general``'s arguments (``kwargs``: more of them, e.g. NNX's
+  ``out_sharding``), run as te_jax's FP8 dense GEMM under an enabled autocast (or ``recipe``), as
+  ``lax.dot_general`` otherwise. The FP8 GEMM takes no batch dims and the contracting dims of ``rhs`` leading."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  recipe = resolve_recipe(recipe)
+  if recipe is None:
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)
+  given = sorted(k for k, v in kwargs.items() if v is not None)
+  if given:
+    raise ValueError(f"Fp8DotGeneral takes no {', '.join(given)}: shard the input and the kernel instead")
+  if lhs_batch or rhs_batch or tuple(rhs_contract) != tuple(range(len(rhs_contract))):
+    raise ValueError(f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}")
+  lhs, (meta,) = scope.fp8_state(recipe, lhs)
+  out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe)
+  return out if preferred_element_type is None else out.astype(preferred_element_type)
