@@ -162,8 +162,9 @@ def _lm_case(gpu: bool):
   return f"compare LM {name} ({preset.batch}, {preset.seq})", lm_step, (variables, x, jnp.asarray(y))
 
 
-def speed(out: pathlib.Path) -> None:
-  """The median ms of each case's training step, as JSON in ``out``."""
+def speed(out: pathlib.Path, only: str = "") -> None:
+  """The median ms of each case's training step (those whose name contains ``only``), as JSON in ``out``, and each
+  case's compiled program (``programs.json``: their hashes; ``<case>.hlo``)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
@@ -178,31 +179,36 @@ def speed(out: pathlib.Path) -> None:
       "Dense (16384, 8192) -> 8192": ("dense", (1, 16384, 8192), 8192, 32),
   }
   times, programs = {}, {}
+
+  def record(case, ms, lowered):
+    times[case] = ms
+    hlo = _program_text(lowered.compile().as_text())
+    programs[case] = hashlib.sha256(hlo.encode()).hexdigest()
+    (out / f"{_slug(case)}.hlo").write_text(hlo)
+    print(f"ab speed: {case}: {ms:.3f} ms", flush=True)
+
   for case, (name, shape, mlp, heads) in cases.items():
     b, s, h = shape[0], shape[1] // shrink, shape[2] // shrink
     model = _models(h if name != "dense" else mlp // shrink, mlp // shrink, max(heads // shrink, 1))[name]
     kx, kd, ki = jax.random.split(jax.random.key(7), 3)
     x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
     for recipe_name in ("delayed", "current"):
+      if only not in f"{case} {recipe_name}":
+        continue
       rec = _recipes()[recipe_name]
       fn = harness.layer_fwd_bwd(model, rec, **_apply_kw(name))
       out_shape = jax.eval_shape(lambda: model.init_with_output(ki, x, **_apply_kw(name))[0])  # noqa: B023
       dy = jax.random.normal(kd, out_shape.shape, jnp.float32).astype(jnp.bfloat16)
       variables, _ = harness.warm_layer(model, rec, fn, ki, x, dy, **_apply_kw(name))
       t = harness.time_calls(fn, variables, x, dy, runs=20 if gpu else 3, batch=5 if gpu else 1, warmup=2)
-      times[f"{case} {recipe_name}"] = t.ms
-      hlo = _program_text(fn.lower(variables, x, dy).compile().as_text())
-      programs[f"{case} {recipe_name}"] = hashlib.sha256(hlo.encode()).hexdigest()
-      (out / f"{re.sub(r'[^A-Za-z0-9]+', '_', case)}_{recipe_name}.hlo").write_text(hlo)
-      print(f"ab speed: {case} {recipe_name}: {t.ms:.3f} ms", flush=True)
+      record(f"{case} {recipe_name}", t.ms, fn.lower(variables, x, dy))
   case, lm_step, args = _lm_case(gpu)
   for recipe_name in ("delayed", "current"):
+    if only not in f"{case} {recipe_name}":
+      continue
     fn = lm_step(_recipes()[recipe_name])
     t = harness.time_calls(fn, *args, runs=20 if gpu else 3, batch=5 if gpu else 1, warmup=2)
-    times[f"{case} {recipe_name}"] = t.ms
-    programs[f"{case} {recipe_name}"] = hashlib.sha256(
-        _program_text(fn.lower(*args).compile().as_text()).encode()).hexdigest()
-    print(f"ab speed: {case} {recipe_name}: {t.ms:.3f} ms", flush=True)
+    record(f"{case} {recipe_name}", t.ms, fn.lower(*args))
   (out / "speed.json").write_text(json.dumps(times))
   (out / "programs.json").write_text(json.dumps(programs))
 
@@ -228,12 +234,22 @@ def _use_site() -> None:
       raise SystemExit(f"ab: te_jax came from {te_jax.__file__}, not from {site}")
 
 
-def compare(base: pathlib.Path, new: pathlib.Path, out: pathlib.Path, rounds: int, skip_speed: bool) -> int:
-  import numpy as np  # noqa: PLC0415
-
+def compare(base: pathlib.Path, new: pathlib.Path, out: pathlib.Path, rounds: int, skip_speed: bool,
+            skip_bits: bool = False, only: str = "") -> int:
   dirs = {"base": out / "base", "new": out / "new"}
   for d in dirs.values():
     d.mkdir(parents=True, exist_ok=True)
+  lines, ok = ([], True) if skip_bits else _compare_bits(base, new, dirs)
+  if not skip_speed:
+    lines += _compare_speed(base, new, dirs, rounds, only, out)
+  print("\n".join(lines))
+  (out / "ab.txt").write_text("\n".join(lines) + "\n")
+  return 0 if ok else 1
+
+
+def _compare_bits(base: pathlib.Path, new: pathlib.Path, dirs: dict) -> tuple[list[str], bool]:
+  import numpy as np  # noqa: PLC0415
+
   _child(base, "bits", "--out", str(dirs["base"]))
   _child(new, "bits", "--out", str(dirs["new"]), "--load", str(dirs["base"]))
   a, b = np.load(dirs["base"] / "bits.npz"), np.load(dirs["new"] / "bits.npz")
@@ -245,25 +261,46 @@ def compare(base: pathlib.Path, new: pathlib.Path, out: pathlib.Path, rounds: in
   lines = [f"bits: {len(a.files)} arrays, {len(differ)} differ, {len(missing)} only in the new tree; "
            f"{len(loaded)} checkpoints of the base tree restored, {len(wrong_load)} computing another output"]
   lines += [f"  differs: {k}" for k in (differ + missing + wrong_load)[:20]]
-  ok = not (differ or missing or wrong_load)
-  if not skip_speed:
-    runs = {"base": [], "new": []}
-    for r in range(rounds):
-      for name, tree in (("base", base), ("new", new)):
-        d = dirs[name] / f"speed_{r}"
-        d.mkdir(exist_ok=True)
-        _child(tree, "speed", "--out", str(d))
-        runs[name].append(json.loads((d / "speed.json").read_text()))
-    programs = {n: json.loads((dirs[n] / "speed_0" / "programs.json").read_text()) for n in dirs}
-    lines.append(f"| case | base ms | new ms | new / base | compiled program |  ({rounds} rounds each, alternating; "
-                 "medians)")
-    for case in runs["base"][0]:
-      ms = {n: statistics.median(r[case] for r in runs[n]) for n in runs}
-      same = "the same" if programs["base"][case] == programs["new"][case] else "differs"
-      lines.append(f"| {case} | {ms['base']:.3f} | {ms['new']:.3f} | {ms['new'] / ms['base']:.4f} | {same} |")
-  print("\n".join(lines))
-  (out / "ab.txt").write_text("\n".join(lines) + "\n")
-  return 0 if ok else 1
+  return lines, not (differ or missing or wrong_load)
+
+
+def _compare_speed(base: pathlib.Path, new: pathlib.Path, dirs: dict, rounds: int, only: str,
+                   out: pathlib.Path) -> list[str]:
+  """The speed table. Its last column says whether the two trees' compiled programs are the same; where they
+  differ, whether each tree's own program differs from round to round too (XLA's autotuning picks by measured
+  time), and a diff of the two programs' first round goes into ``programs_diff.txt``."""
+  import difflib  # noqa: PLC0415
+
+  runs = {"base": [], "new": []}
+  for r in range(rounds):
+    for name, tree in (("base", base), ("new", new)):
+      d = dirs[name] / f"speed_{r}"
+      d.mkdir(exist_ok=True)
+      _child(tree, "speed", "--out", str(d), "--only", only)
+      runs[name].append(json.loads((d / "speed.json").read_text()))
+  programs = {n: [json.loads((dirs[n] / f"speed_{r}" / "programs.json").read_text()) for r in range(rounds)]
+              for n in dirs}
+  lines = [f"| case | base ms | new ms | new / base | compiled program |  ({rounds} rounds each, alternating; "
+           "medians)"]
+  diffs = []
+  for case in runs["base"][0]:
+    ms = {n: statistics.median(r[case] for r in runs[n]) for n in runs}
+    if programs["base"][0][case] == programs["new"][0][case]:
+      same = "the same"
+    else:
+      unstable = [n for n in dirs if len({p[case] for p in programs[n]}) > 1]
+      same = "differs" + (f" (and {' and '.join(unstable)} from round to round)" if unstable else "")
+      slug = _slug(case)
+      text = {n: (dirs[n] / "speed_0" / f"{slug}.hlo").read_text().splitlines() for n in dirs}
+      diffs += [f"=== {case}"] + list(difflib.unified_diff(text["base"], text["new"], "base", "new", n=1,
+                                                            lineterm=""))[:200]
+    lines.append(f"| {case} | {ms['base']:.3f} | {ms['new']:.3f} | {ms['new'] / ms['base']:.4f} | {same} |")
+  (out / "programs_diff.txt").write_text("\n".join(diffs) + "\n")
+  return lines
+
+
+def _slug(case: str) -> str:
+  return re.sub(r"[^A-Za-z0-9]+", "_", case)
 
 
 def main() -> int:
@@ -275,20 +312,23 @@ def main() -> int:
   p.add_argument("--out", type=pathlib.Path, default=HERE.parent / "build" / "ab")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--no-speed", action="store_true")
+  p.add_argument("--no-bits", action="store_true")
+  p.add_argument("--only", default="", help="time only the cases whose name contains this")
   p = sub.add_parser("bits", help="this process's te_jax: the training record")
   p.add_argument("--out", type=pathlib.Path, required=True)
   p.add_argument("--load", type=pathlib.Path)
   p = sub.add_parser("speed", help="this process's te_jax: the step times")
   p.add_argument("--out", type=pathlib.Path, required=True)
+  p.add_argument("--only", default="")
   args = parser.parse_args()
   _use_site()
   if args.cmd == "bits":
     bits(args.out, args.load)
     return 0
   if args.cmd == "speed":
-    speed(args.out)
+    speed(args.out, args.only)
     return 0
-  return compare(args.base, args.new, args.out, args.rounds, args.no_speed)
+  return compare(args.base, args.new, args.out, args.rounds, args.no_speed, args.no_bits, args.only)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ ab() {
   wait $base_pid || rc=1
   [ $rc -eq 0 ] || { tail -n 20 build/ab/base_build.log build/ab/new_build.log; return 1; }
   python3 benchmarks/ab.py compare --base build/ab/base_site --new build/ab/new_site --out build/ab ${AB_ARGS:-} || rc=1
-  [ -z "${OUT:-}" ] || { mkdir -p "$OUT" && cp build/ab/ab.txt "$OUT/" 2>/dev/null; }
+  [ -z "${OUT:-}" ] || { mkdir -p "$OUT" && cp build/ab/ab.txt build/ab/programs_diff.txt "$OUT/" 2>/dev/null; }
   return $rc
 }
 
