@@ -36,7 +36,7 @@ def _both(linen_layer, nnx_layer_fn, x, recipe_name):
     te_nnx.from_linen(model, variables)  # same names, shapes and dtypes, or it raises
     y_linen, vjp = jax.vjp(lambda v, x: linen_layer.apply(v, x), variables, x)
     y_nnx = model(x)
-    dy = jnp.ones_like(y_linen) if not isinstance(y_linen, tuple) else tuple(map(jnp.ones_like, y_linen))
+    dy = jax.tree.map(jnp.ones_like, y_linen)
     grads_linen = vjp(dy)[0]
     _, grads_nnx = te_nnx.value_and_grad(
         lambda m: sum(jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
@@ -113,3 +113,47 @@ def test_nnx_input_of_other_size_names_in_features():
   model = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="in_features"):
     model(jnp.ones((4, 24)))
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_layernorm_dense_general_same_in_both(recipe_name, norm_type):
+  x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
+  kw = dict(norm_type=norm_type, zero_centered_gamma=norm_type == "rmsnorm", dtype=jnp.bfloat16)
+  _both(te_flax.LayerNormDenseGeneral(48, **kw),
+        lambda: te_nnx.LayerNormDenseGeneral(32, 48, rngs=nnx.Rngs(0), **kw), x, recipe_name)
+
+
+def test_layernorm_dense_general_return_layernorm_output_same_in_both():
+  x = jax.random.normal(jax.random.key(1), (16, 32), jnp.bfloat16)
+  _both(te_flax.LayerNormDenseGeneral((3, 16), unstack_axis=-2, return_layernorm_output=True, dtype=jnp.bfloat16),
+        lambda: te_nnx.LayerNormDenseGeneral(32, (3, 16), unstack_axis=-2, return_layernorm_output=True,
+                                             dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x, "delayed")
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_layer_norm_same_in_both(norm_type):
+  x = jax.random.normal(jax.random.key(1), (4, 32), jnp.float32)
+  _both(te_flax.LayerNorm(norm_type=norm_type, dtype=jnp.bfloat16),
+        lambda: te_nnx.LayerNorm(32, norm_type=norm_type, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x, "off")
+
+
+def test_layernorm_dense_general_input_axes_in_both():
+  """NNX's ``input_axes`` reads a sequence-parallel stream as linen's does: the same input gradient, back on the
+  stream's shards."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = te_flax.logical_axis_rules(data="data", tensor="model", sequence_parallel=True)
+  names = ("batch", "seq", "act_embed")
+  x = jax.random.normal(jax.random.key(1), (4, 16, 32), jnp.bfloat16)
+  linen_layer = te_flax.LayerNormDenseGeneral(64, kernel_axes=("embed", "mlp"), input_axes=names, dtype=jnp.bfloat16)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), te_jax.autocast(enabled=True, recipe=RECIPES["current"]):
+    stream = nn.logical_to_mesh_axes(names)
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, stream))
+    variables = nn.unbox(jax.jit(linen_layer.init)(jax.random.key(0), x))
+    model = te_nnx.LayerNormDenseGeneral(32, 64, kernel_axes=("embed", "mlp"), input_axes=names, dtype=jnp.bfloat16,
+                                         rngs=nnx.Rngs(0))
+    te_nnx.from_linen(model, variables)
+    dx_linen = jax.jit(jax.grad(lambda x, v: linen_layer.apply(v, x).astype(jnp.float32).sum()))(x, variables)
+    dx_nnx = jax.jit(jax.grad(lambda x, m: m(x).astype(jnp.float32).sum()))(x, model)
+  _bits(dx_linen, dx_nnx, "input gradient")
+  assert dx_linen.sharding.spec == dx_nnx.sharding.spec == stream == jax.sharding.PartitionSpec("data", "model", None)

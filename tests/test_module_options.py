@@ -62,8 +62,6 @@ CONVENTIONS = {
 
 # (module, option; None for the whole module): (the side that lacks it, what it is).
 KNOWN_GAPS = {
-    ("LayerNormDenseGeneral", "input_axes"): ("nnx", "a residual-stream input: sequence gathered (SP) or kept (CP), "
-                                                     "its gradient reduce-scattered"),
     ("LayerNormMLP", "logical_axes"): ("nnx", "te_jax's logical names on every parameter and the stream's sharding "
                                               "(NNX takes the *_axes one by one)"),
     ("LayerNormMLP", "transpose_batch_sequence"): ("nnx", "a (seq, batch, hidden) stream under logical_axes"),

@@ -9,12 +9,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.fp8_state import fp8_state
-from te_jax.flax.params import (Initializer, features_tuple, flat_init, logical, norm_params, rule_shards,
-                                sequence_kept, stream_input, stream_sharding)
-from te_jax.fused.layernorm_dense import layernorm_dense
-from te_jax.fused.linear import Unstack
+from te_jax.flax.scope import LinenScope, options_of
+from te_jax.modules.axes import Initializer
+from te_jax.modules.layernorm_dense import LayerNormDenseGeneralOptions, layernorm_dense_general
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNormDenseGeneral"]
@@ -76,28 +73,5 @@ class LayerNormDenseGeneral(nn.Module):
     """The layer's output (with ``return_layernorm_output``, also the normalized input); with ``return_input``, also
     ``inputs`` in the compute dtype, last, whose gradient the FP8 backward adds inside the norm's kernel (use it in
     place of ``inputs`` afterwards, e.g. as the residual of a pre-LN block)."""
-    features = features_tuple(self.features)
-    hidden = inputs.shape[-1]
-    stream = tuple(self.input_axes)
-    if stream and (len(stream) != 3 or inputs.ndim != 3):
-      raise ValueError(f"input_axes {self.input_axes} names a (batch, seq, hidden) input; the input is {inputs.shape}")
-    if stream:
-      inputs = stream_input(inputs, stream, 1)
-    gamma, beta = norm_params(self, hidden, prefix="ln_")
-    unstack = Unstack.of(self.unstack_axis, inputs.ndim - 1 + len(features), features)
-    part_axis = None if unstack is None else 1 + unstack.feature_axis
-    kernel = self.param("kernel", logical(flat_init(self.kernel_init, 1, part_axis), self.kernel_axes),
-                        (hidden, *features), self.param_dtype)
-    bias = None
-    if self.use_bias:
-      bias = self.param("bias", logical(self.bias_init, self.bias_axes), features, self.param_dtype)
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    recipe = resolve_recipe(self.recipe)
-    x, (meta,) = fp8_state(self, recipe, inputs.astype(dtype))
-    scatter = bool(stream) and rule_shards(stream[1])
-    return layernorm_dense(x, gamma, beta, kernel, bias, norm_type=self.norm_type,
-                           epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                           return_layernorm_output=self.return_layernorm_output, return_input=return_input,
-                           unstack_axis=self.unstack_axis, fp8_meta=meta, recipe=recipe,
-                           keep_rows=scatter and sequence_kept(stream[1]),
-                           grad_sharding=stream_sharding(stream) if scatter else None)
+    return layernorm_dense_general(LinenScope(self), options_of(self, LayerNormDenseGeneralOptions), inputs,
+                                   return_input=return_input)

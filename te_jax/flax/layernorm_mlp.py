@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, flat_init, is_int, logical,
-                                norm_params, resolve_deterministic, rule_axes, rule_shards, sequence_kept,
-                                stream_input, stream_sharding)
+                                resolve_deterministic, rule_axes, rule_shards, sequence_kept, stream_input,
+                                stream_sharding)
+from te_jax.flax.scope import LinenScope
+from te_jax.modules.layernorm_dense import norm_params
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import intermediate_split, layernorm_mlp, merge_parts, split_parts
@@ -118,8 +120,12 @@ class LayerNormMLP(nn.Module):
     n_act = 2 if gated else 1
     hidden, f = inputs.shape[-1], self.intermediate_dim
     names = self._axis_names()
-    gamma, beta = norm_params(self, hidden, prefix="ln_", scale_axes=names.get("ln_scale_axes"),
-                              bias_axes=names.get("ln_bias_axes"))
+    gamma, beta = norm_params(LinenScope(self), hidden, norm_type=self.norm_type, epsilon=self.epsilon,
+                              zero_centered_gamma=self.zero_centered_gamma, scale_init=self.ln_scale_init,
+                              bias_init=self.ln_bias_init,
+                              scale_axes=tuple(names.get("ln_scale_axes", self.ln_scale_axes)),
+                              bias_axes=tuple(names.get("ln_bias_axes", self.ln_bias_axes)),
+                              param_dtype=self.param_dtype, prefix="ln_")
     k1 = self.param("wi_kernel", logical(flat_init(self.kernel_init, 1, 1 if n_act > 1 else None),
                                           names.get("wi_kernel_axes", self.wi_kernel_axes)),
                     (hidden, n_act, f), self.param_dtype)

@@ -8,8 +8,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax.params import Initializer, norm_params
-from te_jax.ops.norm import layernorm
+from te_jax.flax.scope import LinenScope, options_of
+from te_jax.modules.axes import Initializer
+from te_jax.modules.layernorm_dense import LayerNormOptions, layer_norm
 
 __all__ = ["LayerNorm"]
 
@@ -63,7 +64,4 @@ class LayerNorm(nn.Module):
     Returns:
       ``x``'s shape, in ``dtype``.
     """
-    scale, bias = norm_params(self, x.shape[-1])
-    dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
-    return layernorm(x, scale, bias, norm_type=self.norm_type, epsilon=self.epsilon,
-                     zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)
+    return layer_norm(LinenScope(self), options_of(self, LayerNormOptions), x)

@@ -1,5 +1,5 @@
 """What the linen modules share: parameter declaration (logical axis names attached to initializers, initializers on
-a kernel's 2-D shape, the norm's parameters) and linen's deterministic flag. The logical axis names and the rules'
+a kernel's 2-D shape) and linen's deterministic flag. The logical axis names and the rules'
 reading are framework-neutral (``te_jax.modules.axes``); they are listed here too for the linen modules."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from te_jax.modules.axes import (ACT, ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, 
                                  Initializer, axes, context_parallel_axes, features_tuple, gather_sequence, is_int,
                                  rule_axes, rule_shards, seq_first_to_batch_first, sequence_kept, stream_input,
                                  stream_sharding)
-from te_jax.ops.norm import check_norm_args
 
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "context_parallel_axes", "features_tuple", "flat_init", "gather_sequence", "is_int",
-           "logical", "norm_params", "reshaped", "resolve_deterministic", "rule_axes", "rule_shards",
+           "logical", "reshaped", "resolve_deterministic", "rule_axes", "rule_shards",
            "seq_first_to_batch_first", "sequence_kept", "stream_input", "stream_sharding"]
 
 
@@ -37,26 +36,6 @@ def logical(init: Initializer, axes: tuple[str | None, ...]) -> Initializer:
     return nn.LogicallyPartitioned(value, axes)
 
   return named
-
-
-def norm_params(module: nn.Module, hidden: int, prefix: str = "", scale_axes: tuple[str | None, ...] | None = None,
-                bias_axes: tuple[str | None, ...] | None = None):
-  """The ``(hidden,)`` parameters of a norm: ``{prefix}scale`` and, for LayerNorm, ``{prefix}bias``, from the
-  module's ``{prefix}scale_init``, ``{prefix}scale_axes``, ``{prefix}bias_init`` and ``{prefix}bias_axes``
-  (``LayerNorm``'s own, or, with ``prefix="ln_"``, those of the norm inside a fused module). The scale's initializer
-  defaults to ones, or zeros under ``zero_centered_gamma`` (the module multiplies by ``scale + 1``). ``scale_axes``
-  and ``bias_axes``, when given, replace the module's axis names."""
-  check_norm_args(module.norm_type, module.epsilon)
-  attr = lambda name: getattr(module, prefix + name)  # noqa: E731
-  scale_init = attr("scale_init") or (nn.initializers.zeros_init() if module.zero_centered_gamma
-                                      else nn.initializers.ones_init())
-  scale_axes = attr("scale_axes") if scale_axes is None else scale_axes
-  bias_axes = attr("bias_axes") if bias_axes is None else bias_axes
-  scale = module.param(f"{prefix}scale", logical(scale_init, scale_axes), (hidden,), module.param_dtype)
-  bias = None
-  if module.norm_type == "layernorm":
-    bias = module.param(f"{prefix}bias", logical(attr("bias_init"), bias_axes), (hidden,), module.param_dtype)
-  return scale, bias
 
 
 def flat_init(init: Initializer, n_in: int, part_axis: int | None = None) -> Initializer:

@@ -17,7 +17,7 @@ from te_jax.modules.axes import Initializer, constrain, features_tuple, rule_sha
 from te_jax.modules.scope import Scope
 from te_jax.recipe import Recipe
 
-__all__ = ["DenseGeneralOptions", "dense_general", "dense_general_params", "fp8_dot_general"]
+__all__ = ["DenseGeneralOptions", "dense_general", "dense_general_params", "fp8_dot_general", "unstack_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,16 +53,22 @@ class DenseGeneralOptions:
     return self.dot_general is not None or self.dot_general_cls is not None
 
 
+def unstack_of(unstack_axis: int | None, features: tuple[int, ...], out_ndim: int | None) -> Unstack | None:
+  """The ``Unstack`` of a layer's ``unstack_axis`` over an output of rank ``out_ndim`` ending in ``features``; where
+  the rank is not known yet (None: an NNX module's constructor), the axis must count from the output's end."""
+  if out_ndim is None and unstack_axis is not None and not (isinstance(unstack_axis, int) and unstack_axis < 0):
+    raise ValueError(f"unstack_axis must count from the output's end (one of {tuple(range(-len(features), 0))}) "
+                     f"where the input's rank is not known, got {unstack_axis!r}")
+  return Unstack.of(unstack_axis, len(features) if out_ndim is None else out_ndim, features)
+
+
 def dense_general_params(scope: Scope, o: DenseGeneralOptions, batch_shape: tuple[int, ...],
                          in_shape: tuple[int, ...], out_ndim: int | None):
   """``(kernel, bias)`` of a layer over inputs whose batch dims have ``batch_shape`` and whose contracted axes have
   ``in_shape``; ``out_ndim`` is the output's rank (None where it is not known yet: ``unstack_axis`` must then count
   from the end). The FP8 state of a layer that runs te_jax's GEMM is declared too."""
   n_batch, n_in = len(batch_shape), len(in_shape)
-  if out_ndim is None and o.unstack_axis is not None and not (isinstance(o.unstack_axis, int) and o.unstack_axis < 0):
-    raise ValueError(f"unstack_axis must count from the output's end (one of {tuple(range(-len(o.features), 0))}) "
-                     f"where the input's rank is not known, got {o.unstack_axis!r}")
-  unstack = Unstack.of(o.unstack_axis, len(o.features) if out_ndim is None else out_ndim, o.features)
+  unstack = unstack_of(o.unstack_axis, o.features, out_ndim)
   if unstack is not None and (o.custom_gemm or batch_shape):
     raise ValueError("unstack_axis needs te_jax's GEMM: no batch_dims, dot_general or dot_general_cls")
   part_axis = None if unstack is None else n_batch + n_in + unstack.feature_axis

@@ -11,32 +11,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax._core.autocast import resolve_recipe
-from te_jax.flax.params import Initializer, is_int
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp
+from te_jax.modules.axes import Initializer, is_int
+from te_jax.modules.layernorm_dense import (LayerNormDenseGeneralOptions, LayerNormOptions, layer_norm,
+                                            layernorm_dense_general, layernorm_dense_general_params, norm_params)
 from te_jax.nnx.fp8_state import declare_fp8_state, fp8_metas
-from te_jax.nnx.params import as_tuple, make_param, part_axis, resolve_deterministic
+from te_jax.nnx.params import as_tuple, make_param, resolve_deterministic
+from te_jax.nnx.scope import NnxScope
 from te_jax.ops.activation import activation, parse_activation_type
-from te_jax.ops.norm import check_norm_args, layernorm
 from te_jax.recipe import Recipe
 
-__all__ = ["LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "norm_params"]
-
-
-def norm_params(module, hidden: int, rngs: nnx.Rngs, prefix: str, scale_init, bias_init, scale_axes=(),
-                bias_axes=()) -> None:
-  """The ``(hidden,)`` norm parameters ``{prefix}scale`` and (LayerNorm) ``{prefix}bias`` on ``module``; the scale's
-  initializer defaults to ones, or zeros under ``zero_centered_gamma`` (the module multiplies by ``scale + 1``)."""
-  check_norm_args(module.norm_type, module.epsilon)
-  scale_init = scale_init or (nnx.initializers.zeros_init() if module.zero_centered_gamma
-                              else nnx.initializers.ones_init())
-  setattr(module, f"{prefix}scale", make_param(scale_init, rngs.params(), (hidden,), module.param_dtype,
-                                               axes=scale_axes))
-  bias = nnx.data(None)
-  if module.norm_type == "layernorm":
-    bias = make_param(bias_init, rngs.params(), (hidden,), module.param_dtype, axes=bias_axes)
-  setattr(module, f"{prefix}bias", bias)
+__all__ = ["LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
 def _value(p):
@@ -66,15 +53,15 @@ class LayerNorm(nnx.Module):
                zero_centered_gamma: bool = False, scale_init: Initializer | None = None,
                bias_init: Initializer = nnx.initializers.zeros_init(), scale_axes=(), bias_axes=(), dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    self.epsilon, self.norm_type, self.zero_centered_gamma = epsilon, norm_type, zero_centered_gamma
-    self.dtype, self.param_dtype = dtype, param_dtype
-    norm_params(self, as_tuple(num_features, "num_features")[0], rngs, "", scale_init, bias_init, scale_axes,
-                bias_axes)
+    self.options = nnx.static(LayerNormOptions(
+        epsilon=epsilon, norm_type=norm_type, zero_centered_gamma=zero_centered_gamma, scale_init=scale_init,
+        scale_axes=tuple(scale_axes), bias_init=bias_init, bias_axes=tuple(bias_axes), dtype=dtype,
+        param_dtype=param_dtype))
+    self.bias = nnx.data(None)
+    self.options.params(NnxScope(self, rngs), as_tuple(num_features, "num_features")[0])
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
-    return layernorm(x, self.scale[...], _value(self.bias), norm_type=self.norm_type, epsilon=self.epsilon,
-                     zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)
+    return layer_norm(NnxScope(self), self.options, x)
 
 
 class LayerNormDenseGeneral(nnx.Module):
@@ -92,6 +79,8 @@ class LayerNormDenseGeneral(nnx.Module):
       te_jax.flax.LayerNormDenseGeneral's.
     kernel_init, bias_init, kernel_axes, bias_axes: the dense layer's; ln_scale_init, ln_bias_init, ln_scale_axes,
       ln_bias_axes: the norm's.
+    input_axes: the logical axis names of a (batch, seq, hidden) residual-stream input, read as
+      te_jax.flax.LayerNormDenseGeneral's ``input_axes`` says (sequence and context parallelism).
     dtype, param_dtype, recipe, rngs: as in DenseGeneral.
   """
 
@@ -101,32 +90,23 @@ class LayerNormDenseGeneral(nnx.Module):
                kernel_init: Initializer = nnx.initializers.lecun_normal(),
                bias_init: Initializer = nnx.initializers.zeros_init(), kernel_axes=(), bias_axes=(),
                ln_scale_init: Initializer | None = None, ln_bias_init: Initializer = nnx.initializers.zeros_init(),
-               ln_scale_axes=(), ln_bias_axes=(), dtype: Any = None, param_dtype: Any = jnp.float32,
+               ln_scale_axes=(), ln_bias_axes=(), input_axes=(), dtype: Any = None, param_dtype: Any = jnp.float32,
                recipe: Recipe | None = None, rngs: nnx.Rngs):
-    hidden = as_tuple(in_features, "in_features")[0]
-    self.out_features = as_tuple(out_features, "out_features")
-    self.norm_type, self.epsilon, self.zero_centered_gamma = norm_type, epsilon, zero_centered_gamma
-    self.return_layernorm_output, self.unstack_axis = return_layernorm_output, unstack_axis
-    self.dtype, self.param_dtype, self.recipe = dtype, param_dtype, recipe
-    norm_params(self, hidden, rngs, "ln_", ln_scale_init, ln_bias_init, ln_scale_axes, ln_bias_axes)
-    self.kernel = make_param(kernel_init, rngs.params(), (hidden, *self.out_features), param_dtype, n_in=1,
-                             part_axis=part_axis(unstack_axis, 1, self.out_features),
-                             axes=kernel_axes)
-    self.bias = nnx.data(None)
-    if use_bias:
-      self.bias = make_param(bias_init, rngs.params(), self.out_features, param_dtype, axes=bias_axes)
-    declare_fp8_state(self, recipe)
+    self.options = nnx.static(LayerNormDenseGeneralOptions(
+        features=as_tuple(out_features, "out_features"), norm_type=norm_type, epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, use_bias=use_bias, return_layernorm_output=return_layernorm_output,
+        unstack_axis=unstack_axis, kernel_init=kernel_init, bias_init=bias_init, kernel_axes=tuple(kernel_axes),
+        bias_axes=tuple(bias_axes), ln_scale_init=ln_scale_init, ln_scale_axes=tuple(ln_scale_axes),
+        ln_bias_init=ln_bias_init, ln_bias_axes=tuple(ln_bias_axes), input_axes=tuple(input_axes), dtype=dtype,
+        param_dtype=param_dtype, recipe=recipe))
+    self.out_features = self.options.features
+    self.ln_bias = self.bias = nnx.data(None)
+    layernorm_dense_general_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0],
+                                   None)
 
   def __call__(self, inputs: jax.Array, *, return_input: bool = False):
     """As te_jax.flax.LayerNormDenseGeneral's call."""
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    recipe = resolve_recipe(self.recipe)
-    x, (meta,) = fp8_metas(self, recipe, inputs.astype(dtype))
-    return layernorm_dense(x, self.ln_scale[...], _value(self.ln_bias), self.kernel[...], _value(self.bias),
-                           norm_type=self.norm_type, epsilon=self.epsilon,
-                           zero_centered_gamma=self.zero_centered_gamma,
-                           return_layernorm_output=self.return_layernorm_output, return_input=return_input,
-                           unstack_axis=self.unstack_axis, fp8_meta=meta, recipe=recipe)
+    return layernorm_dense_general(NnxScope(self), self.options, inputs, return_input=return_input)
 
 
 class LayerNormMLP(nnx.Module):
@@ -168,7 +148,10 @@ class LayerNormMLP(nnx.Module):
     self.return_layernorm_output = return_layernorm_output
     self.norm_type, self.epsilon, self.zero_centered_gamma = norm_type, epsilon, zero_centered_gamma
     self.dtype, self.param_dtype, self.recipe = dtype, param_dtype, recipe
-    norm_params(self, hidden, rngs, "ln_", ln_scale_init, ln_bias_init, ln_scale_axes, ln_bias_axes)
+    self.ln_bias = nnx.data(None)
+    norm_params(NnxScope(self, rngs), hidden, norm_type=norm_type, epsilon=epsilon,
+                zero_centered_gamma=zero_centered_gamma, scale_init=ln_scale_init, bias_init=ln_bias_init,
+                scale_axes=tuple(ln_scale_axes), bias_axes=tuple(ln_bias_axes), param_dtype=param_dtype, prefix="ln_")
     self.wi_kernel = make_param(kernel_init, rngs.params(), (hidden, n_act, f), param_dtype, n_in=1,
                                 part_axis=1 if gated else None, axes=wi_kernel_axes)
     self.wo_kernel = make_param(kernel_init, rngs.params(), (f, hidden), param_dtype, n_in=1, axes=wo_kernel_axes)

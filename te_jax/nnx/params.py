@@ -11,10 +11,9 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
-from te_jax.flax.params import Initializer, is_int
-from te_jax.fused.linear import Unstack
+from te_jax.modules.axes import Initializer, is_int
 
-__all__ = ["as_tuple", "make_param", "part_axis", "resolve_deterministic"]
+__all__ = ["as_tuple", "make_param", "resolve_deterministic"]
 
 
 def as_tuple(x, name: str) -> tuple[int, ...]:
@@ -23,17 +22,6 @@ def as_tuple(x, name: str) -> tuple[int, ...]:
   if not out or not all(is_int(f) and f > 0 for f in out):
     raise ValueError(f"{name} must be a positive int or a non-empty sequence of them, got {x!r}")
   return tuple(int(f) for f in out)
-
-
-def part_axis(unstack_axis: int | None, n_in: int, out_features: tuple[int, ...]) -> int | None:
-  """The kernel axis a layer's ``unstack_axis`` stacks its parts on (``make_param``'s ``part_axis``), or None. The
-  inputs' rank is not known when an NNX module is built, so ``unstack_axis`` counts from the output's end."""
-  if unstack_axis is None:
-    return None
-  if not isinstance(unstack_axis, int) or unstack_axis >= 0:
-    raise ValueError(f"unstack_axis must count from the output's end (one of {tuple(range(-len(out_features), 0))}), "
-                     f"got {unstack_axis!r}")
-  return n_in + Unstack.of(unstack_axis, len(out_features), out_features).feature_axis
 
 
 def make_param(init: Initializer, rng, shape: tuple[int, ...], dtype, *, n_in: int | None = None,
