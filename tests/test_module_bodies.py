@@ -157,3 +157,55 @@ def test_layernorm_dense_general_input_axes_in_both():
     dx_nnx = jax.jit(jax.grad(lambda x, m: m(x).astype(jnp.float32).sum()))(x, model)
   _bits(dx_linen, dx_nnx, "input gradient")
   assert dx_linen.sharding.spec == dx_nnx.sharding.spec == stream == jax.sharding.PartitionSpec("data", "model", None)
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")])
+def test_layernorm_mlp_same_in_both(recipe_name, act):
+  x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
+  kw = dict(activation_type=act, dtype=jnp.bfloat16)
+  _both(te_flax.LayerNormMLP(intermediate_dim=64, **kw),
+        lambda: te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0), **kw), x, recipe_name)
+
+
+def test_layernorm_mlp_return_layernorm_output_same_in_both():
+  x = jax.random.normal(jax.random.key(1), (16, 32), jnp.bfloat16)
+  _both(te_flax.LayerNormMLP(intermediate_dim=64, return_layernorm_output=True, dtype=jnp.bfloat16),
+        lambda: te_nnx.LayerNormMLP(32, 64, return_layernorm_output=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x,
+        "delayed")
+
+
+@pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")])
+def test_layernorm_mlp_logical_axes_in_both(act):
+  """NNX's ``logical_axes`` names the parameters as linen's and reads a sequence-parallel stream as linen's does: the
+  output and the input's gradient on the stream's shards, bitwise linen's, with the gated kernel tensor parallel."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = te_flax.logical_axis_rules(data="data", tensor="model", sequence_parallel=True)
+  names = ("batch", "seq", "act_embed")
+  x = jax.random.normal(jax.random.key(1), (4, 16, 32), jnp.bfloat16)
+  kw = dict(activation_type=act, logical_axes=True, dtype=jnp.bfloat16)
+  linen_layer = te_flax.LayerNormMLP(intermediate_dim=64, **kw)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), te_jax.autocast(enabled=True, recipe=RECIPES["delayed"]):
+    stream = nn.logical_to_mesh_axes(names)
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, stream))
+    boxed = jax.jit(linen_layer.init)(jax.random.key(0), x)
+    variables = nn.unbox(boxed)
+    model = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0), **kw)
+    te_nnx.from_linen(model, variables)
+    linen_names = {k: v.names for k, v in boxed["params"].items()}
+    nnx_names = {k: v.get_metadata()["out_sharding"] for k, v in nnx.state(model, nnx.Param).items()}
+    y_linen, dx_linen = jax.jit(jax.value_and_grad(
+        lambda x, v: linen_layer.apply(v, x).astype(jnp.float32).sum()))(x, variables)
+    y_nnx, dx_nnx = jax.jit(jax.value_and_grad(lambda x, m: m(x).astype(jnp.float32).sum()))(x, model)
+  assert linen_names == nnx_names
+  _bits((y_linen, dx_linen), (y_nnx, dx_nnx), "loss and input gradient")
+  assert dx_nnx.sharding.spec == stream == jax.sharding.PartitionSpec("data", "model", None)
+
+
+def test_layernorm_mlp_dropout_in_nnx():
+  x = jax.random.normal(jax.random.key(1), (16, 32), jnp.bfloat16)
+  model = te_nnx.LayerNormMLP(32, 64, intermediate_dropout=0.5, dtype=jnp.bfloat16, rngs=nnx.Rngs(0, dropout=1))
+  train, evaluation = model(x, deterministic=False), model(x, deterministic=True)
+  assert not np.array_equal(np.asarray(train, np.float32), np.asarray(evaluation, np.float32))
+  with pytest.raises(ValueError, match="deterministic"):
+    model(x)

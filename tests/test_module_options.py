@@ -62,9 +62,6 @@ CONVENTIONS = {
 
 # (module, option; None for the whole module): (the side that lacks it, what it is).
 KNOWN_GAPS = {
-    ("LayerNormMLP", "logical_axes"): ("nnx", "te_jax's logical names on every parameter and the stream's sharding "
-                                              "(NNX takes the *_axes one by one)"),
-    ("LayerNormMLP", "transpose_batch_sequence"): ("nnx", "a (seq, batch, hidden) stream under logical_axes"),
     ("MultiHeadAttention", "recipe"): ("linen", "an FP8 recipe for the module's GEMMs, overriding autocast's"),
     ("RelativePositionBiases", None): ("nnx", "T5's relative position biases"),
     ("TransformerLayer", "enable_relative_embedding"): ("nnx", "T5 relative position biases as the attention bias"),

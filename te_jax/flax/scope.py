@@ -47,6 +47,13 @@ class LinenScope(Scope):
   def fp8_state(self, recipe, x, prefixes=("",)):
     return fp8_state(self.module, recipe, x, prefixes)
 
+  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
+    del name, rate, rng_name  # linen creates the dropout at the call
+
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array) -> jax.Array:
+    del name  # linen names it as any inline submodule of the calling module (Dropout_0, ...)
+    return nn.Dropout(rate, rng_collection=rng_name)(x, deterministic=False)
+
 
 def options_of(module: nn.Module, options: type):
   """``options`` (a ``te_jax.modules`` options dataclass) from ``module``'s attributes of the same names."""

@@ -54,3 +54,12 @@ class Scope(abc.ABC):
                 ) -> tuple[jax.Array, tuple[DenseFp8Meta | None, ...]]:
     """``(x, metas)``: the FP8 state of each GEMM (one per prefix) for the fused ops, None where ``recipe`` keeps
     none; a state the variables hold anyway is tied to ``x``, so the step hands it back unchanged."""
+
+  @abc.abstractmethod
+  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
+    """Where the framework creates submodules ahead of the call (NNX): a dropout ``name`` of ``rate``, its masks from
+    the ``rng_name`` stream. A no-op where the call creates it (linen)."""
+
+  @abc.abstractmethod
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array) -> jax.Array:
+    """``x`` through the dropout ``name`` (``rate``, masks from the ``rng_name`` stream), in training mode."""

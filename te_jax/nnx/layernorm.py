@@ -10,24 +10,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax._core.autocast import resolve_recipe
-from te_jax.fused.dense import dense
-from te_jax.fused.layernorm_dense import layernorm_dense
-from te_jax.fused.layernorm_mlp import layernorm_mlp
-from te_jax.modules.axes import Initializer, is_int
+from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_dense import (LayerNormDenseGeneralOptions, LayerNormOptions, layer_norm,
-                                            layernorm_dense_general, layernorm_dense_general_params, norm_params)
-from te_jax.nnx.fp8_state import declare_fp8_state, fp8_metas
-from te_jax.nnx.params import as_tuple, make_param, resolve_deterministic
+                                            layernorm_dense_general, layernorm_dense_general_params)
+from te_jax.modules.layernorm_mlp import LayerNormMLPOptions, layernorm_mlp_block, layernorm_mlp_params
+from te_jax.nnx.params import as_tuple, resolve_deterministic
 from te_jax.nnx.scope import NnxScope
-from te_jax.ops.activation import activation, parse_activation_type
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
-
-
-def _value(p):
-  return None if p is None else p[...]
 
 
 class LayerNorm(nnx.Module):
@@ -126,6 +117,8 @@ class LayerNormMLP(nnx.Module):
     dropout_rng_name: the stream of ``rngs`` the dropout masks come from.
     kernel_init, bias_init; wi_kernel_axes, wi_bias_axes, wo_kernel_axes, wo_bias_axes; ln_scale_init, ln_bias_init,
       ln_scale_axes, ln_bias_axes: initializers and logical axis names.
+    logical_axes, transpose_batch_sequence: te_jax's logical names on every parameter, and a 3-D input read as a
+      residual stream (sequence and context parallelism), as te_jax.flax.LayerNormMLP's.
     dtype, param_dtype, recipe, rngs: as in DenseGeneral.
   """
 
@@ -137,57 +130,23 @@ class LayerNormMLP(nnx.Module):
                bias_init: Initializer = nnx.initializers.zeros_init(), wi_kernel_axes=(), wi_bias_axes=(),
                wo_kernel_axes=(), wo_bias_axes=(), ln_scale_init: Initializer | None = None,
                ln_bias_init: Initializer = nnx.initializers.zeros_init(), ln_scale_axes=(), ln_bias_axes=(),
-               dtype: Any = None, param_dtype: Any = jnp.float32, recipe: Recipe | None = None, rngs: nnx.Rngs):
-    hidden = as_tuple(in_features, "in_features")[0]
-    if not (is_int(intermediate_dim) and intermediate_dim > 0):
-      raise ValueError(f"intermediate_dim must be a positive int, got {intermediate_dim!r}")
-    name, gated = parse_activation_type(tuple(activation_type))
-    self.act = (name, "linear") if gated else (name,)
-    n_act, f = (2 if gated else 1), intermediate_dim
-    self.intermediate_dim, self.intermediate_dropout, self.deterministic = f, intermediate_dropout, deterministic
-    self.return_layernorm_output = return_layernorm_output
-    self.norm_type, self.epsilon, self.zero_centered_gamma = norm_type, epsilon, zero_centered_gamma
-    self.dtype, self.param_dtype, self.recipe = dtype, param_dtype, recipe
-    self.ln_bias = nnx.data(None)
-    norm_params(NnxScope(self, rngs), hidden, norm_type=norm_type, epsilon=epsilon,
-                zero_centered_gamma=zero_centered_gamma, scale_init=ln_scale_init, bias_init=ln_bias_init,
-                scale_axes=tuple(ln_scale_axes), bias_axes=tuple(ln_bias_axes), param_dtype=param_dtype, prefix="ln_")
-    self.wi_kernel = make_param(kernel_init, rngs.params(), (hidden, n_act, f), param_dtype, n_in=1,
-                                part_axis=1 if gated else None, axes=wi_kernel_axes)
-    self.wo_kernel = make_param(kernel_init, rngs.params(), (f, hidden), param_dtype, n_in=1, axes=wo_kernel_axes)
-    self.wi_bias = self.wo_bias = nnx.data(None)
-    if use_bias:
-      self.wi_bias = make_param(bias_init, rngs.params(), (n_act, f), param_dtype, axes=wi_bias_axes)
-      self.wo_bias = make_param(bias_init, rngs.params(), (hidden,), param_dtype, axes=wo_bias_axes)
-    self.dropout = nnx.Dropout(intermediate_dropout, rng_collection=dropout_rng_name,
-                               rngs=rngs if intermediate_dropout > 0 else None)
-    declare_fp8_state(self, recipe, ("wi_", "wo_"))
+               logical_axes: bool = False, transpose_batch_sequence: bool = False, dtype: Any = None,
+               param_dtype: Any = jnp.float32, recipe: Recipe | None = None, rngs: nnx.Rngs):
+    self.deterministic = deterministic
+    self.options = nnx.static(LayerNormMLPOptions(
+        intermediate_dim=intermediate_dim, activation_type=tuple(activation_type),
+        intermediate_dropout=intermediate_dropout, dropout_rng_name=dropout_rng_name, use_bias=use_bias,
+        return_layernorm_output=return_layernorm_output, norm_type=norm_type, epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, ln_scale_init=ln_scale_init, ln_scale_axes=tuple(ln_scale_axes),
+        ln_bias_init=ln_bias_init, ln_bias_axes=tuple(ln_bias_axes), kernel_init=kernel_init, bias_init=bias_init,
+        wi_kernel_axes=tuple(wi_kernel_axes), wi_bias_axes=tuple(wi_bias_axes), wo_kernel_axes=tuple(wo_kernel_axes),
+        wo_bias_axes=tuple(wo_bias_axes), logical_axes=logical_axes, transpose_batch_sequence=transpose_batch_sequence,
+        dtype=dtype, param_dtype=param_dtype, recipe=recipe))
+    self.intermediate_dim, self.intermediate_dropout = intermediate_dim, intermediate_dropout
+    self.ln_bias = self.wi_bias = self.wo_bias = nnx.data(None)
+    layernorm_mlp_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0])
 
   def __call__(self, inputs: jax.Array, deterministic: bool | None = None, residual: jax.Array | None = None):
     """As te_jax.flax.LayerNormMLP's call."""
     deterministic = resolve_deterministic(self, deterministic, intermediate_dropout=self.intermediate_dropout)
-    gated = len(self.act) == 2
-    hidden, f = inputs.shape[-1], self.intermediate_dim
-    gamma, beta, k1, k2 = self.ln_scale[...], _value(self.ln_bias), self.wi_kernel[...], self.wo_kernel[...]
-    b1, b2 = _value(self.wi_bias), _value(self.wo_bias)
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
-    recipe = resolve_recipe(self.recipe)
-    x, (meta_1, meta_2) = fp8_metas(self, recipe, inputs.astype(dtype), ("wi_", "wo_"))
-    if residual is inputs and x.dtype == inputs.dtype:
-      residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
-    norm_args = dict(norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
-    dropout = self.intermediate_dropout > 0.0 and not deterministic
-    if not dropout and not self.return_layernorm_output:
-      return layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=self.act, residual=residual,
-                           fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, **norm_args)
-    # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
-    n_act = 2 if gated else 1
-    h = layernorm_dense(x, gamma, beta, k1.reshape(hidden, n_act * f), None if b1 is None else b1.reshape(-1),
-                        return_layernorm_output=self.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
-                        **norm_args)
-    h, z = h if self.return_layernorm_output else (h, None)
-    a = activation(h.reshape(*h.shape[:-1], 2, f) if gated else h, self.act)
-    if dropout:
-      a = self.dropout(a, deterministic=False)
-    y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe)
-    return (y, z) if self.return_layernorm_output else y
+    return layernorm_mlp_block(NnxScope(self), self.options, inputs, deterministic, residual)

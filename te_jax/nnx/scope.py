@@ -55,3 +55,11 @@ class NnxScope(Scope):
 
   def fp8_state(self, recipe, x, prefixes=("",)):
     return fp8_metas(self.module, recipe, x, prefixes)
+
+  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
+    if self.rngs is not None:
+      setattr(self.module, name, nnx.Dropout(rate, rng_collection=rng_name, rngs=self.rngs if rate > 0 else None))
+
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array) -> jax.Array:
+    del rate, rng_name  # the module's nnx.Dropout has them
+    return getattr(self.module, name)(x, deterministic=False)
