@@ -159,8 +159,8 @@ PUBLIC = {
     },
     "te_jax.nnx": {
         "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm", "LayerNormDenseGeneral",
-        "LayerNormMLP", "MultiHeadAttention", "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen",
-        "update_fp8_state", "value_and_grad",
+        "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "calibrate", "from_linen",
+        "grad", "to_linen", "update_fp8_state", "value_and_grad",
     },
     "te_jax.ops": {"activation", "gemm", "norm", "quantize", "quantize_interleaved", "rope", "scale_update", "softmax"},
 }

@@ -58,17 +58,16 @@ CONVENTIONS = {
         "NNX builds them before any call",
     ("TransformerLayer", (), ("cross_attention",)):
         "linen creates a decoder's cross attention when init sees encoded; NNX builds it before any call",
+    ("MultiHeadAttention", (), ("decode",)):
+        "NNX takes decode at construction, as nnx.MultiHeadAttention does (and the call may override it); linen takes "
+        "it per call",
+    ("TransformerLayer", (), ("decode",)):
+        "NNX takes decode at construction, as nnx.MultiHeadAttention does (and the call may override it); linen takes "
+        "it per call",
 }
 
 # (module, option; None for the whole module): (the side that lacks it, what it is).
-KNOWN_GAPS = {
-    ("MultiHeadAttention", "recipe"): ("linen", "an FP8 recipe for the module's GEMMs, overriding autocast's"),
-    ("RelativePositionBiases", None): ("nnx", "T5's relative position biases"),
-    ("TransformerLayer", "enable_relative_embedding"): ("nnx", "T5 relative position biases as the attention bias"),
-    ("TransformerLayer", "relative_embedding_buckets"): ("nnx", "their buckets"),
-    ("TransformerLayer", "relative_embedding_max_distance"): ("nnx", "their max distance"),
-    ("TransformerLayer", "recipe"): ("linen", "an FP8 recipe for every GEMM, overriding autocast's"),
-}
+KNOWN_GAPS: dict = {}
 
 REQUIRED = "<required>"
 _SKIP_LINEN, _SKIP_NNX = {"parent", "name"}, {"self", "rngs"}

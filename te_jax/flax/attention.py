@@ -45,7 +45,6 @@ from te_jax.flax.params import (
   axes,
   context_parallel_axes,
   gather_sequence,
-  is_int,
   logical,
   resolve_deterministic,
   seq_first_to_batch_first,
@@ -61,9 +60,13 @@ from te_jax.fused.attention import (
   layout_for,
 )
 from te_jax.fused.attention_config import check_mask_convention, masked_out
-from te_jax.fused.attention_masks import alibi_bias_at
 from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention, context_parallel_backend
+from te_jax.modules.attention_cache import (append_to_cache, check_fits_cache, decode_mask_and_bias, mark_overflow,
+                                           query_positions)
+from te_jax.modules.relative_position import (check_relative_position_options, relative_position_bias,
+                                              relative_position_bucket)
 from te_jax.ops.rope import apply_rope, rope_frequencies
+from te_jax.recipe import Recipe
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "RelativePositionBiases"]
 
@@ -113,6 +116,8 @@ class DotProductAttention(nn.Module):
     cp_load_balanced: the sequence is in zig-zag order (``te_jax.to_zigzag``), which balances causal attention's
       work over the devices (default True).
     mesh: the mesh of ``context_parallel``; None: the one in context.
+    recipe: an FP8 recipe for this layer, overriding autocast's: with ``fp8_dpa=None``, its ``fp8_dpa`` decides FP8
+      attention.
   """
 
   head_dim: int
@@ -135,6 +140,7 @@ class DotProductAttention(nn.Module):
   cp_strategy: str = "all_gather"
   cp_load_balanced: bool = True
   mesh: Any = None
+  recipe: Recipe | None = None
 
   def _layout(self) -> str:
     return layout_for(self.qkv_layout, self.transpose_batch_sequence)
@@ -170,7 +176,8 @@ class DotProductAttention(nn.Module):
     kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
     if self.context_parallel is not None:
       return context_parallel_backend(*cast, strategy=self.cp_strategy, **kw)
-    return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa_enabled(self.fp8_dpa, *cast, bias, mask, **kw), **kw)
+    fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, *cast, bias, mask, **kw, recipe=self.recipe)
+    return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa, **kw)
 
   @nn.compact
   def __call__(self, query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
@@ -205,7 +212,7 @@ class DotProductAttention(nn.Module):
       return context_parallel_attention(query, key, value, mask=mask, axis=self.context_parallel, mesh=self.mesh,
                                         strategy=self.cp_strategy, load_balanced=self.cp_load_balanced,
                                         **context_parallel_axes(), **kw)
-    fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw)
+    fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw, recipe=self.recipe)
     return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
 
 
@@ -236,20 +243,10 @@ class RelativePositionBiases(nn.Module):
 
   @staticmethod
   def bucket(relative_position: np.ndarray, *, bidirectional: bool, num_buckets: int, max_distance: int) -> np.ndarray:
-    """The bucket of each ``key_position - query_position`` (numpy; static shapes only).
-
-    T5's scheme (Raffel et al. 2020, section 2.1): bidirectional, keys after the query take the upper half of the
-    buckets; unidirectional, keys after the query share bucket 0. Within a half, the first quarter of the buckets
-    hold one distance each, the rest cover the distances up to ``max_distance`` in logarithmically growing ranges,
-    and farther distances fall into the last bucket."""
-    rel = np.asarray(relative_position)
-    half = num_buckets // 2 if bidirectional else num_buckets
-    offset = np.where(rel > 0, half, 0).astype(rel.dtype) if bidirectional else 0
-    distance = np.abs(rel) if bidirectional else np.maximum(-rel, 0)
-    exact = half // 2
-    log_ratio = np.log(np.maximum(distance, exact) / exact) / np.log(max_distance / exact)
-    far = np.minimum(exact + (log_ratio * (half - exact)).astype(rel.dtype), half - 1)
-    return offset + np.where(distance < exact, distance, far)
+    """The bucket of each ``key_position - query_position`` (numpy; static shapes only): T5's scheme, see
+    ``te_jax.modules.relative_position.relative_position_bucket``."""
+    return relative_position_bucket(relative_position, bidirectional=bidirectional, num_buckets=num_buckets,
+                                    max_distance=max_distance)
 
   @nn.compact
   def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True,
@@ -259,42 +256,11 @@ class RelativePositionBiases(nn.Module):
     ``q_offset`` (may be traced, in ``[0, k_seqlen - q_seqlen]``): the queries are at positions ``q_offset + t``, as
     when decoding with a KV cache of ``k_seqlen`` keys; default 0.
     """
-    if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 4:
-      raise ValueError(f"num_buckets must be >= 4 and max_distance > num_buckets / 4, got {self.num_buckets} and "
-                       f"{self.max_distance}")
-    if not (is_int(q_seqlen) and is_int(k_seqlen) and q_seqlen > 0 and k_seqlen > 0):
-      raise ValueError(f"q_seqlen and k_seqlen must be positive ints, got {q_seqlen!r} and {k_seqlen!r}")
-    if q_offset is not None and q_seqlen > k_seqlen:
-      raise ValueError(f"with q_offset, q_seqlen={q_seqlen} must be at most k_seqlen={k_seqlen}")
-    # The bias depends on key - query only: one value per head for each relative position (a one-hot matmul of that
-    # size, exact), laid out as (q, k) by _diagonals. No (q, k, buckets) one-hot, and the table's gradient is a sum
-    # over diagonals and buckets in a fixed order (no scatter). With an offset, every position a query can have
-    # (-(k - 1) .. k - 1), then the q + k - 1 of this offset.
-    lowest = 1 - (k_seqlen if q_offset is not None else q_seqlen)
-    relative = np.arange(lowest, k_seqlen, dtype=np.int32)
-    buckets = self.bucket(relative, bidirectional=bidirectional, num_buckets=self.num_buckets,
-                          max_distance=self.max_distance)
+    check_relative_position_options(self.num_buckets, self.max_distance, self.num_attention_heads)
     table = self.param("rel_embedding", logical(self.embedding_init, self.embedding_axes),
                        (self.num_attention_heads, self.num_buckets), jnp.float32)
-    one_hot = jnp.asarray(np.eye(self.num_buckets, dtype=np.float32)[buckets])  # (relative positions, buckets)
-    per_relative = jnp.einsum("hb,rb->hr", table, one_hot)
-    if q_offset is not None:  # relative position j - (q_offset + t) sits at index j - q_offset - t + k - 1
-      start = k_seqlen - q_seqlen - jnp.asarray(q_offset, jnp.int32)
-      per_relative = jax.lax.dynamic_slice_in_dim(per_relative, start, q_seqlen + k_seqlen - 1, axis=-1)
-    return _diagonals(per_relative, q_seqlen, k_seqlen)[None].astype(self.dtype)
-
-
-def _diagonals(per_relative: jax.Array, q: int, k: int) -> jax.Array:
-  """``out[..., i, j] = per_relative[..., j - i + q - 1]`` for ``per_relative`` of length ``q + k - 1``: row i is the
-  window starting at ``q - 1 - i``, cut from the rows repeated end to end (broadcast, reshape and slices, which XLA
-  fuses into one pass over the output; their transposes are a pad and a sum)."""
-  if q == 1:
-    return per_relative[..., None, :k]
-  lead, length = per_relative.shape[:-1], q + k - 1
-  rows = jnp.broadcast_to(per_relative[..., None, :], (*lead, q, length)).reshape(*lead, q * length)
-  # Flat index q - 1 + i (length - 1) + j is row i, column q - 1 - i + j: the window of row i, read at column j.
-  windows = rows[..., q - 1:q - 1 + q * (length - 1)].reshape(*lead, q, length - 1)
-  return windows[..., :k]
+    return relative_position_bias(table, q_seqlen, k_seqlen, bidirectional=bidirectional,
+                                  max_distance=self.max_distance, q_offset=q_offset, dtype=self.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -334,14 +300,17 @@ class MultiHeadAttention(nn.Module):
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype: the compute dtype (None: the promotion of the input's and ``param_dtype``, as in Flax).
     param_dtype, backend: the parameters' dtype; the attention backend ("auto", "fused", "unfused").
-    fp8_dpa: the attention forward in FP8 (cuDNN); None (default): as the autocast recipe's ``fp8_dpa`` asks, where
-      the configuration allows it.
+    fp8_dpa: the attention forward in FP8 (cuDNN); None (default): as the recipe's ``fp8_dpa`` asks (``recipe``,
+      else autocast's), where the configuration allows it.
     mask_convention: what the call's ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA
       Transformer Engine's), True or nonzero = masked out.
     context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the attention (see
-      ``DotProductAttention``; no KV cache; for cross attention both inputs are sequence-sharded). With ``cp_load_balanced`` the sequence is in zig-zag
-      order, so RoPE needs the call's ``positions`` (``te_jax.zigzag_order(S, cp)``): the default ``arange`` would
-      be wrong, and raises.
+      ``DotProductAttention``; no KV cache; for cross attention both inputs are sequence-sharded). With
+      ``cp_load_balanced`` the sequence is in zig-zag order, so RoPE needs the call's ``positions``
+      (``te_jax.zigzag_order(S, cp)``): the default ``arange`` would be wrong, and raises.
+    recipe: an FP8 recipe for this layer, overriding autocast's: every projection's GEMM (and with ``fp8_dpa=None``
+      the choice of FP8 attention) follows it; a recipe without state (``Float8CurrentScaling``) keeps no FP8 state
+      even under an autocast with ``DelayedScaling``.
   """
 
   head_dim: int
@@ -378,6 +347,7 @@ class MultiHeadAttention(nn.Module):
   cp_strategy: str = "all_gather"
   cp_load_balanced: bool = True
   mesh: Any = None
+  recipe: Recipe | None = None
 
   def _check(self):
     if self.attn_mask_type not in ATTN_MASK_TYPES:
@@ -417,7 +387,8 @@ class MultiHeadAttention(nn.Module):
     backward), else None)."""
     kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
               bias_init=self.bias_init, kernel_axes=self._axes(EMBED, *feature_axes),
-              bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+              bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, recipe=self.recipe,
+              name=name)
     if not with_norm:
       return DenseGeneral(**kw)(self._stream(inputs) if stream else inputs), None, None
     # The norm's layer reads the stream itself (input_axes): its dgrad GEMM then reduce-scatters onto the stream's
@@ -435,9 +406,7 @@ class MultiHeadAttention(nn.Module):
   def _rope(self, q, k, positions, rotary_dim: int, offset):
     """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
     if positions is None:
-      positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-      if offset is not None:
-        positions = positions + offset
+      positions = query_positions(q.shape[1], offset)
     freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), rotary_dim, self.rotary_base)
     rope = functools.partial(apply_rope, freqs=freqs, interleaved=self.rotary_interleaved)
     return rope(q), rope(k)
@@ -451,31 +420,10 @@ class MultiHeadAttention(nn.Module):
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:  # init: the cache takes the shape of this (full-length) input
       return k, v, None
-    batch, max_len, heads, dim = cached_k.value.shape
-    steps = k.shape[1]
-    if k.shape[0] != batch or k.shape[2:] != (heads, dim) or steps > max_len:
-      raise ValueError(f"decode: keys {k.shape} do not fit the cache {cached_k.value.shape}")
+    check_fits_cache(cached_k.value.shape, k.shape)
     i = index.value
-    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, i, 0, 0))
-    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, i, 0, 0))
-    index.value = i + steps
+    cached_k.value, cached_v.value, index.value = append_to_cache(cached_k.value, cached_v.value, i, k, v)
     return cached_k.value, cached_v.value, i
-
-  def _decode_mask_and_bias(self, offset, steps: int, max_len: int, mask, bias, bias_type):
-    """The attention's mask (``mask`` and the result: bool, True = masked out) and bias for ``steps`` queries at
-    positions ``offset + t`` over the ``max_len`` cached keys, with the query positions the attention itself cannot
-    know: causal over the keys filled so far, the sliding window, ALiBi's distances. Returns (mask, bias,
-    bias_type)."""
-    query_pos = offset + jnp.arange(steps)[:, None]
-    key_pos = jnp.arange(max_len)[None, :]
-    masked = key_pos > query_pos  # query t sees the cached keys 0 .. offset + t
-    if self.window_size is not None and self.window_size[0] >= 0:
-      masked = masked | (key_pos < query_pos - self.window_size[0])
-    mask = masked[None, None] if mask is None else jnp.logical_or(mask, masked[None, None])
-    if bias_type == "alibi":
-      bias = alibi_bias_at(self.num_attention_heads, query_pos[:, 0], key_pos[0])
-      bias_type = "post_scale_bias"
-    return mask, bias, bias_type
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
@@ -555,7 +503,9 @@ class MultiHeadAttention(nn.Module):
         q, k = self._rope(q, k, positions, rotary_dim, offset)
       k, v, offset = self._decode_cache(k, v)
       if offset is not None:  # the queries' positions go into an explicit mask (and ALiBi bias)
-        mask, bias, bias_type = self._decode_mask_and_bias(offset, q.shape[1], k.shape[1], mask, bias, bias_type)
+        mask, bias, bias_type = decode_mask_and_bias(offset, q.shape[1], k.shape[1], mask, bias, bias_type,
+                                                     window_size=self.window_size,
+                                                     num_heads=self.num_attention_heads)
         mask_type, window = "arbitrary", None
     elif self.enable_rotary_pos_emb:
       q, k = self._rope(q, k, positions, rotary_dim, None)
@@ -566,14 +516,15 @@ class MultiHeadAttention(nn.Module):
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
         scale_factor=self.scale_factor, window_size=window, backend=self.backend, fp8_dpa=self.fp8_dpa,
         mask_convention="te", context_parallel=self.context_parallel, cp_strategy=self.cp_strategy,
-        cp_load_balanced=self.cp_load_balanced, mesh=self.mesh, name="attention")
+        cp_load_balanced=self.cp_load_balanced, mesh=self.mesh, recipe=self.recipe, name="attention")
     out = self._gathered(attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic), HEADS,
                          HEAD_DIM)
     if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
-      out = jnp.where(offset + q.shape[1] <= k.shape[1], out, jnp.asarray(jnp.nan, out.dtype))
+      out = mark_overflow(out, offset, q.shape[1], k.shape[1])
     out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
                        bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
                        bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
+                       recipe=self.recipe,
                        # the residual stream's sharding (sequence parallel: the projection reduce-scatters onto it)
                        output_axes=self._axes(BATCH, SEQ, ACT_EMBED),
                        name="out")(out, x_passed if pass_input else

@@ -23,6 +23,7 @@ from te_jax.flax.layernorm_mlp import LayerNormMLP
 from te_jax.flax.normalization import LayerNorm
 from te_jax.flax.params import ACT, ACT_EMBED, BATCH, EMBED, HEADS, MLP, SEQ, Initializer, axes, resolve_deterministic
 from te_jax.ops.activation import activation
+from te_jax.recipe import Recipe
 
 __all__ = ["TransformerLayer"]
 
@@ -67,6 +68,9 @@ class TransformerLayer(nn.Module):
       every kernel's initializer (each of q, k and v initialized as a kernel of its own).
     context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the self attention, as in
       MultiHeadAttention (with ``cp_load_balanced`` and RoPE, pass ``positions``).
+    recipe: an FP8 recipe for every GEMM of the layer (and, with ``fp8_dpa=None``, its attention's FP8 choice),
+      overriding autocast's: e.g. ``Float8CurrentScaling()`` keeps no FP8 state under an autocast with
+      ``DelayedScaling``, and ``DelayedScaling()`` makes the layer keep one outside any autocast.
   """
 
   hidden_size: int = 512
@@ -109,6 +113,7 @@ class TransformerLayer(nn.Module):
   cp_strategy: str = "all_gather"
   cp_load_balanced: bool = True
   mesh: Any = None
+  recipe: Recipe | None = None
 
   def _check(self):
     if self.layer_type not in LAYER_TYPES:
@@ -130,7 +135,7 @@ class TransformerLayer(nn.Module):
         rotary_base=self.rotary_base, rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved,
         use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype,
         backend=self.backend, logical_axes=self.logical_axes, fp8_dpa=self.fp8_dpa,
-        mask_convention=self.mask_convention, name=name, **kw)
+        mask_convention=self.mask_convention, recipe=self.recipe, name=name, **kw)
 
   def _axes(self, *names: str | None) -> tuple[str | None, ...]:
     return axes(self.logical_axes, *names)
@@ -169,7 +174,7 @@ class TransformerLayer(nn.Module):
     names = tuple(self.activation_type)
     n_act = 2 if len(names) == 2 else 1
     dense = functools.partial(DenseGeneral, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype,
-                              param_dtype=self.param_dtype)
+                              param_dtype=self.param_dtype, recipe=self.recipe)
     h = dense(features=(n_act, self.intermediate_dim), kernel_axes=self._axes(EMBED, ACT, MLP),
               bias_axes=self._axes(ACT, MLP), name="wi")(x)
     a = activation(h if n_act == 2 else h[..., 0, :], names)
@@ -249,8 +254,7 @@ class TransformerLayer(nn.Module):
                          norm_type=self.norm_type, epsilon=self.epsilon,
                          zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.kernel_init,
                          logical_axes=self.logical_axes, transpose_batch_sequence=self.transpose_batch_sequence,
-                         dtype=self.dtype,
-                         param_dtype=self.param_dtype, name="mlp")
+                         dtype=self.dtype, param_dtype=self.param_dtype, recipe=self.recipe, name="mlp")
       x = self._residual_block(lambda r: mlp(x, deterministic=deterministic, residual=r), x, deterministic)
     if self.output_layernorm:
       x = self._post_ln("mlp_layernorm", x)

@@ -57,6 +57,7 @@ from te_jax.fused.attention_cudnn import (fp8_attention, fp8_attention_support, 
                                           fused_unsupported, native_window)
 from te_jax.fused.attention_masks import band_mask, combine, segment_mask
 from te_jax.fused.attention_unfused import unfused
+from te_jax.recipe import Recipe
 
 __all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "MASK_CONVENTIONS", "QKV_LAYOUTS",
            "attention_backend", "backend_report", "dot_product_attention", "fp8_dpa_enabled", "layout_for",
@@ -239,13 +240,13 @@ def backend_report() -> dict[str, dict[str, str]]:
 
 
 
-def fp8_dpa_enabled(fp8_dpa: bool | None, *args, **kwargs) -> bool:
-  """A layer's FP8 attention or not: ``fp8_dpa`` when given; for None, what the autocast recipe's ``fp8_dpa`` asks,
-  where ``dot_product_attention(*args, fp8_dpa=True, **kwargs)`` accepts the configuration (shapes and dtypes are
-  read)."""
+def fp8_dpa_enabled(fp8_dpa: bool | None, *args, recipe: Recipe | None = None, **kwargs) -> bool:
+  """A layer's FP8 attention or not: ``fp8_dpa`` when given; for None, what the layer's ``recipe`` (else autocast's)
+  asks with its ``fp8_dpa``, where ``dot_product_attention(*args, fp8_dpa=True, **kwargs)`` accepts the
+  configuration (shapes and dtypes are read)."""
   if fp8_dpa is not None:
     return fp8_dpa
-  recipe = resolve_recipe(None)
+  recipe = resolve_recipe(recipe)
   if recipe is None or not recipe.fp8_dpa:
     return False
   try:

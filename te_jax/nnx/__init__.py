@@ -3,6 +3,7 @@ variables, kept current by ``value_and_grad`` / ``grad``."""
 
 from te_jax.nnx.attention import DotProductAttention as DotProductAttention
 from te_jax.nnx.attention import MultiHeadAttention as MultiHeadAttention
+from te_jax.nnx.attention import RelativePositionBiases as RelativePositionBiases
 from te_jax.nnx.convert import from_linen as from_linen
 from te_jax.nnx.convert import to_linen as to_linen
 from te_jax.nnx.dense import DenseGeneral as DenseGeneral
@@ -19,6 +20,6 @@ from te_jax.nnx.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
     "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm", "LayerNormDenseGeneral",
-    "LayerNormMLP", "MultiHeadAttention", "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen",
-    "update_fp8_state", "value_and_grad",
+    "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "calibrate", "from_linen",
+    "grad", "to_linen", "update_fp8_state", "value_and_grad",
 ]

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax.flax.params import ACT, EMBED, MLP, Initializer, axes
-from te_jax.nnx.attention import MultiHeadAttention
+from te_jax.flax.params import ACT, EMBED, HEADS, MLP, Initializer, axes
+from te_jax.modules.attention_cache import check_fits_cache, require_cache
+from te_jax.nnx.attention import MultiHeadAttention, RelativePositionBiases
 from te_jax.nnx.dense import DenseGeneral
 from te_jax.nnx.layernorm import LayerNorm, LayerNormMLP
 from te_jax.nnx.params import resolve_deterministic
@@ -34,22 +35,40 @@ class TransformerLayer(nnx.Module):
   >>> layer(jnp.ones((2, 8, 64), jnp.bfloat16)).shape, layer.mlp.wi_kernel.shape
   ((2, 8, 64), (64, 1, 128))
 
+  Decoding with the self attention's KV cache (``init_cache`` first):
+
+  >>> layer = te_nnx.TransformerLayer(64, 128, 4, layer_type="decoder", enable_relative_embedding=True, decode=True,
+  ...                                 rngs=nnx.Rngs(0))
+  >>> layer.init_cache((2, 8, 64))
+  >>> x = jnp.ones((2, 8, 64))
+  >>> layer(x[:, :3]).shape, layer(x[:, 3:4]).shape, int(layer.self_attention.cache_index[...])
+  ((2, 3, 64), (2, 1, 64), 4)
+
   Differences from linen: the cross attention of a decoder exists when ``cross_attention=True`` (linen creates it
-  when ``init`` sees ``encoded``), and then every call takes ``encoded``; no KV cache (``decode``) and no relative
-  position embedding. ``logical_axes=True`` puts the logical axis names on the parameters as ``out_sharding``
-  metadata; the residual stream's sharding constraint stays linen's.
+  when ``init`` sees ``encoded``), and then every call takes ``encoded``; the KV cache is made by ``init_cache``
+  (linen's by ``init`` with ``decode=True``). ``logical_axes=True`` puts the logical axis names on the parameters as
+  ``out_sharding`` metadata; the residual stream's sharding constraint stays linen's.
 
   Args:
     hidden_size, intermediate_dim, num_attention_heads, and the keywords: te_jax.flax.TransformerLayer's attributes.
     cross_attention: a decoder's attention over ``encoded``.
-    recipe: an FP8 recipe for every GEMM, overriding autocast's.
+    enable_relative_embedding: add T5 relative position biases (the ``relpos_bias`` RelativePositionBiases, with
+      ``relative_embedding_buckets`` buckets and ``relative_embedding_max_distance``; bidirectional in an encoder)
+      to the self attention's logits, as its post-scale bias; not with another ``self_attn_bias_type``.
+    relative_embedding_buckets, relative_embedding_max_distance: those biases' buckets and max distance.
+    decode: use and update the self attention's KV cache in every call (the call's ``decode`` takes precedence);
+      call ``init_cache`` first. The relative biases and RoPE see the tokens at their positions in the cache.
+    recipe: an FP8 recipe for every GEMM (and, with ``fp8_dpa=None``, the attention's FP8 choice), overriding
+      autocast's.
     rngs: the ``params`` stream, and with dropout the ``dropout_rng_name`` stream.
   """
 
   def __init__(self, hidden_size: int = 512, intermediate_dim: int = 2048, num_attention_heads: int = 8, *,
                head_dim: int | None = None, num_gqa_groups: int | None = None, layer_type: str = "encoder",
                cross_attention: bool = False, self_attn_mask_type: str | None = None,
-               self_attn_bias_type: str | None = None, norm_type: str = "layernorm", epsilon: float = 1e-6,
+               self_attn_bias_type: str | None = None, enable_relative_embedding: bool = False,
+               relative_embedding_buckets: int = 32, relative_embedding_max_distance: int = 128,
+               norm_type: str = "layernorm", epsilon: float = 1e-6,
                zero_centered_gamma: bool = False, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                intermediate_dropout: float = 0.0, dropout_rng_name: str = "dropout",
                activation_type: Sequence[str] = ("gelu",), use_bias: bool = False,
@@ -61,7 +80,8 @@ class TransformerLayer(nnx.Module):
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                backend: str = "auto", logical_axes: bool = False, fp8_dpa: bool | None = None,
                mask_convention: str = "flax", context_parallel: str | None = None, cp_strategy: str = "all_gather",
-               cp_load_balanced: bool = True, mesh: Any = None, recipe: Recipe | None = None, rngs: nnx.Rngs):
+               cp_load_balanced: bool = True, mesh: Any = None, decode: bool = False, recipe: Recipe | None = None,
+               rngs: nnx.Rngs):
     if layer_type not in ("encoder", "decoder"):
       raise ValueError(f"layer_type must be one of ('encoder', 'decoder'), got {layer_type!r}")
     if cross_attention and layer_type != "decoder":
@@ -71,13 +91,23 @@ class TransformerLayer(nnx.Module):
                        "give head_dim")
     if apply_residual_connection_post_layernorm and output_layernorm:
       raise ValueError("apply_residual_connection_post_layernorm is a pre-LN option; output_layernorm=True is post-LN")
+    if enable_relative_embedding and self_attn_bias_type not in (None, "post_scale_bias"):
+      raise ValueError(f"enable_relative_embedding=True makes the relative biases the self attention's bias; "
+                       f"self_attn_bias_type={self_attn_bias_type!r} asks for another")
     self.hidden_size, self.layer_type, self.hidden_dropout = hidden_size, layer_type, hidden_dropout
+    self.transpose_batch_sequence = transpose_batch_sequence
     self.attention_dropout, self.intermediate_dropout = attention_dropout, intermediate_dropout
     self.post_residual, self.output_layernorm = apply_residual_connection_post_layernorm, output_layernorm
     self.dtype, self.param_dtype, self.deterministic = dtype, param_dtype, deterministic
     self.activation_type = tuple(activation_type)
     ax = functools.partial(axes, logical_axes)
     self.mask_type = self_attn_mask_type or ("causal" if layer_type == "decoder" else "padding")
+    self.enable_relative_embedding = enable_relative_embedding
+    if enable_relative_embedding:
+      self.relpos_bias = RelativePositionBiases(relative_embedding_buckets, relative_embedding_max_distance,
+                                                num_attention_heads, embedding_axes=ax(HEADS, None),
+                                                dtype=jnp.float32, rngs=rngs)
+      self_attn_bias_type = "post_scale_bias"
     mha = functools.partial(
         MultiHeadAttention, hidden_size, head_dim or hidden_size // num_attention_heads, num_attention_heads,
         num_gqa_groups=num_gqa_groups, attention_dropout=attention_dropout, dropout_rng_name=dropout_rng_name,
@@ -91,7 +121,7 @@ class TransformerLayer(nnx.Module):
     self.self_attention = mha(attn_mask_type=self.mask_type, attn_bias_type=self_attn_bias_type,
                               enable_rotary_pos_emb=enable_rotary_pos_emb, window_size=window_size,
                               context_parallel=context_parallel, cp_strategy=cp_strategy,
-                              cp_load_balanced=cp_load_balanced, mesh=mesh)
+                              cp_load_balanced=cp_load_balanced, mesh=mesh, decode=decode)
     norm = functools.partial(LayerNorm, hidden_size, norm_type=norm_type, epsilon=epsilon,
                              zero_centered_gamma=zero_centered_gamma, scale_axes=ax(EMBED), bias_axes=ax(EMBED),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -122,6 +152,27 @@ class TransformerLayer(nnx.Module):
     self.dropout = nnx.Dropout(hidden_dropout, rng_collection=dropout_rng_name,
                                rngs=rngs if hidden_dropout > 0 else None)
 
+  @property
+  def decode(self) -> bool:
+    """Whether calls use the self attention's KV cache by default (the constructor's ``decode``)."""
+    return self.self_attention.decode
+
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None) -> None:
+    """Creates (or empties) the self attention's KV cache: see ``MultiHeadAttention.init_cache`` (``input_shape``:
+    the inputs' shape at the full length the cache holds)."""
+    self.self_attention.init_cache(input_shape, dtype)
+
+  def _relative_bias(self, x, decode: bool):
+    """The relative position biases of the self attention: over this input's positions, or when decoding, of the
+    queries at the cache index over every key the cache holds."""
+    seq_axis = 0 if self.transpose_batch_sequence else 1
+    length, bidirectional = x.shape[seq_axis], self.layer_type == "encoder"
+    if not decode:
+      return self.relpos_bias(length, length, bidirectional=bidirectional)
+    attn = self.self_attention
+    cache_shape = attn.cached_key.shape
+    return self.relpos_bias(length, cache_shape[1], bidirectional=bidirectional, q_offset=attn.cache_index[...])
+
   def _dropout_add(self, y, residual, deterministic: bool):
     return self.dropout(y, deterministic=deterministic).astype(residual.dtype) + residual
 
@@ -142,8 +193,10 @@ class TransformerLayer(nnx.Module):
 
   def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
                encoder_decoder_mask: jax.Array | None = None, *, segment_ids=None,
-               positions: jax.Array | None = None, deterministic: bool | None = None) -> jax.Array:
-    """As te_jax.flax.TransformerLayer's call (without ``decode``)."""
+               positions: jax.Array | None = None, deterministic: bool | None = None,
+               decode: bool | None = None) -> jax.Array:
+    """As te_jax.flax.TransformerLayer's call; ``decode`` (None: the constructor's) uses and updates the self
+    attention's KV cache of ``init_cache``."""
     deterministic = resolve_deterministic(self, deterministic, hidden_dropout=self.hidden_dropout,
                                           attention_dropout=self.attention_dropout,
                                           intermediate_dropout=self.intermediate_dropout)
@@ -156,9 +209,16 @@ class TransformerLayer(nnx.Module):
     if mask_type in ("padding", "padding_causal") and attention_mask is None and segment_ids is None:
       mask_type = "no_mask" if mask_type == "padding" else "causal"
     attn = self.self_attention
+    decode = attn.decode if decode is None else decode
+    if decode:  # checked here, before the relative biases read the cache
+      require_cache(attn.cache_index is not None)
+      batch_first = (inputs.shape[1], inputs.shape[0]) if self.transpose_batch_sequence else inputs.shape[:2]
+      check_fits_cache(attn.cached_key.shape, (*batch_first, attn.kv_heads, attn.head_dim), "inputs")
     x = inputs
-    kw = dict(segment_ids=segment_ids, positions=positions, deterministic=deterministic, attn_mask_type=mask_type)
-    x = self._residual_block(lambda r: attn(x, None, attention_mask, residual=r, **kw), x, deterministic)
+    bias = self._relative_bias(x, decode) if self.enable_relative_embedding else None
+    kw = dict(segment_ids=segment_ids, positions=positions, deterministic=deterministic, attn_mask_type=mask_type,
+              decode=decode)
+    x = self._residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **kw), x, deterministic)
     if self.output_layernorm:
       x = self.self_attention_layernorm(x)
     if encoded is not None:
