@@ -18,6 +18,8 @@ import te_jax.nnx as te_nnx
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling
 
 RECIPES = {"off": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling()}
+# Every recipe in CI's slow step; scripts/test.sh runs delayed scaling, the one with state.
+RECIPE_CASES = [pytest.param(r, marks=() if r == "delayed" else pytest.mark.slow) for r in sorted(RECIPES)]
 
 
 def _bits(a, b, what):
@@ -48,7 +50,7 @@ def _both(linen_layer, nnx_layer_fn, x, recipe_name):
   return variables, model, y_linen, vjp
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("recipe_name", RECIPE_CASES)
 def test_dense_general_same_in_both(recipe_name):
   x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
   _both(te_flax.DenseGeneral((2, 16), dtype=jnp.bfloat16),
@@ -115,7 +117,7 @@ def test_nnx_input_of_other_size_names_in_features():
     model(jnp.ones((4, 24)))
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("recipe_name", RECIPE_CASES)
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
 def test_layernorm_dense_general_same_in_both(recipe_name, norm_type):
   x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
@@ -159,7 +161,7 @@ def test_layernorm_dense_general_input_axes_in_both():
   assert dx_linen.sharding.spec == dx_nnx.sharding.spec == stream == jax.sharding.PartitionSpec("data", "model", None)
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("recipe_name", RECIPE_CASES)
 @pytest.mark.parametrize("act", [("gelu",), ("silu", "linear")])
 def test_layernorm_mlp_same_in_both(recipe_name, act):
   x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
