@@ -137,6 +137,17 @@ def assert_f32_equal(actual, expected, what: str = "amax"):
   np.testing.assert_array_equal(actual.view(np.uint32)[~nan], expected.view(np.uint32)[~nan], err_msg=what)
 
 
+def check_per_tensor(q):
+  """``q``, an op's FP8 output, is a per-tensor ``te_jax.QuantizedTensor`` whose transposed copy, when there is one,
+  has the same scale (checked where the values are concrete, not traced under shard_map)."""
+  import te_jax  # noqa: PLC0415 - after XLA_FLAGS
+
+  assert q.mode is te_jax.ScalingMode.PER_TENSOR and q.global_scale_inv is None, q.mode
+  assert (q.data_t is None) == (q.scale_inv_t is None)
+  if q.data_t is not None and not isinstance(q.scale_inv, jax.core.Tracer):
+    assert_f32_equal(q.scale_inv_t, q.scale_inv, what="scale_inv_t")
+
+
 def assert_column_sums_close(dbias, x):
   """``dbias`` is a float32 sum of ``x`` over every dim but the last, in any order.
 

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_jax
-from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal
+from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal, check_per_tensor
 from test_sharding import all_reduces
 from te_jax._core import native
 from te_jax.ops.activation import ActivationConfig, activation_bwd_ref, activation_fwd_ref
@@ -65,10 +65,7 @@ def flat(c: CastOutput) -> Flat:
   transposed copy, when there is one, has the same scale), a high-precision one the array itself."""
   if isinstance(c.out, te_jax.QuantizedTensor):
     q = c.out
-    assert q.mode is te_jax.ScalingMode.PER_TENSOR and q.global_scale_inv is None, q.mode
-    assert (q.data_t is None) == (q.scale_inv_t is None)
-    if q.data_t is not None and not isinstance(q.scale_inv, jax.core.Tracer):  # traced (shard_map): no values
-      assert_f32_equal(q.scale_inv_t, q.scale_inv, what="scale_inv_t")
+    check_per_tensor(q)
     return Flat(q.data, q.data_t, c.amax, c.dbias, q.scale_inv)
   assert c.amax is None, "amax comes with FP8 outputs only"
   return Flat(c.out, None, c.amax, c.dbias)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_jax
-from conftest import F32_U, assert_f32_equal, assert_fp8_equal
+from conftest import F32_U, assert_f32_equal, assert_fp8_equal, check_per_tensor
 from te_jax._core import native
 from te_jax.ops.norm import NormConfig, norm_apply_ref, norm_bwd_ref, norm_fwd_ref, norm_stats_ref
 from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, quantize_ref
@@ -149,10 +149,7 @@ def fwd_flat(o: NormOutput) -> Fwd:
   has the same scale), a high-precision one the array itself."""
   if isinstance(o.out, te_jax.QuantizedTensor):
     q = o.out
-    assert q.mode is te_jax.ScalingMode.PER_TENSOR and q.global_scale_inv is None, q.mode
-    assert (q.data_t is None) == (q.scale_inv_t is None)
-    if q.data_t is not None and not isinstance(q.scale_inv, jax.core.Tracer):  # traced (shard_map): no values
-      assert_f32_equal(q.scale_inv_t, q.scale_inv, what="scale_inv_t")
+    check_per_tensor(q)
     return Fwd(q.data, q.data_t, o.amax, o.mean, o.rsigma, q.scale_inv)
   assert o.amax is None, "amax comes with FP8 outputs only"
   return Fwd(o.out, None, o.amax, o.mean, o.rsigma)
