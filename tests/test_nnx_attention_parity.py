@@ -186,9 +186,8 @@ def test_the_modules_recipe_decides_fp8_attention(monkeypatch):
 
 # ---- RelativePositionBiases ----------------------------------------------------------------------------------------
 
-# (num_buckets, max_distance, heads, q, k, bidirectional, q_offset, dtype) -> sha256 prefixes of the table
-# initialized from key 0 and of the bias of the table normal(key 1) * 3, recorded with the implementation before its
-# math moved to te_jax.modules (both are exact: an initializer's draw, and one table entry per output).
+# (num_buckets, max_distance, heads, q, k, bidirectional, q_offset, dtype) -> sha256 prefix of the table initialized
+# from key 0, recorded with the implementation before its math moved to te_jax.modules.
 RECORDED = {
     (32, 128, 3, 5, 7, True, None, "float32"): "09c3d8788aa3a27dbc6b384b",
     (32, 128, 3, 5, 7, True, None, "bfloat16"): "09c3d8788aa3a27dbc6b384b",
