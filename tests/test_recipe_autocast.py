@@ -5,6 +5,8 @@
 - autocast: the state inside and outside (and nested, and after an exception), the default recipe, bad arguments;
   and the reason it lives in a jax user context: a jitted function traced under one recipe is retraced when called
   outside autocast or under another recipe, and gives that context's numerics, never silently the cached ones.
+- The quantizers' state: the variables a recipe's quantizer declares are those the linen and NNX modules create
+  (names, shapes, dtypes, values, order), and a stateless recipe declares none.
 """
 
 import dataclasses
@@ -19,6 +21,8 @@ from te_jax import recipe
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Format
 from te_jax._core.autocast import AutocastState, get_autocast_state
 from te_jax._core.scaling import ScaleState
+from te_jax.fused.linear import keeps_state
+from te_jax.fused.quantizer import DenseFp8Meta, quantizer_for, state_combine
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -297,3 +301,61 @@ def test_enabled_false_is_plain_math_in_a_flax_module():
   assert set(variables) == {"params"}  # no FP8 state when FP8 is off
   reference = nn.DenseGeneral(16).apply(variables, x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(reference))
+
+
+# ---- the quantizers' state -----------------------------------------------------------------------------------------
+
+
+def _held(pairs):
+  """``(name, shape, dtype, value)`` of each variable, in order."""
+  return [(name, tuple(v.shape), jnp.dtype(v.dtype), np.asarray(v).tolist()) for name, v in pairs]
+
+
+def _declared(quantizer, prefixes=("",)):
+  return [(p + v.name, v.shape, jnp.dtype(v.dtype), np.asarray(v.init(v.shape, v.dtype)).tolist())
+          for p in prefixes for v in quantizer.state_variables]
+
+
+def test_delayed_scaling_declares_the_state_the_modules_create():
+  import te_jax.flax as te_flax
+  import te_jax.nnx as te_nnx
+  from flax import nnx
+
+  r = DelayedScaling(amax_history_len=8)
+  quantizer = quantizer_for(r)
+  # The checkpoint layout: these names, in this order, a history of amax_history_len and a scalar per tensor.
+  assert [(v.name, v.shape) for v in quantizer.state_variables] == [
+      (f"{t}_{kind}", shape) for t in ("x", "kernel", "grad") for kind, shape in (("amax_history", (8,)),
+                                                                                   ("scale", ()))]
+  assert [v.combine for v in quantizer.state_variables] == ["max", "min"] * 3
+  assert all(state_combine(v.name) == v.combine for v in quantizer.state_variables)
+  assert quantizer_for(r, calibrating=True).state_variables == quantizer.state_variables
+  assert quantizer.stateful and keeps_state(r)
+  x = jnp.ones((16, 32))
+  with te_jax.autocast(enabled=True, recipe=r):
+    linen = te_flax.DenseGeneral(16).init(jax.random.key(0), x)[te_jax.FP8_COLLECTION]
+    linen_mlp = te_flax.LayerNormMLP(64).init(jax.random.key(0), x)[te_jax.FP8_COLLECTION]
+    layer = te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0))
+    mlp = te_nnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
+  fp8_attributes = lambda m: [(n, v[...]) for n, v in vars(m).items() if isinstance(v, te_nnx.Fp8State)]  # noqa: E731
+  assert _held(linen.items()) == _held(fp8_attributes(layer)) == _declared(quantizer)
+  assert _held(linen_mlp.items()) == _held(fp8_attributes(mlp)) == _declared(quantizer, ("wi_", "wo_"))
+  meta = quantizer.state_meta([linen[v.name] for v in quantizer.state_variables])
+  assert isinstance(meta, DenseFp8Meta)
+  assert jax.tree.all(jax.tree.map(jnp.array_equal, meta, DenseFp8Meta.create(8)))
+
+
+def test_a_stateless_recipe_declares_no_state():
+  import te_jax.flax as te_flax
+  import te_jax.nnx as te_nnx
+  from flax import nnx
+
+  r = Float8CurrentScaling()
+  quantizer = quantizer_for(r)
+  assert quantizer.state_variables == () and not quantizer.stateful and not keeps_state(r) and not keeps_state(None)
+  with pytest.raises(TypeError, match="keeps no state"):
+    quantizer.state_meta([])
+  x = jnp.ones((16, 32))
+  with te_jax.autocast(enabled=True, recipe=r):
+    assert set(te_flax.DenseGeneral(16).init(jax.random.key(0), x)) == {"params"}
+    assert not jax.tree.leaves(nnx.state(te_nnx.DenseGeneral(32, 16, rngs=nnx.Rngs(0)), te_nnx.Fp8State))

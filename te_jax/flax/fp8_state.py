@@ -1,5 +1,5 @@
-"""The FP8 state of a module: delayed-scaling amax histories and scales in the ``_overwrite_with_gradient``
-collection.
+"""The FP8 state of a module: the variables its recipe's quantizer declares (delayed scaling's amax histories and
+scales) in the ``_overwrite_with_gradient`` collection.
 
 ``dense`` returns the updated state as the gradient of these variables, and
 ``flax.training.train_state.TrainState.apply_gradients`` writes gradients of this collection over the variables
@@ -16,64 +16,58 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax._core import scaling
 from te_jax._core.autocast import calibration_pass, resolve_recipe
 from te_jax._core.jax_compat import differentiated_from_outside
 from te_jax._core.scaling import FP8_COLLECTION
 from te_jax.fused.linear import keep_state, keeps_state
-from te_jax.fused.quantizer import DenseFp8Meta
+from te_jax.fused.quantizer import Quantizer, quantizer_for, state_combine
 from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
-from te_jax.recipe import DelayedScaling, Recipe
+from te_jax.recipe import Recipe
 
 __all__ = ["accumulate_gradients", "calibrate", "fp8_state", "split_fp8_state"]
 
 
-_ROLES = ("x", "kernel", "grad")
-
-
 def fp8_state(module: nn.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
-  """The delayed-scaling state of each GEMM of ``module`` (one per prefix), declared at init: ``(x, metas)``.
+  """The state of each GEMM of ``module`` (one per prefix) under ``recipe``, declared at init: ``(x, metas)``.
 
-  Variables: ``{prefix}{x,kernel,grad}_amax_history`` (float32, ``amax_history_len``) and
-  ``{prefix}{x,kernel,grad}_scale`` (float32 scalar). Under a recipe without state (current scaling, or FP8 off) the
-  metas are None, and a state the variables hold anyway is tied to the input ``x``, so the step hands it back
-  unchanged as its gradient instead of a zero that ``TrainState.apply_gradients`` would write over it.
+  Variables: ``{prefix}{name}`` for each of the variables the recipe's quantizer declares
+  (``Quantizer.state_variables``; under ``DelayedScaling``, ``{prefix}{x,kernel,grad}_amax_history``, float32 of
+  ``amax_history_len``, and ``{prefix}{x,kernel,grad}_scale``, float32 scalars). Under a recipe without state
+  (current scaling, or FP8 off) the metas are None, and a state the variables hold anyway is tied to the input ``x``,
+  so the step hands it back unchanged as its gradient instead of a zero that ``TrainState.apply_gradients`` would
+  write over it.
   """
   if not keeps_state(recipe):
     return _keep_state(module, x, prefixes), (None,) * len(prefixes)
-  return x, tuple(_meta(module, recipe, prefix) for prefix in prefixes)
+  quantizer = quantizer_for(recipe)
+  return x, tuple(_meta(module, recipe, quantizer, prefix) for prefix in prefixes)
 
 
-def _meta(module: nn.Module, recipe: DelayedScaling, prefix: str) -> DenseFp8Meta:
-  names = [f"{prefix}{role}_{kind}" for role in _ROLES for kind in ("amax_history", "scale")]
-  present = [module.has_variable(FP8_COLLECTION, n) for n in names]
+def _meta(module: nn.Module, recipe: Recipe, quantizer: Quantizer, prefix: str):
+  declared = quantizer.state_variables
+  present = [module.has_variable(FP8_COLLECTION, prefix + var.name) for var in declared]
   if not all(present) and not (module.is_initializing() or module.is_mutable_collection(FP8_COLLECTION)):
-    where = "no" if not any(present) else "an incomplete"
+    where, name = "no" if not any(present) else "an incomplete", type(recipe).__name__
     raise ValueError(
-        f"{_where(module)}: DelayedScaling needs this layer's FP8 state, and the variables have "
+        f"{_where(module)}: {name} needs this layer's FP8 state, and the variables have "
         f"{where} {FP8_COLLECTION!r} collection (te_jax.FP8_COLLECTION). Initialize the model inside "
-        "te_jax.autocast(enabled=True, recipe=DelayedScaling()) and pass the whole variables dict (params and FP8 "
+        f"te_jax.autocast(enabled=True, recipe={name}()) and pass the whole variables dict (params and FP8 "
         "state) to apply; under nn.scan, list the collection in variable_axes. To run without that state, use "
         "Float8CurrentScaling or autocast(enabled=False).")
-  states = []
-  for role in _ROLES:
-    history = module.variable(FP8_COLLECTION, f"{prefix}{role}_amax_history", jnp.zeros,
-                              (recipe.amax_history_len,), jnp.float32)
-    scale = module.variable(FP8_COLLECTION, f"{prefix}{role}_scale", jnp.ones, (), jnp.float32)
-    if differentiated_from_outside(history.value):
+  values = []
+  for var in declared:
+    value = module.variable(FP8_COLLECTION, prefix + var.name, var.init, var.shape, var.dtype).value
+    if differentiated_from_outside(value):
       raise ValueError(
           f"{_where(module)}: this layer's FP8 state is shared by the iterations of a loop or "
           f"the examples of a vmap (nn.scan's variable_broadcast, or nn.vmap's variable_axes None, holding "
           f"{FP8_COLLECTION!r}), and autodiff would add their state updates (summed amaxes and scales). Give each "
           f"iteration its own state: list te_jax.FP8_COLLECTION in variable_axes ({{te_jax.FP8_COLLECTION: 0}}), "
           "as for per-layer params; under nn.vmap over examples, apply the module to the whole batch instead.")
-    if history.value.shape != (recipe.amax_history_len,):
-      raise ValueError(
-          f"{module.name}: {prefix}{role}_amax_history has shape {history.value.shape}, but the recipe's "
-          f"amax_history_len is {recipe.amax_history_len}"
-      )
-    states.append(scaling.ScaleState(_max_grad_view(module, history.value), _min_grad_view(module, scale.value)))
-  return DenseFp8Meta(*states)
+    if value.shape != var.shape:
+      raise ValueError(f"{_where(module)}: {var.wrong_shape(prefix + var.name, value.shape)}")
+    values.append(_VIEWS[var.combine](module, value))
+  return quantizer.state_meta(values)
 
 
 def _where(module: nn.Module) -> str:
@@ -81,13 +75,13 @@ def _where(module: nn.Module) -> str:
 
 
 def _keep_state(module: nn.Module, x, prefixes):
-  """``x``, tied to the FP8 state ``module``'s variables hold for ``prefixes`` (if any) by ``keep_state``."""
-  views = []
-  for prefix in prefixes:
-    for role in _ROLES:
-      for kind, view in (("amax_history", _max_grad_view), ("scale", _min_grad_view)):
-        if module.has_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}"):
-          views.append(view(module, module.get_variable(FP8_COLLECTION, f"{prefix}{role}_{kind}")))
+  """``x``, tied by ``keep_state`` to the FP8 state ``module``'s variables hold for ``prefixes`` (if any): each
+  variable of its FP8 collection under one of the prefixes that is a state variable (``state_combine``), whichever
+  recipe declared it."""
+  held = [name for name, value in module.variables.get(FP8_COLLECTION, {}).items()
+          if not isinstance(value, Mapping) and state_combine(name) is not None]
+  views = [_VIEWS[state_combine(name)](module, module.get_variable(FP8_COLLECTION, name))
+           for prefix in prefixes for name in held if name.startswith(prefix)]
   return keep_state(x, tuple(views)) if views else x
 
 
@@ -188,12 +182,10 @@ def accumulate_gradients(total, grads):
   def combine(path, a, b):
     if not any(getattr(k, "key", None) == FP8_COLLECTION for k in path):
       return a + b
-    name = str(getattr(path[-1], "key", ""))
-    if name.endswith("_amax_history"):
-      return jnp.maximum(a, b)
-    if name.endswith("_scale"):
-      return jnp.minimum(a, b)
-    raise ValueError(f"accumulate_gradients: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
+    how = state_combine(str(getattr(path[-1], "key", "")))
+    if how is None:
+      raise ValueError(f"accumulate_gradients: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
+    return jnp.maximum(a, b) if how == "max" else jnp.minimum(a, b)
 
   return jax.tree_util.tree_map_with_path(combine, total, grads)
 
@@ -221,3 +213,7 @@ def _min_grad_view(module: nn.Module, value):
   """``value`` (a scale) as ``_max_grad_view`` hands it over, but with the updates of several applications
   combined by min (``te_jax.fused.state_grads.from_min_grad_view``)."""
   return from_min_grad_view(_max_grad_view(module, value, negated=True))
+
+
+# A state variable's value as the module hands it to the fused ops, by how its updates combine (StateVariable.combine).
+_VIEWS = {"max": _max_grad_view, "min": _min_grad_view}

@@ -2,14 +2,16 @@
 
 A quantizer says how a tensor's scale is found (from a kept state, or from the tensor itself), whether the kernel that
 produces the tensor (a norm, an activation, the quantize of a gradient) can cast it in the same pass, what state it
-keeps between steps and how the backward pass updates that state. ``quantizer_for`` picks the quantizer of a recipe,
-the one place that looks at the recipe's type: the fused ops and the modules ask the quantizer, never the recipe.
+keeps between steps (the variables the linen and NNX modules hold for each GEMM, ``state_variables``) and how the
+backward pass updates that state. ``quantizer_for`` picks the quantizer of a recipe, the one place that looks at the
+recipe's type: the fused ops and the modules ask the quantizer, never the recipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -22,7 +24,8 @@ from te_jax.ops.quantize import amax
 from te_jax.ops.scale_update import update_scale_states
 from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
-__all__ = ["CurrentQuantizer", "DelayedQuantizer", "DenseFp8Meta", "Quantizer", "quantizer_for"]
+__all__ = ["CurrentQuantizer", "DelayedQuantizer", "DenseFp8Meta", "Quantizer", "StateVariable", "quantizer_for",
+           "state_combine"]
 
 
 class DenseFp8Meta(NamedTuple):
@@ -43,6 +46,63 @@ class DenseFp8Meta(NamedTuple):
     return cls(*(scaling.ScaleState.create(history_len) for _ in range(3)))
 
 
+# How the updates of a state variable combine when a step applies its layer several times (shared weights, a module
+# called twice), by the kind its name ends with: amax histories by max, scales by min (the scale of the max-combined
+# history). A quantizer whose state has another kind of variable names it here.
+_COMBINE = {"amax_history": "max", "scale": "min"}
+
+
+def state_combine(name: str) -> str | None:
+  """How the updates of the state variable ``name`` (any GEMM prefix before it: ``wi_x_scale``) combine over the
+  applications of its layer in one step, ``"max"`` or ``"min"``, whichever recipe declared it; None where no
+  quantizer's state has a variable of that kind.
+
+  >>> state_combine("x_amax_history"), state_combine("wo_grad_scale"), state_combine("kernel")
+  ('max', 'min', None)
+  """
+  return next((combine for kind, combine in _COMBINE.items() if name.endswith(f"_{kind}")), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateVariable:
+  """One variable of a GEMM's state, as the linen modules (in ``te_jax.FP8_COLLECTION``) and the NNX modules (an
+  ``Fp8State`` attribute) hold it, under the GEMM's prefix (``wi_``, ``wo_``, or none).
+
+  >>> var = quantizer_for(DelayedScaling(amax_history_len=16)).state_variables[0]
+  >>> var.name, var.shape, var.combine, var.init(var.shape, var.dtype).shape
+  ('x_amax_history', (16,), 'max', (16,))
+
+  Attributes:
+    name: its name after the prefix.
+    shape: its shape in one layer (a state stacked by ``nn.scan`` or ``nnx.vmap`` adds leading dims).
+    dtype: its dtype.
+    init: ``init(shape, dtype)``, its value in a fresh state.
+    shape_from: what in the recipe sets the shape, as an error says it (``"amax_history_len is 16"``); empty where
+      the shape is fixed.
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: jax.typing.DTypeLike
+  init: Callable
+  shape_from: str = ""
+
+  def __post_init__(self):
+    if state_combine(self.name) is None:
+      raise ValueError(f"state variable {self.name!r}: its name ends with none of the kinds {', '.join(_COMBINE)}")
+
+  @property
+  def combine(self) -> str:
+    """How its updates combine over several applications of the layer in a step (``state_combine``)."""
+    return state_combine(self.name)
+
+  def wrong_shape(self, name: str, shape) -> str:
+    """The error for a held value of this variable (``name``, with its prefix) whose shape is ``shape``."""
+    want = (f"the recipe's {self.shape_from}, which gives {self.shape}" if self.shape_from else
+            f"the recipe keeps it at {self.shape}")
+    return f"{name} has shape {tuple(shape)}, but {want}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantizer:
   """The per-tensor quantizer's interface; the subclasses say how the scale is found.
@@ -50,15 +110,30 @@ class Quantizer:
   Attributes:
     recipe: the recipe it quantizes for (its formats and margin).
     mode: the ``ScalingMode`` of the tensors it makes.
-    stateful: it keeps a state per GEMM (``te_jax.DenseFp8Meta``) in the FP8 collection, updated by the backward pass.
+    state_variables: the variables of one GEMM's state, in the order the modules create them (which is the order of
+      the linen collection and of the NNX module's attributes); none where it keeps no state.
+    stateful: it keeps a state per GEMM (``state_variables``), updated by the backward pass.
     fused_cast: the scale is known before the kernel that produces a tensor runs, so that kernel casts it in its own
       pass; otherwise the tensor is written in high precision and quantized by a second pass.
   """
 
   recipe: Recipe
   mode = ScalingMode.PER_TENSOR
-  stateful = False
   fused_cast = False
+
+  @property
+  def state_variables(self) -> tuple[StateVariable, ...]:
+    return ()
+
+  @property
+  def stateful(self) -> bool:
+    return bool(self.state_variables)
+
+  def state_meta(self, values: Sequence[jax.Array]):
+    """The state the fused ops take (``te_jax.DenseFp8Meta`` for delayed scaling) from the values of
+    ``state_variables``, in that order (as the module hands them over: views whose updates combine as
+    ``StateVariable.combine`` says)."""
+    raise TypeError(f"{type(self).__name__} keeps no state")
 
   def check_state(self, states: dict) -> None:
     """Raises unless each of a fused op's state arguments (by name) is what this quantizer needs."""
@@ -101,11 +176,23 @@ class DelayedQuantizer(Quantizer):
   """
 
   calibrating: bool = False
-  stateful = True
 
   @property
   def fused_cast(self) -> bool:
     return not self.calibrating
+
+  @property
+  def state_variables(self) -> tuple[StateVariable, ...]:
+    """For each of the GEMM's input, kernel and output gradient (``DenseFp8Meta``'s fields, in order), its float32
+    amax history (zeros, ``amax_history_len`` long) and its float32 scale (1)."""
+    length = self.recipe.amax_history_len
+    return tuple(v for tensor in DenseFp8Meta._fields for v in (
+        StateVariable(f"{tensor}_amax_history", (length,), jnp.float32, jnp.zeros, f"amax_history_len is {length}"),
+        StateVariable(f"{tensor}_scale", (), jnp.float32, jnp.ones)))
+
+  def state_meta(self, values):
+    histories, scales = values[0::2], values[1::2]
+    return DenseFp8Meta(*(scaling.ScaleState(h, s) for h, s in zip(histories, scales, strict=True)))
 
   def check_state(self, states: dict) -> None:
     for name, state in states.items():

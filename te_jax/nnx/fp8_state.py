@@ -1,5 +1,5 @@
-"""The FP8 state of the NNX modules: delayed-scaling amax histories and scales as ``Fp8State`` variables, and the
-train-step helpers that keep it current.
+"""The FP8 state of the NNX modules: the variables the recipe's quantizer declares (delayed scaling's amax histories
+and scales) as ``Fp8State`` variables, and the train-step helpers that keep it current.
 
 The fused ops return a layer's updated state as the gradient of the state they were given (the backward pass is
 where the output gradient's amax is known). ``value_and_grad`` and ``grad`` are ``nnx.value_and_grad`` and
@@ -18,20 +18,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax._core.autocast import calibration_pass, resolve_recipe
-from te_jax._core.scaling import ScaleState
 from te_jax.fused.linear import keep_state, keeps_state
-from te_jax.fused.quantizer import DenseFp8Meta
+from te_jax.fused.quantizer import quantizer_for
 from te_jax.fused.state_grads import from_min_grad_view, max_grad_view, where_updated
 from te_jax.recipe import Recipe
 
 __all__ = ["Fp8State", "calibrate", "declare_fp8_state", "fp8_metas", "grad", "update_fp8_state", "value_and_grad"]
 
-_ROLES = ("x", "kernel", "grad")
-
 
 class Fp8State(nnx.Variable):
-  """A delayed-scaling amax history or scale of an FP8 GEMM (float32). Not a parameter: the optimizer never sees
-  it; the train step writes its "gradient" (the updated state) over it (``te_jax.nnx.value_and_grad``).
+  """A variable of an FP8 GEMM's state (delayed scaling's amax histories and scales, float32). Not a parameter: the
+  optimizer never sees it; the train step writes its "gradient" (the updated state) over it
+  (``te_jax.nnx.value_and_grad``).
 
   >>> import jax.numpy as jnp, te_jax, te_jax.nnx as te_nnx
   >>> from flax import nnx
@@ -43,48 +41,43 @@ class Fp8State(nnx.Variable):
 
 
 def declare_fp8_state(module: nnx.Module, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
-  """At construction: the ``Fp8State`` variables of each GEMM of ``module`` (one per prefix), named as the linen
-  modules' collection entries: ``{prefix}{x,kernel,grad}_amax_history`` (``amax_history_len``) and
-  ``{prefix}{x,kernel,grad}_scale`` (scalar), when the recipe (the module's own, else autocast's) is
-  ``DelayedScaling``; none otherwise."""
+  """At construction: the ``Fp8State`` variables of each GEMM of ``module`` (one per prefix) that the recipe (the
+  module's own, else autocast's) keeps, named as the linen modules' collection entries: ``{prefix}{name}`` for each
+  variable its quantizer declares (``Quantizer.state_variables``; under ``DelayedScaling``,
+  ``{prefix}{x,kernel,grad}_amax_history`` of ``amax_history_len`` and ``{prefix}{x,kernel,grad}_scale``, scalars);
+  none under a recipe without state."""
   recipe = resolve_recipe(recipe)
   if not keeps_state(recipe):
     return
+  declared = quantizer_for(recipe).state_variables
   for prefix in prefixes:
-    for role in _ROLES:
-      setattr(module, f"{prefix}{role}_amax_history", Fp8State(jnp.zeros((recipe.amax_history_len,), jnp.float32)))
-      setattr(module, f"{prefix}{role}_scale", Fp8State(jnp.ones((), jnp.float32)))
-
-
-def _state_vars(module: nnx.Module, prefix: str):
-  return [(f"{prefix}{role}_{kind}", getattr(module, f"{prefix}{role}_{kind}", None))
-          for role in _ROLES for kind in ("amax_history", "scale")]
+    for var in declared:
+      setattr(module, prefix + var.name, Fp8State(var.init(var.shape, var.dtype)))
 
 
 def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
-  """At call time: ``(x, metas)``, the delayed-scaling state of each GEMM of ``module`` for the fused ops (as
-  ``te_jax.flax``'s layers hand it over). Under a recipe without state (current scaling, FP8 off) the metas are None,
-  and a state the module holds anyway is tied to ``x`` (``keep_state``), so the step hands it back unchanged."""
+  """At call time: ``(x, metas)``, the state of each GEMM of ``module`` for the fused ops (as ``te_jax.flax``'s
+  layers hand it over). Under a recipe without state (current scaling, FP8 off) the metas are None, and a state the
+  module holds anyway (each ``Fp8State`` under one of the prefixes) is tied to ``x`` (``keep_state``), so the step
+  hands it back unchanged."""
   if not keeps_state(recipe):
-    views = [_view(module, name, var) for prefix in prefixes for name, var in _state_vars(module, prefix)
-             if var is not None]
+    views = [_view(module, name, var) for prefix in prefixes for name, var in vars(module).items()
+             if isinstance(var, Fp8State) and name.startswith(prefix)]
     return (keep_state(x, tuple(views)) if views else x), (None,) * len(prefixes)
+  quantizer = quantizer_for(recipe)
   metas = []
   for prefix in prefixes:
-    variables = _state_vars(module, prefix)
-    if not all(isinstance(v, Fp8State) for _, v in variables):
+    held = [(prefix + var.name, var, getattr(module, prefix + var.name, None)) for var in quantizer.state_variables]
+    if not all(isinstance(v, Fp8State) for _, _, v in held):
       raise ValueError(
-          f"{type(module).__name__}: DelayedScaling needs this layer's FP8 state (te_jax.nnx.Fp8State variables), "
-          "and the module has none: construct the model inside te_jax.autocast(enabled=True, "
-          "recipe=DelayedScaling()), or give the module recipe=DelayedScaling(). To run without that state, use "
-          "Float8CurrentScaling or autocast(enabled=False).")
-    history = variables[0][1]
-    if history.shape[-1:] != (recipe.amax_history_len,):
-      raise ValueError(f"{type(module).__name__}: {prefix}x_amax_history has shape {history.shape}, but the "
-                       f"recipe's amax_history_len is {recipe.amax_history_len}")
-    states = [ScaleState(_view(module, h_name, h), from_min_grad_view(_view(module, s_name, s, negated=True)))
-              for (h_name, h), (s_name, s) in zip(variables[0::2], variables[1::2])]
-    metas.append(DenseFp8Meta(*states))
+          f"{type(module).__name__}: {type(recipe).__name__} needs this layer's FP8 state (te_jax.nnx.Fp8State "
+          "variables), and the module has none: construct the model inside te_jax.autocast(enabled=True, "
+          f"recipe={type(recipe).__name__}()), or give the module recipe={type(recipe).__name__}(). To run without "
+          "that state, use Float8CurrentScaling or autocast(enabled=False).")
+    for name, var, v in held:  # its trailing dims (leading ones are a stack's, StateVariable.shape)
+      if v.shape[len(v.shape) - len(var.shape):] != var.shape:
+        raise ValueError(f"{type(module).__name__}: {var.wrong_shape(name, v.shape)}")
+    metas.append(quantizer.state_meta([_handed_over(module, name, v, var.combine) for name, var, v in held]))
   return x, tuple(metas)
 
 
@@ -101,6 +94,14 @@ def _view(module: nnx.Module, name: str, var: Fp8State, negated: bool = False):
   if cached is None or cached[0] is not value:
     cached = views[name] = (value, max_grad_view(value, negated))
   return cached[1]
+
+
+def _handed_over(module: nnx.Module, name: str, var: Fp8State, combine: str):
+  """``var``'s value for the fused ops, its updates over several applications combined by ``combine`` (max, or min
+  through a negated view)."""
+  if combine == "max":
+    return _view(module, name, var)
+  return from_min_grad_view(_view(module, name, var, negated=True))
 
 
 def update_fp8_state(model, grads: nnx.State) -> nnx.State:
