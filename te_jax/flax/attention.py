@@ -23,7 +23,6 @@ The index is a traced value, so appending past the cache's length cannot raise i
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -31,46 +30,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.flax.dense import DenseGeneral
-from te_jax.flax.layernorm_dense import LayerNormDenseGeneral
-from te_jax.flax.params import (
-  ACT_EMBED,
-  BATCH,
-  EMBED,
-  HEAD_DIM,
-  HEADS,
-  QKV,
-  SEQ,
-  Initializer,
-  axes,
-  context_parallel_axes,
-  gather_sequence,
-  logical,
-  resolve_deterministic,
-  seq_first_to_batch_first,
-  stream_input,
-)
-from te_jax.fused.attention import (
-  ATTN_MASK_TYPES,
-  QKV_LAYOUTS,
-  AttentionBackend,
-  attention_backend,
-  dot_product_attention,
-  fp8_dpa_enabled,
-  layout_for,
-)
-from te_jax.fused.attention_config import check_mask_convention, masked_out
-from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention, context_parallel_backend
-from te_jax.modules.attention_cache import (append_to_cache, check_fits_cache, decode_mask_and_bias, mark_overflow,
-                                           query_positions)
-from te_jax.modules.relative_position import (check_relative_position_options, relative_position_bias,
-                                              relative_position_bucket)
-from te_jax.ops.rope import apply_rope, rope_frequencies
+from te_jax.flax.params import resolve_deterministic
+from te_jax.flax.scope import LinenKVCache, LinenScope, builds, options_of
+from te_jax.fused.attention import AttentionBackend
+from te_jax.modules.attention import (DotProductAttentionOptions, MultiHeadAttentionOptions,
+                                      RelativePositionBiasesOptions, attention_backend_for,
+                                      dot_product_attention_block, dot_product_attention_params, multi_head_attention,
+                                      relative_position_biases)
+from te_jax.modules.axes import Initializer
+from te_jax.modules.relative_position import relative_position_bucket
 from te_jax.recipe import Recipe
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "RelativePositionBiases"]
 
 
+@builds(DotProductAttentionOptions)
 class DotProductAttention(nn.Module):
   """Scaled dot-product attention over already-projected q, k, v (see ``te_jax.dot_product_attention``).
 
@@ -142,47 +116,18 @@ class DotProductAttention(nn.Module):
   mesh: Any = None
   recipe: Recipe | None = None
 
-  def _layout(self) -> str:
-    return layout_for(self.qkv_layout, self.transpose_batch_sequence)
-
-  def _check_heads(self, query, key, value, layout: str):
-    packing = QKV_LAYOUTS[layout][1]
-    q_heads, q_dim = query.shape[-2:]
-    kv = query if packing == "qkv" else key
-    kv_heads = None if kv is None else kv.shape[-2]
-    expected_kv = self.num_gqa_groups or self.num_attention_heads
-    if q_dim != self.head_dim:
-      raise ValueError(f"head_dim={self.head_dim} but the query's last dim is {q_dim}")
-    if q_heads != self.num_attention_heads:
-      raise ValueError(f"num_attention_heads={self.num_attention_heads} but the query has {q_heads} heads")
-    if kv_heads is not None and kv_heads != expected_kv:
-      raise ValueError(f"num_gqa_groups={self.num_gqa_groups} expects {expected_kv} key/value heads, the key has "
-                       f"{kv_heads}")
-    del value
-
-  def _kwargs(self, layout: str) -> dict:
-    return dict(attn_mask_type=self.attn_mask_type, attn_bias_type=self.attn_bias_type,
-                scale_factor=self.scale_factor, window_size=self.window_size, qkv_layout=layout,
-                backend=self.backend, mask_convention=check_mask_convention(self.mask_convention))
-
   def backend_for(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
                   deterministic: bool | None = None) -> AttentionBackend:
     """Which backend ``__call__`` with these arguments runs on, and why (arrays or ``jax.ShapeDtypeStruct``)."""
-    layout = self._layout()
-    cast = [None if x is None else jax.ShapeDtypeStruct(x.shape, self.dtype or query.dtype)
-            for x in (query, key, value)]
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
-    rate = 0.0 if deterministic else self.attention_dropout
-    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **self._kwargs(layout))
-    if self.context_parallel is not None:
-      return context_parallel_backend(*cast, strategy=self.cp_strategy, **kw)
-    fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, *cast, bias, mask, **kw, recipe=self.recipe)
-    return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa, **kw)
+    return attention_backend_for(options_of(self, DotProductAttentionOptions), query, key, value, mask, bias,
+                                 segment_ids=segment_ids, deterministic=deterministic)
 
   @nn.compact
   def __call__(self, query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
                mask: jax.Array | None = None, bias: jax.Array | None = None, *, segment_ids=None,
-               deterministic: bool | None = None) -> jax.Array:
+               deterministic: bool | None = None, attn_mask_type: str | None = None,
+               attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None) -> jax.Array:
     """Attention of ``query`` over ``key``/``value`` (None where the layout packs them into another argument).
 
     Args:
@@ -192,30 +137,22 @@ class DotProductAttention(nn.Module):
       bias: the post-scale bias, broadcastable to (B, H, T, S).
       segment_ids: (B, S) or (q_ids, kv_ids) packed-sequence ids, 0 = padding.
       deterministic: no dropout.
+      attn_mask_type, attn_bias_type, window_size: this call's, in place of the module's (None: the module's;
+        ``window_size`` (-1, -1): none).
 
     Returns:
       The attention output, shaped as ``query`` (heads and head dim of value).
     """
-    layout = self._layout()
-    kw = self._kwargs(layout)  # checks the attributes before anything is traced
-    self._check_heads(query, key, value, layout)
+    options = options_of(self, DotProductAttentionOptions)
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
-    if self.dtype is not None:
-      query, key, value = (None if x is None else x.astype(self.dtype) for x in (query, key, value))
-    rate = 0.0 if deterministic else self.attention_dropout
-    rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
-    kw = dict(segment_ids=segment_ids, dropout_rate=rate, **kw)
-    if self.context_parallel is not None:
-      check_layer_options(bias=bias, attn_bias_type=self.attn_bias_type, window_size=self.window_size,
-                          fp8_dpa=self.fp8_dpa, transpose_batch_sequence=self.transpose_batch_sequence)
-      del kw["attn_bias_type"], kw["window_size"], kw["mask_convention"]
-      return context_parallel_attention(query, key, value, mask=mask, axis=self.context_parallel, mesh=self.mesh,
-                                        strategy=self.cp_strategy, load_balanced=self.cp_load_balanced,
-                                        **context_parallel_axes(), **kw)
-    fp8_dpa = fp8_dpa_enabled(self.fp8_dpa, query, key, value, bias, mask, **kw, recipe=self.recipe)
-    return dot_product_attention(query, key, value, bias, mask, dropout_rng=rng, fp8_dpa=fp8_dpa, **kw)
+    scope = LinenScope(self)
+    dot_product_attention_params(scope, options)
+    return dot_product_attention_block(scope, options, query, key, value, mask, bias, segment_ids=segment_ids,
+                                       deterministic=deterministic, attn_mask_type=attn_mask_type,
+                                       attn_bias_type=attn_bias_type, window_size=window_size)
 
 
+@builds(RelativePositionBiasesOptions)
 class RelativePositionBiases(nn.Module):
   """T5's relative position biases: a learned scalar per head and log-spaced distance bucket (Raffel et al., 2020).
 
@@ -256,13 +193,11 @@ class RelativePositionBiases(nn.Module):
     ``q_offset`` (may be traced, in ``[0, k_seqlen - q_seqlen]``): the queries are at positions ``q_offset + t``, as
     when decoding with a KV cache of ``k_seqlen`` keys; default 0.
     """
-    check_relative_position_options(self.num_buckets, self.max_distance, self.num_attention_heads)
-    table = self.param("rel_embedding", logical(self.embedding_init, self.embedding_axes),
-                       (self.num_attention_heads, self.num_buckets), jnp.float32)
-    return relative_position_bias(table, q_seqlen, k_seqlen, bidirectional=bidirectional,
-                                  max_distance=self.max_distance, q_offset=q_offset, dtype=self.dtype)
+    return relative_position_biases(LinenScope(self), options_of(self, RelativePositionBiasesOptions), q_seqlen,
+                                    k_seqlen, bidirectional, q_offset)
 
 
+@builds(MultiHeadAttentionOptions)
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: (LayerNorm ->) fused QKV projection -> RoPE -> attention -> output projection.
 
@@ -349,86 +284,11 @@ class MultiHeadAttention(nn.Module):
   mesh: Any = None
   recipe: Recipe | None = None
 
-  def _check(self):
-    if self.attn_mask_type not in ATTN_MASK_TYPES:
-      raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
-    kv_heads = self.num_gqa_groups or self.num_attention_heads
-    if self.num_attention_heads % kv_heads:
-      raise ValueError(f"num_gqa_groups={kv_heads} must divide num_attention_heads={self.num_attention_heads}")
-    if not 0.0 < self.rotary_percent <= 1.0:
-      raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
-    rotary_dim = int(self.head_dim * self.rotary_percent) // 2 * 2
-    if self.enable_rotary_pos_emb and rotary_dim < 2:
-      raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} leaves no feature pair")
-    return kv_heads, rotary_dim
-
-  def _axes(self, *names: str | None) -> tuple[str | None, ...]:
-    return axes(self.logical_axes, *names)
-
-  def _gathered(self, x, *names: str | None):
-    """With ``logical_axes``, ``x`` (batch first) constrained to the batch sharding with its sequence gathered over the
-    tensor-parallel axes (sequence parallelism: every tensor-parallel shard projects its heads over the whole
-    sequence) and kept sharded over any other (context parallelism), its other axes named by ``names``."""
-    if not self.logical_axes:
-      return x
-    return gather_sequence(x, (BATCH, SEQ, *names), 1)
-
-  def _stream(self, x):
-    """With ``logical_axes``, the input ``x`` (batch first, a residual stream) as the projections read it:
-    ``_gathered``, its gradient handed back on the stream's (batch, seq, act_embed) shards."""
-    return stream_input(x, (BATCH, SEQ, ACT_EMBED), 1) if self.logical_axes else x
-
-  def _projection(self, name: str, features: tuple[int, ...], feature_axes: tuple[str | None, ...],
-                  with_norm: bool, want_norm_output: bool, inputs: jax.Array, unstack_axis: int | None = None,
-                  pass_input: bool = False, stream: bool = True):
-    """(LayerNorm ->) a dense projection to ``features`` (unstacked along ``unstack_axis``) of ``inputs`` (batch first;
-    with ``stream``, the module's input, read through ``_stream``); returns (output, the normalized input or None, and
-    with ``pass_input`` and a norm, the input passed through the norm's layer (its gradient folds into the norm's
-    backward), else None)."""
-    kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
-              bias_init=self.bias_init, kernel_axes=self._axes(EMBED, *feature_axes),
-              bias_axes=self._axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, recipe=self.recipe,
-              name=name)
-    if not with_norm:
-      return DenseGeneral(**kw)(self._stream(inputs) if stream else inputs), None, None
-    # The norm's layer reads the stream itself (input_axes): its dgrad GEMM then reduce-scatters onto the stream's
-    # sequence shards (sequence parallelism), or every op stays on them (context parallelism).
-    out = LayerNormDenseGeneral(norm_type=self.norm_type, epsilon=self.epsilon,
-                                zero_centered_gamma=self.zero_centered_gamma,
-                                return_layernorm_output=want_norm_output, ln_scale_axes=self._axes(EMBED),
-                                ln_bias_axes=self._axes(EMBED), input_axes=self._axes(BATCH, SEQ, ACT_EMBED),
-                                **kw)(inputs, return_input=pass_input)
-    out = out if want_norm_output or pass_input else (out,)
-    y, rest = out[0], list(out[1:])
-    ln_out = rest.pop(0) if want_norm_output else None
-    return y, ln_out, (rest.pop(0) if pass_input else None)
-
-  def _rope(self, q, k, positions, rotary_dim: int, offset):
-    """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
-    if positions is None:
-      positions = query_positions(q.shape[1], offset)
-    freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), rotary_dim, self.rotary_base)
-    rope = functools.partial(apply_rope, freqs=freqs, interleaved=self.rotary_interleaved)
-    return rope(q), rope(k)
-
-  def _decode_cache(self, k, v):
-    """Appends k, v (B, S, Hk, D) at the cache index; returns the whole cache and the index the queries start at, or
-    k, v and None at init."""
-    initialized = self.has_variable("cache", "cached_key")
-    cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-    cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-    if not initialized:  # init: the cache takes the shape of this (full-length) input
-      return k, v, None
-    check_fits_cache(cached_k.value.shape, k.shape)
-    i = index.value
-    cached_k.value, cached_v.value, index.value = append_to_cache(cached_k.value, cached_v.value, i, k, v)
-    return cached_k.value, cached_v.value, i
-
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
                bias: jax.Array | None = None, *, segment_ids=None, positions: jax.Array | None = None,
-               decode: bool = False, deterministic: bool | None = None, residual: jax.Array | None = None):
+               decode: bool = False, deterministic: bool | None = None, residual: jax.Array | None = None,
+               attn_mask_type: str | None = None):
     """Attention of ``inputs_q`` over ``inputs_kv`` (self attention when it is None or the same array).
 
     Args:
@@ -445,93 +305,13 @@ class MultiHeadAttention(nn.Module):
       residual: added to the output (``inputs_q``' shape and layout), in the output projection's GEMM epilogue;
         when it is ``inputs_q`` itself and the input is normalized here (a pre-LN block), its gradient is added inside
         the norm's backward kernel.
+      attn_mask_type: this call's mask type, in place of the module's (None: the module's).
 
     Returns:
       The output (same layout as ``inputs_q``), and with ``return_layernorm_output`` also the normalized input.
     """
-    self_attention = inputs_kv is None or inputs_kv is inputs_q
-    if decode and not self_attention:
-      raise ValueError("decode=True (KV cache) is for self attention: pass inputs_kv=None")
-    if decode and segment_ids is not None:
-      raise ValueError("decode=True does not take segment_ids")
-    if self.context_parallel is not None:
-      check_layer_options(decode=decode)
-      if self.enable_rotary_pos_emb and self.cp_load_balanced and positions is None:
-        raise ValueError("positions: with context_parallel and cp_load_balanced=True the sequence is in zig-zag order, "
-                         "so RoPE needs its tokens' positions: pass positions=te_jax.zigzag_order(seq_len, cp) (or "
-                         "cp_load_balanced=False for a sequence in its natural order)")
-    kv_heads, rotary_dim = self._check()
-    # The caller's mask in the one representation the attention computes with (True = masked out), converted once
-    # here: the KV-cache path adds its own masked positions to it, and the attention below takes it as "te".
-    mask = masked_out(mask, self.mask_convention)
+    options = options_of(self, MultiHeadAttentionOptions)
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
-    for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
-      if x is not None and x.ndim != 3:
-        raise ValueError(f"{name} must be 3-D ((B, S, hidden), or (S, B, hidden) with transpose_batch_sequence), "
-                         f"got shape {x.shape}")
-    hidden = inputs_q.shape[-1]
-    h = self.num_attention_heads
-    xq = seq_first_to_batch_first(inputs_q, self.transpose_batch_sequence)
-    xkv = xq if self_attention else seq_first_to_batch_first(inputs_kv, self.transpose_batch_sequence)
-
-    d = self.head_dim
-    # A residual that is the input itself (a pre-LN block) is taken from the input norm's layer, which then adds its
-    # gradient inside the norm's backward kernel.
-    pass_input = residual is not None and residual is inputs_q and self.input_layernorm
-    if self_attention and self.fuse_qkv_params and kv_heads == h:
-      # One (hidden, H, 3, D) kernel, heads major: with the heads sharded (tensor parallelism) every shard holds whole
-      # heads of q, k and v, the GEMM's flattened output dim is sharded in contiguous blocks, and the unstacking is
-      # shard-local. Unstacked by the projection, whose backward reads dq, dk and dv straight into its FP8 operand.
-      (q, k, v), ln_out, x_passed = self._projection(
-          "qkv", (h, 3, d), (HEADS, QKV, HEAD_DIM), self.input_layernorm, self.return_layernorm_output, xq,
-          unstack_axis=-2, pass_input=pass_input)
-    else:
-      # GQA, cross attention or separate kernels: a query projection and one (hidden, Hk, 2, D) key/value kernel;
-      # with an input norm on self attention, the norm's output feeds the key/value projection too.
-      kv_from_norm = self_attention and self.input_layernorm
-      q, ln_out, x_passed = self._projection("query", (h, d), (HEADS, HEAD_DIM), self.input_layernorm,
-                                             self.return_layernorm_output or kv_from_norm, xq, pass_input=pass_input)
-      kv_in = ln_out if kv_from_norm else xkv
-      (k, v), _, _ = self._projection("kv", (kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, kv_in,
-                                      unstack_axis=-2, stream=not kv_from_norm)
-
-    mask_type, bias_type, window = self.attn_mask_type, self.attn_bias_type, self.window_size
-    if decode:
-      if self.enable_rotary_pos_emb:
-        initialized = self.has_variable("cache", "cache_index")
-        offset = self.get_variable("cache", "cache_index") if initialized else None
-        q, k = self._rope(q, k, positions, rotary_dim, offset)
-      k, v, offset = self._decode_cache(k, v)
-      if offset is not None:  # the queries' positions go into an explicit mask (and ALiBi bias)
-        mask, bias, bias_type = decode_mask_and_bias(offset, q.shape[1], k.shape[1], mask, bias, bias_type,
-                                                     window_size=self.window_size,
-                                                     num_heads=self.num_attention_heads)
-        mask_type, window = "arbitrary", None
-    elif self.enable_rotary_pos_emb:
-      q, k = self._rope(q, k, positions, rotary_dim, None)
-
-    q, k, v = (self._gathered(t, HEADS, HEAD_DIM) for t in (q, k, v))
-    attention = DotProductAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=kv_heads, attn_mask_type=mask_type, attn_bias_type=bias_type,
-        attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
-        scale_factor=self.scale_factor, window_size=window, backend=self.backend, fp8_dpa=self.fp8_dpa,
-        mask_convention="te", context_parallel=self.context_parallel, cp_strategy=self.cp_strategy,
-        cp_load_balanced=self.cp_load_balanced, mesh=self.mesh, recipe=self.recipe, name="attention")
-    out = self._gathered(attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic), HEADS,
-                         HEAD_DIM)
-    if decode and offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
-      out = mark_overflow(out, offset, q.shape[1], k.shape[1])
-    out = DenseGeneral(features=hidden, axis=(-2, -1), use_bias=self.use_bias, kernel_init=self.kernel_init,
-                       bias_init=self.bias_init, kernel_axes=self._axes(HEADS, HEAD_DIM, EMBED),
-                       bias_axes=self._axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype,
-                       recipe=self.recipe,
-                       # the residual stream's sharding (sequence parallel: the projection reduce-scatters onto it)
-                       output_axes=self._axes(BATCH, SEQ, ACT_EMBED),
-                       name="out")(out, x_passed if pass_input else
-                                   seq_first_to_batch_first(residual, self.transpose_batch_sequence))
-    out = seq_first_to_batch_first(out, self.transpose_batch_sequence)
-    if self.return_layernorm_output:
-      return out, seq_first_to_batch_first(ln_out, self.transpose_batch_sequence)
-    return out
-
-
+    return multi_head_attention(LinenScope(self), options, inputs_q, inputs_kv, mask, bias, segment_ids=segment_ids,
+                                positions=positions, decode=decode, deterministic=deterministic, residual=residual,
+                                attn_mask_type=attn_mask_type, cache=LinenKVCache(self) if decode else None)

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax.scope import LinenScope, options_of
+from te_jax.flax.scope import LinenScope, builds, options_of
 from te_jax.modules.axes import Initializer
 from te_jax.modules.dense import DenseGeneralOptions, dense_general, fp8_dot_general
 from te_jax.recipe import Recipe
@@ -17,6 +17,7 @@ from te_jax.recipe import Recipe
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
 
 
+@builds(DenseGeneralOptions)
 class DenseGeneral(nn.Module):
   """A dense layer over any input axes, with FP8 GEMMs under ``te_jax.autocast``.
 

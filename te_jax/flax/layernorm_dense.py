@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax.scope import LinenScope, options_of
+from te_jax.flax.scope import LinenScope, builds, options_of
 from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_dense import LayerNormDenseGeneralOptions, layernorm_dense_general
 from te_jax.recipe import Recipe
@@ -17,6 +17,7 @@ from te_jax.recipe import Recipe
 __all__ = ["LayerNormDenseGeneral"]
 
 
+@builds(LayerNormDenseGeneralOptions)
 class LayerNormDenseGeneral(nn.Module):
   """LayerNorm/RMSNorm then a dense layer over the last dim; under FP8 the norm writes the GEMM's FP8 input.
 

@@ -8,13 +8,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax.scope import LinenScope, options_of
+from te_jax.flax.scope import LinenScope, builds, options_of
 from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_dense import LayerNormOptions, layer_norm
 
 __all__ = ["LayerNorm"]
 
 
+@builds(LayerNormOptions)
 class LayerNorm(nn.Module):
   """LayerNorm or RMSNorm over the last dim, in float32 whatever the input and parameter dtypes.
 

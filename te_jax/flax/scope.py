@@ -8,15 +8,29 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from te_jax.flax.fp8_state import fp8_state
 from te_jax.flax.params import flat_init, logical, reshaped
+from te_jax.modules.attention_cache import KVCache, append_to_cache
 from te_jax.modules.axes import Initializer
-from te_jax.modules.scope import Scope
+from te_jax.modules.scope import Scope, fields_of
 from te_jax.recipe import Recipe
 
-__all__ = ["LinenScope", "options_of"]
+__all__ = ["LinenKVCache", "LinenScope", "builds", "options_of"]
+
+# The linen module built from each te_jax.modules options class (``builds``).
+_MODULES: dict[type, type] = {}
+
+
+def builds(options: type):
+  """Class decorator: the linen module, whose attributes are ``options``' fields, is the one ``LinenScope.submodule``
+  builds from an ``options`` instance."""
+  def register(cls):
+    _MODULES[options] = cls
+    return cls
+  return register
 
 
 class LinenScope(Scope):
@@ -50,9 +64,58 @@ class LinenScope(Scope):
   def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
     del name, rate, rng_name  # linen creates the dropout at the call
 
-  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array) -> jax.Array:
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False) -> jax.Array:
     del name  # linen names it as any inline submodule of the calling module (Dropout_0, ...)
-    return nn.Dropout(rate, rng_collection=rng_name)(x, deterministic=False)
+    return nn.Dropout(rate, rng_collection=rng_name)(x, deterministic=deterministic)
+
+  def declare_rng(self, name: str, rng_name: str, needed: bool) -> None:
+    del name, rng_name, needed  # the call draws from the module's rng stream
+
+  def rng(self, name: str, rng_name: str) -> jax.Array:
+    del name
+    return self.module.make_rng(rng_name)
+
+  def submodule(self, name: str, options, in_features=None, **build):
+    del in_features, build  # linen reads the sizes and the rest off the call
+    cls = _MODULES.get(type(options))
+    if cls is None:
+      raise TypeError(f"no te_jax.flax module is built from {type(options).__name__}")
+    return cls(**fields_of(options), name=name)
+
+
+class LinenKVCache(KVCache):
+  """The KV cache in the ``"cache"`` collection of ``module`` (an attention layer, inside its call), or read only,
+  of its submodule ``child``: ``cached_key``, ``cached_value`` and ``cache_index``, created by ``init`` from the
+  first input's shape."""
+
+  def __init__(self, module: nn.Module, child: str | None = None):
+    self.module, self.child = module, child
+
+  def _get(self, name: str):
+    if self.child is not None:
+      return self.module.variables.get("cache", {}).get(self.child, {}).get(name)
+    return self.module.get_variable("cache", name) if self.module.has_variable("cache", name) else None
+
+  def key_shape(self):
+    key = self._get("cached_key")
+    return None if key is None else tuple(key.shape)
+
+  def index(self):
+    return self._get("cache_index")
+
+  def append(self, key, value):
+    if self.child is not None:
+      raise ValueError(f"the KV cache of {self.child!r} is appended to by that layer itself")
+    module = self.module
+    initialized = module.has_variable("cache", "cached_key")
+    cached_k = module.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_v = module.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    index = module.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:  # init: the cache takes the shape of this (full-length) input
+      return key, value
+    cached_k.value, cached_v.value, index.value = append_to_cache(cached_k.value, cached_v.value, index.value, key,
+                                                                  value)
+    return cached_k.value, cached_v.value
 
 
 def options_of(module: nn.Module, options: type):

@@ -10,6 +10,7 @@ wrong values."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import jax
@@ -18,8 +19,27 @@ import jax.numpy as jnp
 from te_jax.fused.attention_masks import alibi_bias_at
 from te_jax.modules.axes import is_int
 
-__all__ = ["append_to_cache", "check_fits_cache", "decode_mask_and_bias", "kv_cache_shape", "mark_overflow",
+__all__ = ["KVCache", "append_to_cache", "check_fits_cache", "decode_mask_and_bias", "kv_cache_shape", "mark_overflow",
            "query_positions", "require_cache"]
+
+
+class KVCache(abc.ABC):
+  """The KV cache of one attention layer, as its framework keeps it (``te_jax.modules.attention`` reads and appends
+  through it)."""
+
+  @abc.abstractmethod
+  def key_shape(self) -> tuple[int, ...] | None:
+    """The cached keys' ``(batch, max_length, kv_heads, head_dim)``; None where the call creates the cache (linen's
+    ``init``: it takes the input's shape). Raises where decoding needs a cache that was never made."""
+
+  @abc.abstractmethod
+  def index(self) -> jax.Array | None:
+    """The positions filled so far (int32 scalar): the new tokens' first position; None as for ``key_shape``."""
+
+  @abc.abstractmethod
+  def append(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes ``key``, ``value`` (batch, steps, kv_heads, head_dim) at the index, moves it on, and returns the whole
+    cached keys and values (where the call creates the cache: ``key`` and ``value`` themselves)."""
 
 
 def kv_cache_shape(input_shape: Sequence[int], *, hidden: int, kv_heads: int, head_dim: int,

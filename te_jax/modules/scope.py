@@ -12,6 +12,8 @@ random initialization draws the same keys in the same order.
 from __future__ import annotations
 
 import abc
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +22,7 @@ from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.modules.axes import Initializer
 from te_jax.recipe import Recipe
 
-__all__ = ["Scope"]
+__all__ = ["Scope", "fields_of"]
 
 
 class Scope(abc.ABC):
@@ -61,5 +63,29 @@ class Scope(abc.ABC):
     the ``rng_name`` stream. A no-op where the call creates it (linen)."""
 
   @abc.abstractmethod
-  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array) -> jax.Array:
-    """``x`` through the dropout ``name`` (``rate``, masks from the ``rng_name`` stream), in training mode."""
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False) -> jax.Array:
+    """``x`` through the dropout ``name`` (``rate``, masks from the ``rng_name`` stream); with ``deterministic``,
+    ``x`` itself (linen still names the dropout then, as Flax's inline ``nn.Dropout`` does)."""
+
+  @abc.abstractmethod
+  def declare_rng(self, name: str, rng_name: str, needed: bool) -> None:
+    """Where the framework creates variables ahead of the call (NNX): ``name``, a stream of keys forked from the
+    ``rng_name`` stream, when ``needed``. A no-op where the call draws from the stream itself (linen)."""
+
+  @abc.abstractmethod
+  def rng(self, name: str, rng_name: str) -> jax.Array:
+    """A fresh key of the ``rng_name`` stream (NNX: of the stream ``declare_rng`` made as ``name``)."""
+
+  @abc.abstractmethod
+  def submodule(self, name: str, options: Any, in_features: Any = None, **build: Any) -> Callable[..., Any]:
+    """The child module ``name`` that ``options`` (a ``te_jax.modules`` options dataclass) describes, over inputs
+    whose contracted sizes are ``in_features``: the framework's module of those options, created where the framework
+    creates children (NNX: in the constructor; linen: at the call), else the one created then. ``build``: the
+    arguments an NNX constructor takes beyond the options (``attention_type``, ``decode``), which linen reads from
+    the call."""
+
+
+def fields_of(options: Any) -> dict[str, Any]:
+  """An options dataclass's fields by name (not copied, unlike ``dataclasses.asdict``): the arguments that build
+  its module."""
+  return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}

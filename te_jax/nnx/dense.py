@@ -16,12 +16,14 @@ from te_jax.modules.axes import Initializer, is_int
 from te_jax.modules.dense import DenseGeneralOptions, dense_general, dense_general_params, fp8_dot_general
 from te_jax.nnx.fp8_state import declare_fp8_state
 from te_jax.nnx.params import as_tuple
-from te_jax.nnx.scope import NnxScope
+from te_jax.modules.scope import fields_of
+from te_jax.nnx.scope import NnxScope, builds
 from te_jax.recipe import Recipe
 
 __all__ = ["DenseGeneral", "Fp8DotGeneral"]
 
 
+@builds(DenseGeneralOptions)
 class DenseGeneral(nnx.Module):
   """A dense layer over any input axes, with FP8 GEMMs under ``te_jax.autocast``: ``nnx.LinearGeneral``'s
   constructor (``in_features``, ``out_features``, ``axis``, ``rngs``, ...) and te_jax.flax.DenseGeneral's math.
@@ -88,6 +90,14 @@ class DenseGeneral(nnx.Module):
     scope = NnxScope(self, rngs, {"kernel": kernel_metadata, "bias": bias_metadata})
     dense_general_params(scope, self.options, tuple(batch_axis[a] for a in sorted(batch_axis)), self.in_features,
                          None)
+
+  @classmethod
+  def from_options(cls, options: DenseGeneralOptions, in_features, *, rngs: nnx.Rngs) -> "DenseGeneral":
+    """The layer of ``options`` (``te_jax.modules.dense``) over inputs whose contracted axes have ``in_features``."""
+    kw = fields_of(options)
+    if kw.pop("batch_dims"):
+      raise ValueError("DenseGeneral.from_options: give batch_axis (with the sizes) to the constructor instead")
+    return cls(in_features, kw.pop("features"), **kw, rngs=rngs)
 
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None):
     """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""

@@ -15,12 +15,14 @@ from te_jax.modules.layernorm_dense import (LayerNormDenseGeneralOptions, LayerN
                                             layernorm_dense_general, layernorm_dense_general_params)
 from te_jax.modules.layernorm_mlp import LayerNormMLPOptions, layernorm_mlp_block, layernorm_mlp_params
 from te_jax.nnx.params import as_tuple, resolve_deterministic
-from te_jax.nnx.scope import NnxScope
+from te_jax.modules.scope import fields_of
+from te_jax.nnx.scope import NnxScope, builds
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
+@builds(LayerNormOptions)
 class LayerNorm(nnx.Module):
   """LayerNorm or RMSNorm over the last dim, in float32 whatever the input and parameter dtypes (one fused kernel
   each way, ``te_jax.layernorm``): te_jax.flax.LayerNorm with ``nnx.LayerNorm``'s constructor.
@@ -51,10 +53,16 @@ class LayerNorm(nnx.Module):
     self.bias = nnx.data(None)
     self.options.params(NnxScope(self, rngs), as_tuple(num_features, "num_features")[0])
 
+  @classmethod
+  def from_options(cls, options: LayerNormOptions, in_features: int, *, rngs: nnx.Rngs) -> "LayerNorm":
+    """The norm of ``options`` (``te_jax.modules.layernorm_dense``) over ``in_features``."""
+    return cls(in_features, **fields_of(options), rngs=rngs)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     return layer_norm(NnxScope(self), self.options, x)
 
 
+@builds(LayerNormDenseGeneralOptions)
 class LayerNormDenseGeneral(nnx.Module):
   """LayerNorm/RMSNorm then a dense layer over the last dim; under FP8 the norm writes the GEMM's FP8 input.
 
@@ -95,11 +103,19 @@ class LayerNormDenseGeneral(nnx.Module):
     layernorm_dense_general_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0],
                                    None)
 
+  @classmethod
+  def from_options(cls, options: LayerNormDenseGeneralOptions, in_features: int, *,
+                   rngs: nnx.Rngs) -> "LayerNormDenseGeneral":
+    """The layer of ``options`` (``te_jax.modules.layernorm_dense``) over inputs of last dim ``in_features``."""
+    kw = fields_of(options)
+    return cls(in_features, kw.pop("features"), **kw, rngs=rngs)
+
   def __call__(self, inputs: jax.Array, *, return_input: bool = False):
     """As te_jax.flax.LayerNormDenseGeneral's call."""
     return layernorm_dense_general(NnxScope(self), self.options, inputs, return_input=return_input)
 
 
+@builds(LayerNormMLPOptions)
 class LayerNormMLP(nnx.Module):
   """LayerNorm/RMSNorm -> fc1 -> activation -> fc2 over the last dim; under FP8 every GEMM is FP8 and each cast is
   fused into the kernel before it (``te_jax.layernorm_mlp``).
@@ -145,6 +161,11 @@ class LayerNormMLP(nnx.Module):
     self.intermediate_dim, self.intermediate_dropout = intermediate_dim, intermediate_dropout
     self.ln_bias = self.wi_bias = self.wo_bias = nnx.data(None)
     layernorm_mlp_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0])
+
+  @classmethod
+  def from_options(cls, options: LayerNormMLPOptions, in_features: int, *, rngs: nnx.Rngs) -> "LayerNormMLP":
+    """The MLP of ``options`` (``te_jax.modules.layernorm_mlp``) over inputs of last dim ``in_features``."""
+    return cls(in_features, **fields_of(options), rngs=rngs)
 
   def __call__(self, inputs: jax.Array, deterministic: bool | None = None, residual: jax.Array | None = None):
     """As te_jax.flax.LayerNormMLP's call."""
