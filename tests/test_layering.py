@@ -184,7 +184,10 @@ DOCSTRING_API = {
                         "(convert_train_state's building block, for a state of one's own)",
     },
     "te_jax.nnx": {},
-    "te_jax.ops": {},
+    "te_jax.ops": {
+        "quantize_block": "the block-scaled quantize references (quantize_block_ref, quantize_nvfp4_ref), which the "
+                          "block-scaling recipes and their kernels build on; documented in its docstrings",
+    },
 }
 DOCUMENTS = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT.parent / "docs").glob("*.md")),
              *sorted(f"examples/{p.name}" for p in (ROOT.parent / "examples").glob("*.py")))

@@ -11,6 +11,7 @@ Modules:
 
 - ``quantize``: the saturating FP8 cast with amax, transposed copy and bias gradient fused; ``amax``.
 - ``quantize_interleaved``: the same cast of several arrays' column chunks, interleaved.
+- ``quantize_block``: the block-scaled casts (1 x 128 and 128 x 128 FP8 blocks, MXFP8, NVFP4), references first.
 - ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues.
 - ``norm``: LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward; ``layernorm``.
 - ``activation``: gelu, relu, silu, quick_gelu, squared_relu and their gated forms; ``activation``.
@@ -23,9 +24,11 @@ from te_jax.ops import activation as activation
 from te_jax.ops import gemm as gemm
 from te_jax.ops import norm as norm
 from te_jax.ops import quantize as quantize
+from te_jax.ops import quantize_block as quantize_block
 from te_jax.ops import quantize_interleaved as quantize_interleaved
 from te_jax.ops import rope as rope
 from te_jax.ops import scale_update as scale_update
 from te_jax.ops import softmax as softmax
 
-__all__ = ["activation", "gemm", "norm", "quantize", "quantize_interleaved", "rope", "scale_update", "softmax"]
+__all__ = ["activation", "gemm", "norm", "quantize", "quantize_block", "quantize_interleaved", "rope", "scale_update",
+           "softmax"]
