@@ -1,6 +1,10 @@
 """The models and the train step that the sharding tests run (test_parallel_layers.py on 8 devices of one process,
 test_multiprocess.py across two processes): one te_jax module, or a 4-layer ``nn.scan`` stack of TransformerLayers,
-with logical axis names, and three SGD steps under DelayedScaling."""
+with logical axis names, and three SGD steps under DelayedScaling; and the count of a compiled program's collectives
+(test_nnx_sharding.py's too)."""
+
+import collections
+import re
 
 import flax.linen as nn
 import jax
@@ -99,3 +103,27 @@ def _power_of_two_scale(path, leaf):
   if not jax.tree_util.keystr(path).endswith("_scale']"):
     return leaf
   return jnp.exp2(jnp.floor(jnp.log2(leaf)))
+
+
+_COLLECTIVE = re.compile(r"= (\([^=]*?\)|\S+) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+                         r"(?:-start)?\(.*?to_apply=%([\w.\-]+)|= (\([^=]*?\)|\S+) (all-gather|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def collectives(hlo: str) -> collections.Counter:
+  """The collectives of a compiled HLO module, counted per result (a combined all-reduce counts each of its
+  operands): (kind, reduction or "", dtype)."""
+  out = collections.Counter()
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(re.sub(r"/\*index=\d+\*/", "", line))
+    if not m:
+      continue
+    if m.group(2):
+      types, kind, name = m.group(1), m.group(2), m.group(3)
+      body = re.search(rf"^%{re.escape(name)} \(.*?\n(.*?)^\}}", hlo, re.S | re.M)
+      op = re.search(r"ROOT \S+ = \S+ ([\w-]+)\(", body.group(1)).group(1)
+    else:
+      types, kind, op = m.group(4), m.group(5), ""
+    for dtype in re.findall(r"(\w+)\[[\d,]*\]", types):
+      out[(kind, op, dtype)] += 1
+  return out

@@ -5,9 +5,6 @@ compile to the same collectives as the linen module (the residual stream's seque
 the same places, the kernels' gradients reduced alike) and give the same output, parameter gradients and FP8 state
 update, under DelayedScaling."""
 
-import collections
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,13 +17,13 @@ import te_jax
 import te_jax.flax as te_flax
 import te_jax.nnx as te_nnx
 from conftest import random_normal
+from parallel_model import collectives
 from te_jax.recipe import DelayedScaling
 
 B, S, HIDDEN, HEADS, FFN = 4, 16, 64, 8, 128
 RECIPE = DelayedScaling(amax_history_len=4)
 MESHES = {"dp2xtp4-sp": ((2, 4), ("data", "tensor"), dict(data="data", tensor="tensor", sequence_parallel=True)),
           "fsdp2xtp2xcp2": ((2, 2, 2), ("fsdp", "tensor", "cp"), dict(fsdp="fsdp", tensor="tensor", context="cp"))}
-_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
 
 
 def _modules(kind, cp=None):
@@ -49,11 +46,6 @@ def _modules(kind, cp=None):
           lambda rngs: te_nnx.TransformerLayer(HIDDEN, FFN, HEADS, layer_type="decoder",
                                                activation_type=("silu", "linear"), rngs=rngs, **attn),
           dict(deterministic=True))
-
-
-def _collectives(hlo: str) -> collections.Counter:
-  return collections.Counter((kind, dtype) for types, kind in _COLLECTIVE.findall(hlo)
-                             for dtype in re.findall(r"(\w+)\[[\d,]*\]", types))
 
 
 # One case in scripts/test.sh (the layer under sequence parallelism); the rest in CI's slow step.
@@ -89,9 +81,10 @@ def test_nnx_shards_as_linen(kind, mesh_name):
       want_loss, want = linen_step(variables, xs)
       got_loss, got_state = nnx_step(state, xs)
   got = te_nnx.to_linen(nnx.merge(graphdef, got_state))
-  want_collectives = _collectives(linen_step.as_text())
-  assert want_collectives[("all-gather", "f32")] or want_collectives[("all-gather", "f8e4m3fn")], want_collectives
-  assert _collectives(nnx_step.as_text()) == want_collectives
+  want_collectives = collectives(linen_step.as_text())
+  assert want_collectives[("all-gather", "", "f32")] or want_collectives[("all-gather", "", "f8e4m3fn")], (
+      want_collectives)
+  assert collectives(nnx_step.as_text()) == want_collectives
   np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(want_loss))
   assert jax.tree.structure(got) == jax.tree.structure(want)
   jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got, want)

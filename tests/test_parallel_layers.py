@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import te_jax
 import te_jax.flax as te_flax
 from conftest import rel_error
-from parallel_model import B, HEADS, HIDDEN, RECIPE, S, STEPS, Model, init_case, train_step
+from parallel_model import B, HEADS, HIDDEN, RECIPE, S, STEPS, Model, collectives, init_case, train_step
 
 # mesh name: (mesh shape, mesh axis names, logical_axis_rules arguments)
 MESHES = {
@@ -30,32 +30,6 @@ MESHES = {
     "dp2xtp4-sp": ((2, 4), ("data", "tensor"), dict(data="data", tensor="tensor", sequence_parallel=True)),
     "fsdp2xtp2xcp2": ((2, 2, 2), ("fsdp", "tensor", "cp"), dict(fsdp="fsdp", tensor="tensor", context="cp")),
 }
-
-
-# ---- collectives ---------------------------------------------------------------------------------------------------
-
-_COLLECTIVE = re.compile(r"= (\([^=]*?\)|\S+) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
-                         r"(?:-start)?\(.*?to_apply=%([\w.\-]+)|= (\([^=]*?\)|\S+) (all-gather|all-to-all|"
-                         r"collective-permute)(?:-start)?\(")
-
-
-def collectives(hlo: str) -> collections.Counter:
-  """The collectives of a compiled HLO module, counted per result (a combined all-reduce counts each of its
-  operands): (kind, reduction or "", dtype)."""
-  out = collections.Counter()
-  for line in hlo.splitlines():
-    m = _COLLECTIVE.search(re.sub(r"/\*index=\d+\*/", "", line))
-    if not m:
-      continue
-    if m.group(2):
-      types, kind, name = m.group(1), m.group(2), m.group(3)
-      body = re.search(rf"^%{re.escape(name)} \(.*?\n(.*?)^\}}", hlo, re.S | re.M)
-      op = re.search(r"ROOT \S+ = \S+ ([\w-]+)\(", body.group(1)).group(1)
-    else:
-      types, kind, op = m.group(4), m.group(5), ""
-    for dtype in re.findall(r"(\w+)\[[\d,]*\]", types):
-      out[(kind, op, dtype)] += 1
-  return out
 
 
 # ---- the train steps -----------------------------------------------------------------------------------------------

@@ -221,9 +221,9 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
   if decode:  # checked here, before the relative biases read the cache
     cache_shape = cache.key_shape()
     if cache_shape is not None:
-      head_dim = o.head_dim or o.hidden_size // o.num_attention_heads
+      own = o.attention(cross=False)
       batch = inputs.shape[1 if o.transpose_batch_sequence else 0]
-      check_fits_cache(cache_shape, (batch, length, o.num_gqa_groups or o.num_attention_heads, head_dim), "inputs")
+      check_fits_cache(cache_shape, (batch, length, own.kv_heads, own.head_dim), "inputs")
       keys, offset = cache_shape[1], cache.index()
   parts = transformer_layer_params(scope, o, encoded is not None)
   x = residual_stream(inputs)
