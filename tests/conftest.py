@@ -69,9 +69,32 @@ def _gpus() -> list:
   return [d for d in jax.devices() if d.platform == "gpu"]
 
 
+def _mark_extra_cases_slow(items):
+  """``@pytest.mark.fast_cases(n)`` on a parametrized test: ``n`` of its cases, spread evenly over the collection order
+  (the first and, for n >= 2, the last among them), stay in the quick suite; the others are marked slow, so that
+  scripts/test.sh runs a few representatives and CI's slow step the whole grid. GPU cases are left as they are (the
+  GPU machine runs them all)."""
+  groups = {}
+  for item in items:
+    marker = item.get_closest_marker("fast_cases")
+    if marker is not None and hasattr(item, "callspec") and "gpu" not in item.keywords:
+      groups.setdefault((item.path, item.cls, item.originalname), (marker, []))[1].append(item)
+  for marker, cases in groups.values():
+    (n,) = marker.args
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"fast_cases takes a count >= 1, got {n!r} on {cases[0].originalname}")
+    keep = {round(i * (len(cases) - 1) / (n - 1)) for i in range(n)} if n > 1 else {0}
+    for i, item in enumerate(cases):
+      if i not in keep:
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
 def pytest_collection_modifyitems(config, items):
-  """Skips ``@pytest.mark.gpu`` tests only when jax sees no GPU; with a GPU they run (and fail if anything is off)."""
+  """Marks the extra cases of ``fast_cases`` tests slow; skips ``@pytest.mark.gpu`` tests only when jax sees no GPU
+  (with a GPU they run, and fail if anything is off)."""
   del config
+  _mark_extra_cases_slow(items)
   if _gpus():
     return
   skip = pytest.mark.skip(reason="no GPU in jax.devices()")

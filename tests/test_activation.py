@@ -176,6 +176,7 @@ def _cpu_case(act, dtype, seed):
 
 @pytest.mark.parametrize("dtype", IN_DTYPES, ids=["f32", "bf16", "f16"])
 @ACTS
+@pytest.mark.fast_cases(6)
 def test_cpu_forward(act, dtype):
   """One program runs the handler to E4M3 (with the transposed copy), float32 and the input dtype for every shape,
   one the reference; where the handler is not bitwise the reference (exp), only the reference's float32 values are
@@ -215,6 +216,7 @@ def test_cpu_forward(act, dtype):
 
 @pytest.mark.parametrize("dtype", IN_DTYPES, ids=["f32", "bf16", "f16"])
 @ACTS
+@pytest.mark.fast_cases(6)
 def test_cpu_backward(act, dtype):
   """As test_cpu_forward: one program for the handler's E5M2 (transposed copy, dbias) and float32 outputs, one for
   the reference's (its E5M2 outputs only where the handler is bitwise the reference)."""

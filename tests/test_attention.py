@@ -37,6 +37,7 @@ SEQS = [(12, 12), (8, 12), (12, 8)]  # (T, S)
 
 @pytest.mark.parametrize("t,s", SEQS)
 @pytest.mark.parametrize("mask_type", attention.ATTN_MASK_TYPES)
+@pytest.mark.fast_cases(5)
 def test_mask_types(mask_type, t, s):
   q, k, v = qkv(t, s)
   mask = None
@@ -49,12 +50,14 @@ def test_mask_types(mask_type, t, s):
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
+@pytest.mark.fast_cases(2)
 def test_gqa_mqa(kv_heads, mask_type):
   check_against_naive(*qkv(10, 10, kv_heads), mask_type=mask_type)
 
 
 @pytest.mark.parametrize("bias_shape", [(1, H, 10, 12), (B, H, 10, 12), (B, 1, 10, 12), (1, 1, 10, 12)])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal_bottom_right", "padding"])
+@pytest.mark.fast_cases(3)
 def test_post_scale_bias(bias_shape, mask_type):
   q, k, v = qkv(10, 12, kv_heads=2)
   mask = padding_mask(10, 12) if mask_type == "padding" else None
@@ -84,6 +87,7 @@ WINDOW_CASES = [(w, m) for w in WINDOWS for m in ("no_mask", "causal", "causal_b
 
 @pytest.mark.parametrize("t,s", SEQS)
 @pytest.mark.parametrize("window,mask_type", WINDOW_CASES)
+@pytest.mark.fast_cases(8)
 def test_sliding_window(window, mask_type, t, s):
   mask = padding_mask(t, s) if mask_type == "padding" else None
   check_against_naive(*qkv(t, s), mask=mask, mask_type=mask_type, window=window)

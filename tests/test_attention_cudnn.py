@@ -153,6 +153,7 @@ EMULATED_CASES = [c if c in _EMULATED_FAST else pytest.param(c, marks=pytest.mar
 
 @pytest.mark.parametrize("case", EMULATED_CASES,
                          ids=["-".join(map(str, getattr(c, "values", [c])[0])) for c in EMULATED_CASES])
+@pytest.mark.fast_cases(3)
 def test_fused_glue_with_emulated_cudnn(emulated_cudnn, case):
   mask_type, bias_type, window, kv_heads, *extra = case
   t, s = {"T<S": (16, 32), "T>S": (32, 16)}.get(extra[0] if extra else None, (32, 32))

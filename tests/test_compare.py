@@ -138,6 +138,7 @@ _GEMMS = {  # module, its GEMM output's gradient's state prefix, the outputs the
 
 
 @pytest.mark.parametrize("kind", sorted(_GEMMS))
+@pytest.mark.fast_cases(2)
 def test_grad_counters_agree_with_an_e5m2_cast(kind):
   """Output gradients of every magnitude (zeros among them) and a grad scale of 3: the counters are what
   jnp.float8_e5m2 makes of gradient * scale (rounded in float32, as the GEMM's backward multiplies), taken over the

@@ -170,6 +170,7 @@ CASES = FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in ALL if c not i
 
 @pytest.mark.parametrize("dp,cp,strategy,load_balanced,mask_type", CASES,
                          ids=lambda v: str(v) if not isinstance(v, bool) else ("lb" if v else "contiguous"))
+@pytest.mark.fast_cases(2)
 def test_matches_unsharded_attention(dp, cp, strategy, load_balanced, mask_type):
   check_against_unsharded(dp, cp, strategy, load_balanced, mask_type)
 

@@ -149,6 +149,7 @@ SHARDED_STEPS = 3
 
 
 @pytest.mark.parametrize("name", ["fp8_dot_general", "fused"])
+@pytest.mark.fast_cases(1)
 def test_port_trains_sharded_as_on_one_device(name):
   model, _ = model_and_config(name, "cpu")
   data = batches("cpu")[:SHARDED_STEPS]

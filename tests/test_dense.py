@@ -272,6 +272,7 @@ def test_without_autocast_is_dot_general(x_shape, axis, kernel_shape, x_dtype, w
 
 @pytest.mark.parametrize("shape", FP8_SHAPES)
 @pytest.mark.parametrize("rec", RECIPES)
+@pytest.mark.fast_cases(5)
 def test_fp8_exact_inputs_equal_float32_math(shape, rec):
   """When the quantization is exact, FP8 dense is the float32 math up to float32 accumulation rounding."""
   x_shape, axis, kernel_shape = FP8_SHAPES[shape]
@@ -312,6 +313,7 @@ def generic_inputs(x_shape, kernel_shape, out_shape, x_dtype, seed):
 @pytest.mark.parametrize("rec", RECIPES)
 @pytest.mark.parametrize("x_dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", ["2d", "7-rows", "multi-axis"])
+@pytest.mark.fast_cases(6)
 def test_fp8_generic_inputs(rec, x_dtype, shape):
   """Against the same quantization in float64: float32 accumulation rounding (plus the output's own rounding);
   against the unquantized float64 math: the FP8 quantization bound. And the updated fp8_meta, bitwise."""
@@ -518,6 +520,7 @@ def test_fp8_hlo_and_fp8_residuals():
 
 @pytest.mark.parametrize("rec", ["delayed-hybrid", "current-hybrid"])
 @pytest.mark.parametrize("split", [(False, True, True), (True, False, False), (False, False, False)])
+@pytest.mark.fast_cases(2)
 def test_gemm_accumulation_follows_the_recipe(monkeypatch, rec, split):
   """The forward, dgrad and wgrad GEMMs get the fast_accum their recipe's fp8_gemm_* MMParams ask for."""
   calls = []

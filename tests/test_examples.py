@@ -49,6 +49,7 @@ def test_data_parallelism_takes_the_devices_left():
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.fast_cases(1)
 def test_lm_context_parallel_matches_the_lm_unsharded(strategy):
   """The example's LM with context_parallel over 4 devices, its tokens in zig-zag order, gives the logits and the
   parameter gradients of the same LM on the natural order on one device, within the rounding of its bfloat16

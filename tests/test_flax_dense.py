@@ -59,6 +59,7 @@ def assert_trees_equal(a, b):
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["dtype-none", "bf16"])
+@pytest.mark.fast_cases(5)
 def test_same_params_and_outputs_as_flax(config, use_bias, dtype):
   features, axis = CONFIGS[config]
   x = _x()
@@ -93,6 +94,7 @@ FP8_RECIPES = {
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("rec", FP8_RECIPES)
+@pytest.mark.fast_cases(4)
 def test_fp8_outputs_close_to_flax_and_fp8_state(config, rec):
   """Under autocast: the same params, the output within the FP8 quantization bound of Flax's (at init the delayed
   scales are 1), and under DelayedScaling the FP8 collection with three amax histories of the recipe's length and

@@ -91,6 +91,7 @@ QKV_INITS = {
 
 @pytest.mark.parametrize("kernel", ["qkv", "kv"])
 @pytest.mark.parametrize("init_name", list(QKV_INITS))
+@pytest.mark.fast_cases(2)
 def test_fused_qkv_parts_are_initialized_as_separate_kernels(init_name, kernel):
   """Each part of a fused q/k/v (or k/v) kernel has the distribution of Flax's separate query kernel for the same
   kernel_init, and is exactly ``kernel_init`` on one part's 2-D shape with its own key of ``jax.random.split``."""

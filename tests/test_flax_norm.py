@@ -79,6 +79,7 @@ def test_same_params_as_flax(norm_type, param_dtype):
 @pytest.mark.parametrize("param_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", LAYERNORM_TYPES)
+@pytest.mark.fast_cases(6)
 def test_outputs_and_gradients_against_flax(norm_type, x_dtype, param_dtype, out_dtype):
   """Synced (random) parameters; the output dtype is Flax's; values and gradients within the rule, with one rounding
   to the output (or gradient) dtype as noise, which both sides pay."""

@@ -45,6 +45,7 @@ def _model(name: str, transform: str):
 @pytest.mark.parametrize("transform", ["remat", "scan", "vmap", "checkpoint"])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "DenseGeneral" else pytest.mark.slow)
                                   for n in MODULES])
+@pytest.mark.fast_cases(2)
 def test_module_under_transform_updates_its_state(name, transform):
   model, args = _model(name, transform)
 

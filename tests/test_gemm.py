@@ -182,6 +182,7 @@ def run_gemm(lhs: Operand, rhs: Operand, bias, out_dtype, device=CPU, **kwargs):
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 @pytest.mark.parametrize("out", OUT_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.fast_cases(12)
 def test_high_precision_values(layout, dtype, out, with_bias):
   tl, tr = LAYOUTS[layout]
   m, k, n = 24, 40, 20  # no multiple of 16 needed outside FP8
@@ -214,6 +215,7 @@ def test_batch_dims_fold_into_rows(layout, dtype):
 @pytest.mark.parametrize("out", OUT_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("lhs_rows,rhs_rows", [((24,), (32,)), ((3, 7), (2, 16))], ids=["2d", "3d"])
+@pytest.mark.fast_cases(8)
 def test_fp8_values(pair, out, with_bias, lhs_rows, rhs_rows):
   lhs_dtype, rhs_dtype = FP8_PAIRS[pair]
   k = 64
@@ -305,6 +307,7 @@ def parts_case(kind: str, n_parts: int, m=24, k=64, n=32, seed=60):
 @pytest.mark.parametrize("n_parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.fast_cases(6)
 def test_parts_are_the_per_part_gemms(n_parts, kind, with_bias):
   lhs, rhs, parts = parts_case(kind, n_parts)
   bias = np.stack([random_bias(32, seed=62 + i) for i in range(n_parts)]) if with_bias else None
@@ -475,6 +478,7 @@ SHARDING_CASES = {
 @pytest.mark.parametrize("case", SHARDING_CASES)
 @pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.fast_cases(8)
 def test_sharded_gemm(case, kind, with_bias):
   """Collectives in the compiled HLO, output sharding, and values equal to the unsharded GEMM.
 

@@ -228,6 +228,7 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.fast_cases(1)
 def test_layer_options_unsharded_are_the_layer(layer):
   """keep_rows and grad_sharding (and fc2's scatter_rows) on one device: the plain layer's loss, gradients and FP8
   state updates, bit for bit, over two DelayedScaling steps."""

@@ -214,6 +214,7 @@ def _sha(x) -> str:
 
 @pytest.mark.parametrize("case", _fast_only(sorted(RECORDED, key=str), {c for c in RECORDED if c[-1] == "float32"},
                                            ids=str))
+@pytest.mark.fast_cases(2)
 def test_relative_position_biases_are_bitwise_as_recorded_and_nnx_equals_linen(case):
   """linen's RelativePositionBiases: the same parameter (name, shape, dtype, initial values) as before, and the bias
   of a table gathered bit for bit; the NNX twin loaded with the linen table gives the same bias and table gradient,

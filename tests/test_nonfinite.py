@@ -260,6 +260,7 @@ CASES = [(None, "cpu")] + [(r, p) for r in RECIPES for p in ("cpu", "reference")
 
 @pytest.mark.parametrize("recipe_name,path", CASES, ids=[f"{r or 'bf16'}-{p}" for r, p in CASES])
 @pytest.mark.parametrize("kind", ["dense", "layernorm_mlp", "transformer"])
+@pytest.mark.fast_cases(4)
 def test_module_step_with_an_inf_is_not_finite(kind, recipe_name, path, monkeypatch):
   _check_end_to_end(*_module_case(kind, recipe_name, path, CPU, monkeypatch), recipe_name)
 

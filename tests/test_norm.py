@@ -350,6 +350,7 @@ def _cpu_handlers_registered():
 
 @pytest.mark.parametrize("out", OUT_DTYPES)
 @pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.fast_cases(3)
 def test_cpu_fwd(dtype, out):
   cases = []
   for i, shape in enumerate(CPU_SHAPES):
@@ -415,6 +416,7 @@ def test_cpu_no_rows(shape):
 @pytest.mark.parametrize("dtype,dz_dtype", [(F32, F32), (BF16, BF16), (F16, F16), (BF16, F32), (F16, F32)],
                          ids=["f32", "bf16", "f16", "bf16-dz-f32", "f16-dz-f32"])
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.fast_cases(4)
 def test_cpu_bwd(norm_type, dtype, dz_dtype, zero_centered):
   cases = [bwd_case(shape, dtype, norm_type, seed=i, zero_centered=zero_centered, dz_dtype=dz_dtype)
            for i, shape in enumerate(CPU_SHAPES)]
@@ -423,6 +425,7 @@ def test_cpu_bwd(norm_type, dtype, dz_dtype, zero_centered):
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.fast_cases(2)
 def test_cpu_bwd_dres(norm_type, dtype):
   """A residual gradient added to dx (in float32, one rounding); dgamma and dbeta as without it."""
   cases = [bwd_case(shape, dtype, norm_type, seed=i, dres=True) for i, shape in enumerate(CPU_SHAPES)]
@@ -559,6 +562,7 @@ def test_layernorm_forward_is_norm_fwd(norm_type, zero_centered):
 @pytest.mark.parametrize("param_dtype", [F32, BF16], ids=["f32-params", "bf16-params"])
 @pytest.mark.parametrize("dtype", IN_DTYPES)
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.fast_cases(3)
 def test_gradients_against_autodiff_of_reference(norm_type, dtype, param_dtype):
   """custom_vjp gradients against jax.grad of the pure-jnp forward, both against the float64 gradients of the same
   function: the tolerance rule (CONTRIBUTING.md); each gradient in the dtype of what it differentiates."""
@@ -713,6 +717,7 @@ def test_sharded_fwd_equals_unsharded(mesh_shape, names, shape, spec, norm_type,
 @pytest.mark.parametrize("dres", [False, True], ids=["plain", "dres"])
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 @pytest.mark.parametrize("mesh_shape,names,shape,spec", FWD_SHARDING[:4], ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.fast_cases(4)
 def test_sharded_bwd(mesh_shape, names, shape, spec, norm_type, dres):
   """dx bitwise as unsharded; dgamma/dbeta summed over the row shards by one all-reduce (within the bound of any
   summation order); a dres sharded like x stays shard-local."""

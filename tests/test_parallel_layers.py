@@ -240,6 +240,7 @@ def _check_layout(kind, mesh_name, spmd):
 
 
 @pytest.mark.parametrize("kind,mesh_name", list(_params()))
+@pytest.mark.fast_cases(2)
 def test_sharded_steps_match_one_device(kind, mesh_name, tmp_path):
   got, want, hlo, spmd = run_case(kind, mesh_name, tmp_path)
   _check_layout(kind, mesh_name, spmd)

@@ -185,6 +185,7 @@ def _cpu_handler_registered():
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @IN_DTYPES
 @FP8
+@pytest.mark.fast_cases(30)
 def test_cpu_matches_reference(shape, dtype, fp8, extras):
   if len(shape) == 1:
     extras = {k: v for k, v in extras.items() if k != "transpose"}
@@ -196,6 +197,7 @@ def test_cpu_matches_reference(shape, dtype, fp8, extras):
                                               ((2, 3, 5, 7), None), ((2, 3, 5, 7), 0), ((2, 3, 5, 7), 1)], ids=str)
 @pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
 @pytest.mark.parametrize("dtype,fp8", [(ml_dtypes.bfloat16, E4M3), (np.float32, E5M2)], ids=["bf16-e4m3", "f32-e5m2"])
+@pytest.mark.fast_cases(6)
 def test_cpu_transpose_modes(shape, batch_dims, dbias, dtype, fp8):
   x = random_input(shape, dtype, seed=7)
   out = assert_matches_reference(x, 0.75, fp8, transpose=True, transpose_batch_dims=batch_dims, dbias=dbias)
@@ -235,6 +237,7 @@ TRANSPOSE_PARTS_CASES = [((64, 384), (3, 16)), ((136, 768), (3, 128)), ((24, 96)
 @pytest.mark.parametrize("shape,parts", TRANSPOSE_PARTS_CASES, ids=str)
 @pytest.mark.parametrize("dbias", [False, True], ids=["", "dbias"])
 @pytest.mark.parametrize("dtype,fp8", [(ml_dtypes.bfloat16, E4M3), (np.float32, E5M2)], ids=["bf16-e4m3", "f32-e5m2"])
+@pytest.mark.fast_cases(6)
 def test_cpu_transpose_parts(shape, parts, dbias, dtype, fp8):
   check_transpose_parts(random_input(shape, dtype, seed=9), fp8, *parts, dbias)
 
@@ -720,6 +723,7 @@ def test_block_scale_shape(mode, shape, scale_shape):
 @pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("mode,shape,scale_shape", BLOCK_CASES, ids=lambda v: getattr(v, "name", str(v)))
 @FP8
+@pytest.mark.fast_cases(10)
 def test_block_dequantize_matches_numpy(fp8, mode, shape, scale_shape, out_dtype):
   data = random_fp8(shape, fp8, seed=sum(shape))
   s = random_scale_inv(scale_shape, seed=len(shape))

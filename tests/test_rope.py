@@ -136,6 +136,7 @@ def _cpu_handlers_registered():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @LAYOUTS
 @PAIRINGS
+@pytest.mark.fast_cases(2)
 def test_reference_is_complex_rotation(dtype, layout, interleaved):
   """(x1 + i x2) * e^(i angle) in float64. Bound: the output rounding (half an ulp of x's dtype) plus float32
   arithmetic and XLA's float32 cos/sin (a few ulps) on the terms: 2^-20 (|x1| + |x2|)."""
@@ -183,6 +184,7 @@ def test_rope_frequencies_formula():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @LAYOUTS
 @PAIRINGS
+@pytest.mark.fast_cases(3)
 def test_cpu_matches_reference_bitwise(dtype, layout, interleaved):
   args, outs = handler_matches_reference(CASES, dtype, layout, interleaved, CPU, "cpu", seed=10)
   for (x, c, s), (y, dx) in zip(args, outs, strict=True):
@@ -264,6 +266,7 @@ def test_without_the_barrier_xla_cpu_contracts():
 
 @LAYOUTS
 @PAIRINGS
+@pytest.mark.fast_cases(2)
 def test_grad_matches_reference_grad(layout, interleaved):
   """jax.grad through apply_rope (the bwd handler) against jax.grad of the reference (JAX's own transpose of the
   forward formula, whose sums XLA:CPU may contract: a float32 rounding or two apart)."""

@@ -209,6 +209,7 @@ def _cpu_handlers_registered():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", ["plain", "causal"])
+@pytest.mark.fast_cases(2)
 def test_cpu_plain_and_causal(kind, dtype):
   for i, shape in enumerate(SHAPES):
     scale = SCALES[i % len(SCALES)]
@@ -232,6 +233,7 @@ MASK_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape,mask_shape", MASK_CASES, ids=str)
+@pytest.mark.fast_cases(6)
 def test_cpu_masked(shape, mask_shape, dtype):
   x = random_logits(shape, dtype, seed=sum(shape))
   mask = random_mask(mask_shape, seed=sum(mask_shape))

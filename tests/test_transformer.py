@@ -99,6 +99,7 @@ def test_docstring_examples():
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
+@pytest.mark.fast_cases(2)
 def test_layer_matches_reference_float32(kv_heads, rope):
   layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4,
                                    num_gqa_groups=kv_heads, layer_type="decoder", enable_rotary_pos_emb=rope,
@@ -143,6 +144,7 @@ def _options_layer_ref(p, x, *, post_residual, use_bias, gated, rms, zero_center
     dict(post_residual=False, use_bias=False, gated=False, rms=True, zero_centered=True),
     dict(post_residual=True, use_bias=True, gated=True, rms=True, zero_centered=True),
 ], ids=["post-residual", "bias-swiglu", "rmsnorm-zero-centered", "all"])
+@pytest.mark.fast_cases(1)
 def test_layer_options_match_reference(options):
   """Residuals after the norm (both blocks, as Megatron and Transformer Engine define it), biases, SwiGLU, RMSNorm
   and zero-centered gamma against the jnp reference, values and gradients."""
@@ -225,6 +227,7 @@ def test_transpose_batch_sequence_is_the_same_layer():
 @pytest.mark.parametrize("kw", [{}, {"enable_rotary_pos_emb": True}, {"enable_relative_embedding": True},
                                 {"window_size": (2, 0)}, {"self_attn_bias_type": "alibi"}],
                          ids=["plain", "rope", "relative-bias", "window", "alibi"])
+@pytest.mark.fast_cases(2)
 def test_kv_cache_decoding_matches_the_full_forward(kw):
   """Each feature that depends on the queries' positions (RoPE, relative biases, the sliding window, ALiBi) sees
   them at the cache index when decoding."""
