@@ -5,7 +5,17 @@
 // quantize kernels produce transposed FP8 copies. The transpose flags (lhs (K, M), rhs (K, N)) are for
 // bf16/fp16/fp32 operands only.
 //
-// FP8 operands are dequantized inside the GEMM by their per-tensor scale_inv (device pointers, so no host sync).
+// FP8 operands are dequantized inside the GEMM by their scale_inv (device pointers, so no host sync): one float32 per
+// tensor, or block scales (the scaling modes of te_jax/scaling_mode.h, one attribute per operand):
+//   - BLOCK_1X128 / BLOCK_128X128 on Hopper (cc 9.0, cuBLAS >= 12.9): cuBLASLt's VEC128_32F and BLK128x128_32F scale
+//     modes, 1D x 1D, 1D x 2D and 2D x 1D (2D x 2D has no kernel), output bf16/fp16/fp32 only. cuBLASLt's scale
+//     layouts (cuBLAS documentation, "128-element 1D and 128x128 2D Block Scaling For FP8 Data Types"): a 1 x 128
+//     operand's scales are (L, R) row-major, R (the operand's rows) contiguous, L = ceil(K / 128); a 128 x 128
+//     operand's are (ceil(R / 128), L4) row-major with L4 = L rounded up to a multiple of 4; both 16-byte aligned.
+//     The Python side (te_jax/ops/gemm_block.py) writes them in these layouts; this handler checks their sizes.
+//   - MXFP8_1X32 (VEC32_UE8M0) and NVFP4_1X16 (VEC16_UE4M3, E2M1 data) on cc 10.x, both operands of the same mode, in
+//     cuBLASLt's tiled layout of 128 x 4 scale tiles (the Python side swizzles them). Built here, never run on this
+//     project's machines (no Blackwell GPU): the Python side selects it by compute capability.
 // Optional bias epilogue (bias in the output dtype) and residual (cuBLASLt's C input with beta = 1: out = lhs @ rhs^T
 // + bias + residual, in float32, rounded once; C has the output's type and layout). Fast accumulation is a per-call
 // attribute: Transformer Engine's choice is fast for the forward GEMM, full precision for dgrad and wgrad.
@@ -37,6 +47,7 @@
 #include "te_jax/cuda_check.h"
 #include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
+#include "te_jax/scaling_mode.h"
 #include "te_jax/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -78,12 +89,13 @@ ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
     case ffi::DataType::F16: return CUDA_R_16F;
     case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
     case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
+    case ffi::DataType::F4E2M1FN: return CUDA_R_4F_E2M1;
     default: return ffi::Error::InvalidArgument("gemm: unsupported data type");
   }
 }
 
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool,
-                           int, int>;
+                           int, int, int64_t, int64_t>;
 
 // Everything cuBLASLt needs for one problem, built once.
 struct Plan {
@@ -123,9 +135,56 @@ struct Problem {
   bool residual;
   int align_residual;
   int parts;  // output buffers: 1, or the parts of a (parts, n, k) rhs
+  ScalingMode lhs_mode = ScalingMode::kPerTensor, rhs_mode = ScalingMode::kPerTensor;
 
   bool batched() const { return parts > 1; }
+  bool block() const { return lhs_mode != ScalingMode::kPerTensor; }
 };
+
+// cuBLASLt's scale mode for an operand of `mode`.
+cublasLtMatmulMatrixScale_t CublasScaleMode(ScalingMode mode) {
+  switch (mode) {
+    case ScalingMode::kBlock1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case ScalingMode::kBlock128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case ScalingMode::kMxfp8_1x32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    case ScalingMode::kNvfp4_1x16: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
+    case ScalingMode::kPerTensor: break;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The elements of the scales of an operand with `rows` rows and K = `k` in cuBLASLt's layout for `mode` (see the
+// top of this file), and their element type.
+int64_t BlockScaleCount(ScalingMode mode, int64_t rows, int64_t k) {
+  const int64_t l = CeilDiv(k, scale_block(mode).cols);
+  switch (mode) {
+    case ScalingMode::kBlock1x128: return l * rows;
+    case ScalingMode::kBlock128x128: return CeilDiv(rows, 128) * CeilDiv(l, 4) * 4;
+    case ScalingMode::kMxfp8_1x32:
+    case ScalingMode::kNvfp4_1x16: return CeilDiv(rows, 128) * 128 * CeilDiv(l, 4) * 4;  // whole 128 x 4 tiles
+    case ScalingMode::kPerTensor: break;
+  }
+  return 1;
+}
+
+ffi::DataType BlockScaleType(ScalingMode mode) {
+  switch (mode) {
+    case ScalingMode::kMxfp8_1x32: return ffi::DataType::F8E8M0FNU;
+    case ScalingMode::kNvfp4_1x16: return ffi::DataType::F8E4M3FN;
+    default: return ffi::DataType::F32;
+  }
+}
+
+// `value` as a ScalingMode, or an error naming the attribute.
+ffi::ErrorOr<ScalingMode> ModeOf(int64_t value, const char* name) {
+  for (const auto& m : kScalingModes) {
+    if (static_cast<int64_t>(m.mode) == value) return m.mode;
+  }
+  return ffi::Error::InvalidArgument(std::string("gemm: ") + name + " = " + std::to_string(value) +
+                                     " is no te_jax ScalingMode");
+}
 
 // The largest power of two up to 256 dividing v: of an address, or of a byte offset added to every address.
 int Alignment(uintptr_t v) {
@@ -146,7 +205,8 @@ struct Outs {
 ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache) {
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
                     p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
-                    p.residual,  p.align_residual, p.parts};
+                    p.residual,  p.align_residual, p.parts, static_cast<int64_t>(p.lhs_mode),
+                    static_cast<int64_t>(p.rhs_mode)};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
 
@@ -159,11 +219,20 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
       cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)), "TRANSA");
   TE_JAX_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)), "TRANSB");
-  if (p.fp8) {
+  if (p.fp8 && p.lhs_type != CUDA_R_4F_E2M1) {  // FAST_ACCUM is an FP8 attribute
     const int8_t fast = p.fast_accum ? 1 : 0;
     TE_JAX_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
         "FAST_ACCUM");
+  }
+  if (p.block()) {  // cuBLAS's A is our rhs, its B our lhs
+    const int32_t mode_a = CublasScaleMode(p.rhs_mode), mode_b = CublasScaleMode(p.lhs_mode);
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)),
+        "A_SCALE_MODE");
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)),
+        "B_SCALE_MODE");
   }
   if (p.bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -214,6 +283,10 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
     return ffi::Error::InvalidArgument("gemm: cuBLASLt has no algorithm for m=" + std::to_string(p.m) +
                                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                                        (p.batched() ? " in " + std::to_string(p.parts) + " parts" : std::string()) +
+                                       (p.block() ? " with block scales (modes " +
+                                                        std::to_string(static_cast<int64_t>(p.lhs_mode)) + " x " +
+                                                        std::to_string(static_cast<int64_t>(p.rhs_mode)) + ")"
+                                                  : std::string()) +
                                        " with these types/layout");
   }
   plan->offered = found;
@@ -301,10 +374,10 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
   return fastest;
 }
 
-ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::BufferR0<ffi::F32> lhs_scale_inv,
-                    ffi::BufferR0<ffi::F32> rhs_scale_inv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale_inv,
+                    ffi::AnyBuffer rhs_scale_inv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
                     ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets out_rets, bool transpose_lhs,
-                    bool transpose_rhs, bool fast_accum) {
+                    bool transpose_rhs, bool fast_accum, int64_t lhs_scaling_mode, int64_t rhs_scaling_mode) {
   const size_t parts = out_rets.size();
   if (parts < 1 || parts > static_cast<size_t>(kMaxGemmParts)) {
     return ffi::Error::InvalidArgument("gemm: 1 to " + std::to_string(kMaxGemmParts) + " outputs, got " +
@@ -347,9 +420,43 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   p.lhs_type = *lhs_type;
   p.rhs_type = *rhs_type;
   p.out_type = *out_type;
-  p.fp8 = IsFp8(lhs.element_type()) || IsFp8(rhs.element_type());
+  auto lhs_mode = ModeOf(lhs_scaling_mode, "lhs_scaling_mode");
+  auto rhs_mode = ModeOf(rhs_scaling_mode, "rhs_scaling_mode");
+  if (lhs_mode.has_error()) return lhs_mode.error();
+  if (rhs_mode.has_error()) return rhs_mode.error();
+  p.lhs_mode = *lhs_mode;
+  p.rhs_mode = *rhs_mode;
+  const bool fp4 = lhs.element_type() == ffi::DataType::F4E2M1FN || rhs.element_type() == ffi::DataType::F4E2M1FN;
+  p.fp8 = IsFp8(lhs.element_type()) || IsFp8(rhs.element_type()) || fp4;
   if (p.fp8 && (transpose_lhs || transpose_rhs)) {
     return ffi::Error::InvalidArgument("gemm: FP8 operands must both be K-major (no transpose flags)");
+  }
+  if ((p.lhs_mode == ScalingMode::kPerTensor) != (p.rhs_mode == ScalingMode::kPerTensor) || (p.block() && !p.fp8) ||
+      (p.block() && p.batched())) {
+    return ffi::Error::InvalidArgument(
+        "gemm: block scales need both operands block-scaled, low-precision data and one output");
+  }
+  // The scale buffers: float32 scalars per tensor; block scales of the cuBLASLt layout's size, 16-byte aligned.
+  for (const auto& [buf, mode, rows, name] :
+       {std::make_tuple(&lhs_scale_inv, p.lhs_mode, p.m, "lhs"), std::make_tuple(&rhs_scale_inv, p.rhs_mode, p.n, "rhs")}) {
+    if (mode == ScalingMode::kPerTensor) {
+      if (p.fp8 && (buf->element_type() != ffi::DataType::F32 || buf->element_count() != 1)) {
+        return ffi::Error::InvalidArgument(std::string("gemm: ") + name + "_scale_inv must be one float32");
+      }
+      continue;
+    }
+    const int64_t want = BlockScaleCount(mode, rows, p.k);
+    if (buf->element_type() != BlockScaleType(mode) || Count(*buf) != want || Alignment(buf->untyped_data()) < 16) {
+      return ffi::Error::InvalidArgument(std::string("gemm: ") + name + "_scale_inv must hold " + std::to_string(want) +
+                                         " scales of its mode's type in cuBLASLt's layout, 16-byte aligned; got " +
+                                         std::to_string(Count(*buf)));
+    }
+  }
+  // E2M1 data: XLA stores two elements per byte.
+  for (const auto* buf : {&lhs, &rhs}) {
+    if (buf->element_type() == ffi::DataType::F4E2M1FN && buf->size_bytes() * 2 != buf->element_count()) {
+      return ffi::Error::InvalidArgument("gemm: E2M1 operands must be packed two elements per byte");
+    }
   }
   p.transpose_lhs = transpose_lhs;
   p.transpose_rhs = transpose_rhs;
@@ -403,8 +510,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     plan = *got;
   }
   if (p.fp8) {
-    const float* a_scale = rhs_scale_inv.typed_data();
-    const float* b_scale = lhs_scale_inv.typed_data();
+    const void* a_scale = rhs_scale_inv.untyped_data();
+    const void* b_scale = lhs_scale_inv.untyped_data();
     TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                                  &a_scale, sizeof(a_scale)),
                                   "A_SCALE_POINTER");
@@ -463,6 +570,7 @@ const char* TypeName(int t) {
     case CUDA_R_16F: return "float16";
     case CUDA_R_8F_E4M3: return "float8_e4m3fn";
     case CUDA_R_8F_E5M2: return "float8_e5m2";
+    case CUDA_R_4F_E2M1: return "float4_e2m1fn";
     default: return "unknown";
   }
 }
@@ -491,15 +599,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                                   .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), or (K, M) if transposed
                                   .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), (K, N), (P, N, K)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // lhs_scale_inv (FP8 lhs only)
-                                  .Arg<ffi::BufferR0<ffi::F32>>()            // rhs_scale_inv (FP8 rhs only)
+                                  .Arg<ffi::AnyBuffer>()                     // lhs_scale_inv: f32[] or block scales
+                                  .Arg<ffi::AnyBuffer>()                     // rhs_scale_inv: f32[] or block scales
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
                                   .Arg<ffi::AnyBuffer>()                     // residual: (M, N) in out dtype, or empty
                                   .Ret<ffi::AnyBuffer>()                     // workspace: u8[GemmWorkspace(P)]
                                   .RemainingRets()                           // out (M, N), or one per rhs part
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
-                                  .Attr<bool>("fast_accum"),                 // FP8 fast accumulation
+                                  .Attr<bool>("fast_accum")                  // FP8 fast accumulation
+                                  .Attr<int64_t>("lhs_scaling_mode")         // ScalingMode of lhs's scales
+                                  .Attr<int64_t>("rhs_scaling_mode"),        // ScalingMode of rhs's scales
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

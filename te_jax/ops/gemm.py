@@ -30,6 +30,11 @@ different mesh axes (context parallelism) are no sharding of the merged (B * S) 
 all-gather the sequence. ``contract_dims=2`` contracts the last two dims of both operands, the kept (B, S) rows of a
 weight gradient's transposed operands (K, B, S) and (N, B, S); each contracted dim keeps its sharding and the
 partial sums are reduced over all of their mesh axes. The handler sees the same bytes as the 2-D GEMM.
+
+Block-scaled operands (``QuantizedTensor`` of BLOCK_1X128, BLOCK_128X128, MXFP8_1X32 or NVFP4_1X16, both operands)
+take the same options; cuBLASLt runs them where it has a kernel (1 x 128 and 128 x 128 on Hopper, MXFP8 and NVFP4 on
+cc 10.x), the emulation (bfloat16 dequantization, then the high-precision GEMM) elsewhere: see
+``te_jax.ops.gemm_block``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
+from te_jax.ops.gemm_block import (check_block_operands, emulate, is_block_scaled, kernel_scales, logical_scales,
+                                   native_block_reason, scale_factors, scale_spec)
+from te_jax.ops.gemm_block import _gpu_cc
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
@@ -75,6 +83,8 @@ class GemmConfig:
       sharding rule does not tie it to lhs's rows); a residual is (B, S, N) too. None: the output is (M, N).
     k_dims: how many trailing dims of each (untransposed) operand are contracted; lhs's dims before them are its rows
       (one dim, M, or several kept apart: (B, S)), the output's too: ``(*rows, N)``.
+    lhs_mode, rhs_mode: the ``ScalingMode`` of each operand's scales; block modes pass them in cuBLASLt's layout
+      (``te_jax.ops.gemm_block.kernel_scales``), both block-scaled or neither.
   """
 
   out_dtype: np.dtype
@@ -86,6 +96,8 @@ class GemmConfig:
   parts: int = 1
   out_rows: tuple[int, int] | None = None
   k_dims: int = 1
+  lhs_mode: ScalingMode = ScalingMode.PER_TENSOR
+  rhs_mode: ScalingMode = ScalingMode.PER_TENSOR
 
 
 def _split(shape, transposed: bool, k_dims: int, parts: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -107,11 +119,16 @@ def _mk(shape, transposed, k_dims: int = 1, parts: bool = False) -> tuple[int, i
 
 
 def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) -> list[jax.Array]:
-  """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias and residual, cast."""
+  """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias and residual, cast.
+
+  Block-scaled operands (scales in cuBLASLt's layout) are dequantized as the emulated path does: into bfloat16."""
   if config.parts > 1:  # no bias or residual with parts
     return [gemm_ref(lhs, part, lhs_scale_inv, rhs_scale_inv, config=dataclasses.replace(config, parts=1))[0]
             for part in rhs]
   rows, _ = _split(lhs.shape, config.transpose_lhs, config.k_dims)
+  if config.lhs_mode is not ScalingMode.PER_TENSOR:
+    lhs, rhs = (emulate(QuantizedTensor(x, logical_scales(s, mode, x.shape, config.k_dims), mode=mode))
+                for x, s, mode in ((lhs, lhs_scale_inv, config.lhs_mode), (rhs, rhs_scale_inv, config.rhs_mode)))
   a = lhs.T if config.transpose_lhs else lhs.reshape(_mk(lhs.shape, False, config.k_dims))
   b = rhs.T if config.transpose_rhs else rhs.reshape(_mk(rhs.shape, False, config.k_dims))
   if jnp.dtype(a.dtype) in FP8_DTYPES:
@@ -155,6 +172,13 @@ def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) ->
   shapes = [lhs.shape if config.transpose_lhs else _mk(lhs.shape, False, config.k_dims),
             rhs.shape if config.transpose_rhs else (*parts, *_mk(rhs.shape, False, config.k_dims, bool(parts))),
             *(a.shape for a in avals_in[2:])]
+  for i, (data, mode) in enumerate(((lhs, config.lhs_mode), (rhs, config.rhs_mode))):
+    del data
+    scale = avals_in[2 + i].shape
+    if mode is ScalingMode.BLOCK_1X128:  # (*k, *rows) -> (L, R): the same bytes
+      shapes[2 + i] = (math.prod(scale[:config.k_dims]), math.prod(scale[config.k_dims:]))
+    elif mode is not ScalingMode.PER_TENSOR:
+      shapes[2 + i] = (math.prod(scale),)
   if config.has_residual:
     shapes[-1] = (math.prod(avals_in[-1].shape[:-1]), avals_in[-1].shape[-1])
   outs = [jax.core.ShapedArray((math.prod(a.shape[:-1]), a.shape[-1]), a.dtype) for a in avals_out]
@@ -168,6 +192,8 @@ def _attributes(config: GemmConfig) -> dict:
       "transpose_lhs": np.bool_(config.transpose_lhs),
       "transpose_rhs": np.bool_(config.transpose_rhs),
       "fast_accum": np.bool_(config.fast_accum),
+      "lhs_scaling_mode": np.int64(config.lhs_mode.value),
+      "rhs_scaling_mode": np.int64(config.rhs_mode.value),
   }
 
 
@@ -238,11 +264,17 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
                                                                        else (n, *k_entries))))
   out_sharding = NamedSharding(mesh, P(*(_entry(a) for a in out_dims)))
   scalar = NamedSharding(mesh, P())
+  # Block scales shard with their data (the handler's 2-D view of lhs: kept rows, else one).
+  lhs_local_shape = (arg_shapes[0].shape if config.lhs_mode is ScalingMode.PER_TENSOR
+                     else tuple(arg_shapes[0].shape))
+  lhs_scale = NamedSharding(mesh, scale_spec(config.lhs_mode, "lhs", lhs_local_shape, rows, k_dims, mesh))
+  rhs_scale = NamedSharding(mesh, scale_spec(config.rhs_mode, "rhs", tuple(arg_shapes[1].shape), [n_axes], k_dims,
+                                             mesh))
   local_rows = None
   if free:  # one shard's (B, S) before the reduce-scatter
     local_rows = tuple(size // math.prod(mesh.shape[a] for a in axes) for size, axes in zip(config.out_rows,
                                                                                              (rows[0], kept)))
-  arg_shardings = [lhs_sharding, rhs_sharding, scalar, scalar]
+  arg_shardings = [lhs_sharding, rhs_sharding, lhs_scale, rhs_scale]
   if config.has_bias:
     arg_shardings.append(NamedSharding(mesh, P(out_sharding.spec[-1])))
   if config.has_residual:
@@ -283,7 +315,9 @@ def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
   lhs = f"{k} {m}" if config.transpose_lhs else f"{m} {k}"
   rhs = ("p " if config.parts > 1 else "") + (f"{k} n" if config.transpose_rhs else f"n {k}")
   out = f"{m} n" if config.out_rows is None else "b s n"  # out_rows: factors of their own, set by the consumer
-  operands = [lhs, rhs, "", ""] + (["n"] if config.has_bias else []) + ([out] if config.has_residual else [])
+  scales = [scale_factors(config.lhs_mode, m.split(), k.split(), "l"), scale_factors(config.rhs_mode, ["n"], k.split(),
+                                                                                     "r")]
+  operands = [lhs, rhs, *scales] + (["n"] if config.has_bias else []) + ([out] if config.has_residual else [])
   extra = {"need_replication_factors": ("p",)} if config.parts > 1 else {}
   return ", ".join(operands) + " -> " + ", ".join([out] * config.parts), {"reduction_factors": tuple(k.split()),
                                                                           **extra}
@@ -366,15 +400,18 @@ def gemm(
   (32, 48)
 
   Args:
-    lhs: (..., K), or (K, ...) with ``transpose_lhs``: a per-tensor ``QuantizedTensor`` (FP8), or a bfloat16,
-      float16 or float32 array.
+    lhs: (..., K), or (K, ...) with ``transpose_lhs``: a ``QuantizedTensor`` (FP8 per tensor, or block-scaled: see
+      ``te_jax.ops.gemm_block``), or a bfloat16, float16 or float32 array.
     rhs: (..., K), or (K, ...) with ``transpose_rhs``; the same kind (FP8 or not) as ``lhs``.
     bias: optional (N,) bias, cast to ``dtype``, fused into the GEMM epilogue.
     residual: optional, shaped as the output (or (M, N)), cast to ``dtype``, added in the epilogue: the output
       is ``lhs @ rhs^T + bias + residual`` rounded once.
     dtype: the output dtype: bfloat16, float16 or float32.
     transpose_lhs, transpose_rhs: the operand is stored with K first (not for FP8).
-    fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise.
+    fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise. Block-scaled operands
+      pass it on to cuBLASLt all the same, whose block-scaled kernels scale and add each 128-element K block's
+      partial sum in float32 either way (the block scales are applied there), so it changes at most the
+      accumulation inside a block (benchmarks/bench_gemm.py times both; the GPU tests bound both).
     rhs_parts: ``rhs`` is (P, ..., K) with 1 <= P <= MAX_PARTS, untransposed: returns the P products
       ``lhs @ rhs[p]^T`` as a tuple, from one batched cuBLASLt launch. ``bias`` is then (P, N), one row per part
       (cuBLASLt's batched GEMM has no bias epilogue, so with a bias each part is a GEMM of its own); no residual.
@@ -393,8 +430,22 @@ def gemm(
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
     ``(*lhs_rows, *rhs.shape[1:-1])``.
   """
+  opts = dict(bias=bias, residual=residual, dtype=dtype, transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+              fast_accum=fast_accum, rhs_parts=rhs_parts, scatter_rows=scatter_rows, keep_rows=keep_rows,
+              contract_dims=contract_dims)
+  if is_block_scaled(lhs) or is_block_scaled(rhs):
+    return _gemm_block(lhs, rhs, **opts)
   lhs, lhs_scale_inv = _operand(lhs, "lhs")
   rhs, rhs_scale_inv = _operand(rhs, "rhs")
+  return _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, **opts)
+
+
+def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype, transpose_lhs, transpose_rhs,
+               fast_accum, rhs_parts, scatter_rows, keep_rows, contract_dims,
+               modes=(ScalingMode.PER_TENSOR, ScalingMode.PER_TENSOR)):
+  """gemm's checks and its GEMM on (data, scale_inv) operands; block-scaled ones (``modes``) with their logical
+  scales, on the native path only."""
+  block = modes[0] is not ScalingMode.PER_TENSOR
   if scatter_rows and (rhs_parts or transpose_lhs or lhs.ndim != 3):
     raise ValueError(f"scatter_rows needs lhs (B, S, K), untransposed, and no rhs_parts; got lhs {lhs.shape}"
                      f"{' transposed' if transpose_lhs else ''}{' with rhs_parts' if rhs_parts else ''}")
@@ -416,7 +467,7 @@ def gemm(
   out_dtype = jnp.dtype(dtype)
   if out_dtype not in HP_DTYPES:
     raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
-  if lhs_fp8 and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
+  if lhs_fp8 and not block and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
     raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
   if lhs_fp8 and (transpose_lhs or transpose_rhs):
     raise ValueError("FP8 operands must be K-major: pass the transposed FP8 copy instead of transpose_lhs/rhs")
@@ -449,8 +500,16 @@ def gemm(
   fuse_bias = fuse and bias is not None
   fuse_residual = k > 0 and gemm_dtype == out_dtype and residual is not None
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
-                      fuse_residual, out_rows=out_rows, k_dims=contract_dims)
-  operands = [a, b, *_scales(lhs_fp8, lhs_scale_inv, rhs_scale_inv)]
+                      fuse_residual, out_rows=out_rows, k_dims=contract_dims, lhs_mode=modes[0], rhs_mode=modes[1])
+  if block:  # the logical scales folded as the data is, then in cuBLASLt's layout
+    scales = []
+    for x, folded, s, mode in ((lhs, a, lhs_scale_inv, modes[0]), (rhs, b, rhs_scale_inv, modes[1])):
+      if mode.block[0] == 1:  # rows unblocked: they fold as the data's do
+        s = s.reshape(*folded.shape[:folded.ndim - contract_dims], *s.shape[x.ndim - contract_dims:])
+      scales.append(kernel_scales(s, mode, folded.shape, contract_dims))
+  else:
+    scales = _scales(lhs_fp8, lhs_scale_inv, rhs_scale_inv)
+  operands = [a, b, *scales]
   if fuse_bias:  # the bias is rounded to out_dtype first in every path
     operands.append(bias.astype(out_dtype).astype(gemm_dtype))
   if fuse_residual:
@@ -513,3 +572,49 @@ def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtyp
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), False, False, bool(fast_accum), False, n_parts)
   outs = _GEMM.bind(a, rhs.reshape(n_parts, n, k), *_scales(fp8, lhs_scale_inv, rhs_scale_inv), config=config)
   return tuple(o.astype(out_dtype).reshape(part_out.shape) for o in outs)
+
+
+def _part(x: QuantizedTensor, i: int) -> QuantizedTensor:
+  """Part ``i`` of a block-scaled (P, ..., K) operand, with its scales."""
+  return QuantizedTensor(x.data[i], x.scale_inv[i], global_scale_inv=x.global_scale_inv, mode=x.mode)
+
+
+def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
+  """``gemm`` of block-scaled operands: cuBLASLt where it has a kernel for them (``gemm_block.native_block_reason``)
+  and the program is lowered for CUDA, else the emulation: both operands dequantized into bfloat16, then the
+  high-precision GEMM with every option as given."""
+  check_block_operands(lhs, rhs)
+  if opts["transpose_lhs"] or opts["transpose_rhs"]:
+    raise ValueError("FP8 operands must be K-major: pass the transposed FP8 copy instead of transpose_lhs/rhs")
+
+  def emulated(a, b):
+    return gemm(emulate(a), emulate(b), **opts)
+
+  if opts["rhs_parts"]:
+    # The checks of rhs_parts, on the emulated operands; then one GEMM per part: cuBLASLt's pointer-array batched
+    # GEMM takes per-tensor scales only.
+    jax.eval_shape(emulated, lhs, rhs)
+    bias = opts["bias"]
+    part_opts = {**opts, "rhs_parts": False}
+    return tuple(gemm(lhs, _part(rhs, i), **{**part_opts, "bias": None if bias is None else bias[i]})
+                 for i in range(rhs.shape[0]))
+  if not native.has_target("cuda", "te_gemm_cuda") or native_block_reason(
+      lhs.mode, rhs.mode, lhs.shape, rhs.shape, (lhs.dtype, rhs.dtype), _gpu_cc(), keep_rows=opts["keep_rows"],
+      contract_dims=opts["contract_dims"]) is not None:
+    return emulated(lhs, rhs)
+
+  def native_gemm(a, b):
+    if a.mode is not ScalingMode.NVFP4_1X16:
+      return _gemm_body(a.data, b.data, a.scale_inv, b.scale_inv, modes=(a.mode, b.mode), **opts)
+    # NVFP4: the two global scales multiply the float32 product, then the epilogue's additions, one cast.
+    out = _gemm_body(a.data, b.data, a.scale_inv, b.scale_inv, modes=(a.mode, b.mode),
+                     **{**opts, "bias": None, "residual": None, "dtype": jnp.float32})
+    out = out * (a.global_scale_inv * b.global_scale_inv)
+    out_dtype = jnp.dtype(opts["dtype"])
+    for addend in (opts["bias"], opts["residual"]):
+      if addend is not None:
+        out = out + addend.astype(out_dtype).astype(jnp.float32).reshape(
+            out.shape if addend.ndim > 1 else addend.shape)
+    return out.astype(out_dtype)
+
+  return jax.lax.platform_dependent(lhs, rhs, cuda=native_gemm, default=emulated)
