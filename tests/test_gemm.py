@@ -445,14 +445,16 @@ def _block_scaled(shape, mode):
 @pytest.mark.parametrize("mode", [m for m in ScalingMode if m is not ScalingMode.PER_TENSOR], ids=lambda m: m.name)
 @pytest.mark.parametrize("operand", ["lhs", "rhs"])
 @pytest.mark.parametrize("rhs_parts", [False, True], ids=["", "parts"])
-def test_block_scaled_operand_is_rejected(mode, operand, rhs_parts):
-  """The GEMM takes per-tensor scaled operands only: any other ScalingMode (BLOCK_1X128 first) is a ValueError that
-  names the operand and its mode, raised in Python, eagerly and under jax.jit."""
+def test_block_scaled_with_per_tensor_is_rejected(mode, operand, rhs_parts):
+  """A block-scaled operand (any mode) with a per-tensor one is a ValueError that names both modes, raised in Python,
+  eagerly and under jax.jit (block-scaled pairs: tests/test_gemm_block.py)."""
   rhs_shape = (2, 32, 256) if rhs_parts else (32, 256)
   lhs = _block_scaled((16, 256), mode) if operand == "lhs" else _q8((16, 256))
   rhs = _block_scaled(rhs_shape, mode) if operand == "rhs" else _q8(rhs_shape)
   call = functools.partial(gemm, lhs, rhs, rhs_parts=rhs_parts)
-  match = rf"{operand} is scaled {mode.name}; te_jax's GEMM takes per-tensor scaled operands"
+  other = "rhs" if operand == "lhs" else "lhs"
+  match = (rf"{other} is scaled PER_TENSOR but {operand} is scaled {mode.name}: a block-scaled GEMM needs both "
+           "operands block-scaled")
   with pytest.raises(ValueError, match=match):
     call()
   with pytest.raises(ValueError, match=match):

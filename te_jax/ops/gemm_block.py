@@ -71,10 +71,12 @@ def check_block_operands(lhs, rhs) -> None:
   scale of its mode's dtypes and shapes."""
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if not is_block_scaled(x):
-      what = f"scaled {x.mode.name}" if isinstance(x, QuantizedTensor) else f"a {type(x).__name__}"
+      what = (f"scaled {x.mode.name}" if isinstance(x, QuantizedTensor)
+              else f"a {jnp.dtype(x.dtype).name} array" if hasattr(x, "dtype") else f"a {type(x).__name__}")
       other = rhs if name == "lhs" else lhs
       raise ValueError(f"{name} is {what} but {'rhs' if name == 'lhs' else 'lhs'} is scaled {other.mode.name}: a "
                        "block-scaled GEMM needs both operands block-scaled (quantize both with the same recipe)")
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
     want_data = (_E2M1,) if x.mode is ScalingMode.NVFP4_1X16 else FP8_DTYPES
     if x.dtype not in want_data:
       raise TypeError(f"{name} is scaled {x.mode.name} and must hold {' or '.join(d.name for d in want_data)} data, "
