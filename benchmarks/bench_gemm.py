@@ -21,6 +21,13 @@ remains); the FP8 quantization's own error is that exact product's distance from
 operands. Errors are relative to the RMS of the exact output: ``rel_rms``, ``rel_max`` and ``bias``, the mean of
 error * sign(exact output), negative when the accumulation loses magnitude. On the CPU both accumulations are exact.
 
+The block-scaled rows (bench ``gemm_block``) time DeepSeek-style block scaling (1 x 128 activations and gradients,
+128 x 128 weights; cuBLASLt's VEC128 / BLK128x128 scale modes on Hopper) at 8192^3 and at the three GEMMs of a
+4096-wide linear layer at 8192 tokens (forward x . kernel^T and dgrad g . kernel: 1 x 128 by 128 x 128; wgrad
+x^T . g contracting the tokens: 1 x 128 by 1 x 128), beside XLA's bf16 GEMM and te_jax's per-tensor FP8 GEMM on the
+same shape, with and without fast accumulation; operands quantized once, outside the timed function (the scales'
+conversion into cuBLASLt's layouts is inside it, and timed alone in the ``scale layout`` row).
+
   python benchmarks/bench_gemm.py
 """
 
@@ -38,8 +45,11 @@ import numpy as np
 
 import harness
 from te_jax import QuantizedTensor
+from te_jax import ScalingMode
 from te_jax.ops.gemm import gemm
+from te_jax.ops.gemm_block import block_gemm_path, kernel_scales
 from te_jax.ops.quantize import quantize
+from te_jax.ops.quantize_block import quantize_block_ref
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 4096, 16384))  # (M, N, K)
@@ -272,8 +282,74 @@ def accuracy_rows(ctx: harness.Context, key) -> list[dict]:
   return rows
 
 
-def run(ctx: harness.Context) -> list[dict]:
+# (case, M, N, K, lhs mode, rhs mode): lhs (M, K), rhs (N, K)
+BLOCK_CASES = (
+    ("8192^3 forward", 8192, 8192, 8192, ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128),
+    ("layer 4096, 8192 tokens: forward", 8192, 4096, 4096, ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128),
+    ("layer 4096, 8192 tokens: dgrad", 8192, 4096, 4096, ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128),
+    ("layer 4096, 8192 tokens: wgrad", 4096, 4096, 8192, ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_1X128),
+)
+
+
+def bench_block(ctx: harness.Context) -> list[dict]:
+  """The ``gemm_block`` rows (see the module docstring)."""
   rows = []
+  quantize_jit = jax.jit(quantize_block_ref, static_argnums=1)
+  for i, (case, m, n, k, lm, rm) in enumerate(BLOCK_CASES):
+    m, n, k = m // ctx.shrink, n // ctx.shrink, k // ctx.shrink
+    a, b = _operands(jax.random.key(300 + i), m, n, k)
+    qa, qb = quantize_jit(a, lm), quantize_jit(b, rm)
+    one = jnp.float32(1.0)
+    pa, pb = quantize(a, one).out.data, quantize(b, one).out.data
+    pt = lambda x: QuantizedTensor(x, one)  # noqa: E731
+    layouts = jax.jit(lambda x, y: (kernel_scales(x.scale_inv, x.mode, x.shape, 1),
+                                    kernel_scales(y.scale_inv, y.mode, y.shape, 1)))
+    impls = {
+        "xla bf16": (jax.jit(lambda x, y: jnp.dot(x, y.T)), (a, b)),
+        "te_jax fp8 per-tensor": (jax.jit(lambda x, y: gemm(pt(x), pt(y))), (pa, pb)),
+        "te_jax fp8 per-tensor (fast acc)": (jax.jit(lambda x, y: gemm(pt(x), pt(y), fast_accum=True)), (pa, pb)),
+        "te_jax fp8 block": (jax.jit(lambda x, y: gemm(x, y)), (qa, qb)),
+        "te_jax fp8 block (fast acc)": (jax.jit(lambda x, y: gemm(x, y, fast_accum=True)), (qa, qb)),
+        "scale layout (both operands' scales into cuBLASLt's layouts)": (layouts, (qa, qb)),
+    }
+    flops = 2.0 * m * n * k
+    ref = impls["xla bf16"][0](a, b).astype(jnp.float32)
+    path = block_gemm_path(qa, qb)
+    label = f"{case}: {m}x{n}x{k} {lm.name} x {rm.name} -> bf16"
+    case_rows = []
+    for name, (fn, args) in impls.items():
+      t = harness.time_calls(fn, *args, runs=ctx.runs, batch=ctx.batch)
+      targets = harness.custom_call_targets(fn, *args)
+      problems = []
+      if "block" in name and ctx.gpu and path != "native":
+        problems.append(f"NOT NATIVE ({path})")
+      if name != "xla bf16" and not name.startswith("scale") and ctx.gpu and f"te_gemm_{ctx.platform}" not in targets:
+        problems.append("NOT NATIVE")
+      row = {"bench": "gemm_block", "case": label, "impl": name, "ms": t.ms, "timing": t.as_dict(),
+             "handler": ", ".join(sorted(x for x in targets if x.startswith(("te_", "__cublas")))) or "xla"}
+      if not name.startswith("scale"):
+        out = fn(*args).astype(jnp.float32)
+        rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        problems += [] if rel <= 0.1 else [f"rel err {rel:.3g} > 0.1"]
+        row.update(tflops=flops / (t.ms * 1e-3) / 1e12, rel_err_vs_bf16=rel)
+      row.update(ok=not problems, note="; ".join(problems))
+      case_rows.append(row)
+    by = {r["impl"]: r for r in case_rows}
+    for r in case_rows:
+      r["speedup_vs_xla"] = by["xla bf16"]["ms"] / r["ms"] if "tflops" in r else float("nan")
+      if "block" in r["impl"]:
+        per_tensor = by["te_jax fp8 per-tensor" + (" (fast acc)" if "fast" in r["impl"] else "")]
+        r["vs_per_tensor_fp8"] = per_tensor["ms"] / r["ms"]
+      print(f"gemm_block {label} {r['impl']}: {r['ms']:.4f} ms"
+            + (f", {r['tflops']:.0f} TFLOP/s, {r['speedup_vs_xla']:.2f}x XLA bf16" if "tflops" in r else "")
+            + (f", {r['vs_per_tensor_fp8']:.1%} of per-tensor FP8" if "vs_per_tensor_fp8" in r else "")
+            + (f" [{r['note']}]" if not r["ok"] else ""), file=sys.stderr, flush=True)
+    rows += case_rows
+  return rows
+
+
+def run(ctx: harness.Context) -> list[dict]:
+  rows = bench_block(ctx)
   with tempfile.TemporaryDirectory() as d:
     shapes = [bench_shape(ctx, mnk, jax.random.key(100 + i), (d, i) if _with_torch(ctx) else None)
               for i, mnk in enumerate(SHAPES)]
