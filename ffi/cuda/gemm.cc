@@ -202,7 +202,10 @@ struct Outs {
 // Row-major out[m, n] = lhs . rhs^T is column-major out^T[n, m] = rhs . lhs^T, so cuBLAS's A is our rhs and its B
 // our lhs. Untransposed rhs (n, k) row-major is a column-major (k, n) matrix used transposed (TRANSA = T);
 // untransposed lhs (m, k) is column-major (k, m) used as is (TRANSB = N).
-ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache) {
+// The scale and bias pointers are this call's: cuBLASLt's heuristic rejects block scale modes without scale pointers
+// (CUBLAS_STATUS_INVALID_VALUE); each call sets its own before it runs.
+ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& cache, const void* a_scale,
+                            const void* b_scale, const void* bias_ptr) {
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
                     p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
                     p.residual,  p.align_residual, p.parts, static_cast<int64_t>(p.lhs_mode),
@@ -234,7 +237,18 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)),
         "B_SCALE_MODE");
   }
+  if (p.fp8) {
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                                 &a_scale, sizeof(a_scale)),
+                                  "A_SCALE_POINTER");
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                                 &b_scale, sizeof(b_scale)),
+                                  "B_SCALE_POINTER");
+  }
   if (p.bias) {
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                 &bias_ptr, sizeof(bias_ptr)),
+                                  "BIAS_POINTER");
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     TE_JAX_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
@@ -505,7 +519,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     } else {
       handle = h->second;
     }
-    auto got = GetPlan(handle, p, cache);
+    auto got = GetPlan(handle, p, cache, rhs_scale_inv.untyped_data(), lhs_scale_inv.untyped_data(),
+                       bias.untyped_data());
     if (got.has_error()) return got.error();
     plan = *got;
   }
