@@ -446,9 +446,10 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     return ffi::Error::InvalidArgument("gemm: FP8 operands must both be K-major (no transpose flags)");
   }
   if ((p.lhs_mode == ScalingMode::kPerTensor) != (p.rhs_mode == ScalingMode::kPerTensor) || (p.block() && !p.fp8) ||
-      (p.block() && p.batched())) {
+      (p.block() && p.batched()) || (p.block() && fast_accum)) {
     return ffi::Error::InvalidArgument(
-        "gemm: block scales need both operands block-scaled, low-precision data and one output");
+        "gemm: block scales need both operands block-scaled, low-precision data, one output and no fast "
+        "accumulation (cuBLASLt has no such kernel: its heuristic answers NOT_SUPPORTED)");
   }
   // The scale buffers: float32 scalars per tensor; block scales of the cuBLASLt layout's size, 16-byte aligned.
   for (const auto& [buf, mode, rows, name] :

@@ -409,9 +409,10 @@ def gemm(
     dtype: the output dtype: bfloat16, float16 or float32.
     transpose_lhs, transpose_rhs: the operand is stored with K first (not for FP8).
     fast_accum: FP8 fast accumulation (forward GEMMs); full-precision accumulation otherwise. Block-scaled operands
-      pass it on to cuBLASLt all the same, whose block-scaled kernels scale and add each 128-element K block's
-      partial sum in float32 either way (the block scales are applied there), so it changes at most the
-      accumulation inside a block (benchmarks/bench_gemm.py times both; the GPU tests bound both).
+      run cuBLASLt's block-scaled kernels, which have no fast-accumulation variant (the heuristic answers
+      NOT_SUPPORTED): they add each K block's partial sum, scaled by its blocks' scales, in float32, which is what
+      full-precision accumulation means for per-tensor FP8; so ``fast_accum`` changes nothing there (the same
+      kernel, the same bits) and only the emulated path's high-precision GEMM sees it (where it is a no-op too).
     rhs_parts: ``rhs`` is (P, ..., K) with 1 <= P <= MAX_PARTS, untransposed: returns the P products
       ``lhs @ rhs[p]^T`` as a tuple, from one batched cuBLASLt launch. ``bias`` is then (P, N), one row per part
       (cuBLASLt's batched GEMM has no bias epilogue, so with a bias each part is a GEMM of its own); no residual.
@@ -603,12 +604,16 @@ def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
       contract_dims=opts["contract_dims"]) is not None:
     return emulated(lhs, rhs)
 
+  # cuBLASLt has no fast-accumulation block-scaled kernel (its heuristic answers NOT_SUPPORTED on the H100, cuBLAS
+  # 13): its kernels add each K block's partial sum, scaled, in float32 whatever fast_accum says.
+  native_opts = {**opts, "fast_accum": False}
+
   def native_gemm(a, b):
     if a.mode is not ScalingMode.NVFP4_1X16:
-      return _gemm_body(a.data, b.data, a.scale_inv, b.scale_inv, modes=(a.mode, b.mode), **opts)
+      return _gemm_body(a.data, b.data, a.scale_inv, b.scale_inv, modes=(a.mode, b.mode), **native_opts)
     # NVFP4: the two global scales multiply the float32 product, then the epilogue's additions, one cast.
     out = _gemm_body(a.data, b.data, a.scale_inv, b.scale_inv, modes=(a.mode, b.mode),
-                     **{**opts, "bias": None, "residual": None, "dtype": jnp.float32})
+                     **{**native_opts, "bias": None, "residual": None, "dtype": jnp.float32})
     out = out * (a.global_scale_inv * b.global_scale_inv)
     out_dtype = jnp.dtype(opts["dtype"])
     for addend in (opts["bias"], opts["residual"]):

@@ -32,6 +32,11 @@ Their cost: the transpose of an 8192 x 8192 operand's 1 x 128 scales (8192 x 64 
 microseconds against the GEMM's ~0.8 ms; ``benchmarks/bench_gemm.py`` times it (``scale layout`` rows). It is done in
 XLA rather than in the handler because the handler could only do it in scratch memory it has no geometry for.
 
+Accumulation: cuBLASLt's block-scaled Hopper kernels have no fast-accumulation variant (with
+CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1 the heuristic answers CUBLAS_STATUS_NOT_SUPPORTED on the H100, cuBLAS 13; PyTorch's
+``_scaled_mm`` rejects fast accumulation with these scalings for the same reason): each 128-element K block's partial
+sum is scaled and added in float32, so ``fast_accum`` selects the same kernel as full precision.
+
 Sharding: the scales shard with their data (the same mesh axes on the corresponding dims); a sharded dim that a
 block covers must hold whole blocks per shard (``scale_spec`` raises a ValueError naming the operand, the dim, the
 mesh axes and the block), and a sharded K of a 128 x 128 operand whole groups of 4 blocks (cuBLASLt's L4 stride).
