@@ -453,7 +453,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   }
   // The scale buffers: float32 scalars per tensor; block scales of the cuBLASLt layout's size, 16-byte aligned.
   for (const auto& [buf, mode, rows, name] :
-       {std::make_tuple(&lhs_scale_inv, p.lhs_mode, p.m, "lhs"), std::make_tuple(&rhs_scale_inv, p.rhs_mode, p.n, "rhs")}) {
+       {std::make_tuple(&lhs_scale_inv, p.lhs_mode, p.m, "lhs"),
+        std::make_tuple(&rhs_scale_inv, p.rhs_mode, p.n, "rhs")}) {
     if (mode == ScalingMode::kPerTensor) {
       if (p.fp8 && (buf->element_type() != ffi::DataType::F32 || buf->element_count() != 1)) {
         return ffi::Error::InvalidArgument(std::string("gemm: ") + name + "_scale_inv must be one float32");

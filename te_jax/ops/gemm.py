@@ -52,9 +52,8 @@ from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
-from te_jax.ops.gemm_block import (check_block_operands, emulate, is_block_scaled, kernel_scales, logical_scales,
-                                   native_block_reason, scale_factors, scale_spec)
-from te_jax.ops.gemm_block import _gpu_cc
+from te_jax.ops.gemm_block import (check_block_operands, emulate, gpu_compute_capability, is_block_scaled,
+                                   kernel_scales, logical_scales, native_block_reason, scale_factors, scale_spec)
 from te_jax.ops.quantize import FP8_DTYPES
 
 __all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
@@ -599,9 +598,9 @@ def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
     part_opts = {**opts, "rhs_parts": False}
     return tuple(gemm(lhs, _part(rhs, i), **{**part_opts, "bias": None if bias is None else bias[i]})
                  for i in range(rhs.shape[0]))
-  if not native.has_target("cuda", "te_gemm_cuda") or native_block_reason(
-      lhs.mode, rhs.mode, lhs.shape, rhs.shape, (lhs.dtype, rhs.dtype), _gpu_cc(), keep_rows=opts["keep_rows"],
-      contract_dims=opts["contract_dims"]) is not None:
+  why = native_block_reason(lhs.mode, rhs.mode, lhs.shape, rhs.shape, (lhs.dtype, rhs.dtype), gpu_compute_capability(),
+                            keep_rows=opts["keep_rows"], contract_dims=opts["contract_dims"])
+  if not native.has_target("cuda", "te_gemm_cuda") or why is not None:
     return emulated(lhs, rhs)
 
   # cuBLASLt has no fast-accumulation block-scaled kernel (its heuristic answers NOT_SUPPORTED on the H100, cuBLAS

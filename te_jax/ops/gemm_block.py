@@ -54,7 +54,8 @@ from te_jax._core import native
 from te_jax._core.dtypes import FP8_DTYPES
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 
-__all__ = ["BLOCK_ALIGN_M", "block_gemm_path", "check_block_operands", "emulate", "is_block_scaled",
+__all__ = ["BLOCK_ALIGN_M", "block_gemm_path", "check_block_operands", "emulate", "gpu_compute_capability",
+           "is_block_scaled",
            "kernel_scales", "logical_scales", "native_block_reason", "scale_factors", "scale_spec"]
 
 #: cuBLASLt's block-scaled kernels: M a multiple of this (K and N: te_jax.ops.gemm.FP8_ALIGN).
@@ -107,7 +108,7 @@ def emulate(x: QuantizedTensor) -> jax.Array:
   return x.dequantize(jnp.bfloat16)
 
 
-def _gpu_cc() -> tuple[int, int] | None:
+def gpu_compute_capability() -> tuple[int, int] | None:
   """The compute capability of the first GPU, or None without one."""
   try:
     gpus = jax.devices("gpu")
@@ -167,7 +168,7 @@ def block_gemm_path(lhs: QuantizedTensor, rhs: QuantizedTensor, *, keep_rows: bo
   check_block_operands(lhs, rhs)
   if not native.has_target("cuda", "te_gemm_cuda"):
     return "emulated: the CUDA module is not loaded"
-  why = native_block_reason(lhs.mode, rhs.mode, lhs.shape, rhs.shape, (lhs.dtype, rhs.dtype), _gpu_cc(),
+  why = native_block_reason(lhs.mode, rhs.mode, lhs.shape, rhs.shape, (lhs.dtype, rhs.dtype), gpu_compute_capability(),
                             keep_rows=keep_rows, contract_dims=contract_dims)
   return "native" if why is None else f"emulated: {why}"
 
