@@ -3,8 +3,8 @@
 Reports the package versions, the JAX backend and devices, each GPU's compute capability, the CUDA driver, runtime,
 cuBLASLt and cuDNN versions, which te_jax extension modules loaded (and why not), the XLA FFI targets they registered,
 whether ``TE_JAX_REFERENCE=1`` forces the pure-JAX path, a one-op check that the native handler runs and agrees with
-the reference bit for bit, for each FP8 recipe whether it runs natively here, is emulated by the pure-JAX path, or is
-not in ``te_jax.recipe`` yet (and what hardware it would need), and which attention backend (cuDNN or jnp) typical
+the reference bit for bit, for each recipe whether its GEMMs run natively here or are emulated (the pure-JAX path, or
+block-scaled operands dequantized into bfloat16), and why, and which attention backend (cuDNN or jnp) typical
 configurations get, and why.
 
 Never fails for want of a GPU or a CUDA library: what is missing is reported and the exit code is 0. Only a failing
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax
-from te_jax import recipe as recipe_module
 from te_jax._core import native
 
 __all__ = ["RECIPES", "collect", "format_report", "main"]
@@ -37,6 +36,7 @@ __all__ = ["RECIPES", "collect", "format_report", "main"]
 RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling")
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes")
 _FP8_CC = (8, 9)  # Ada and Hopper: FP8 tensor cores
+_BLOCK_CC = (9, 0)  # Hopper: cuBLASLt's 1x128 / 128x128 block-scaled FP8 GEMMs
 _BLOCK_FP_CC = (10, 0)  # Blackwell: MXFP8 and NVFP4 block-scaled tensor-core GEMMs
 
 
@@ -112,23 +112,12 @@ def _self_check() -> dict[str, Any]:
 
 
 def _recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool) -> dict[str, dict[str, str]]:
-  """{recipe: {"mode": "native" | "emulated" | "unavailable", "reason": ...}}; "unavailable" for a recipe that
-  ``te_jax.recipe`` does not define yet, whatever the machine."""
+  """{recipe: {"mode": "native" | "emulated", "reason": ...}}: whether the recipe's GEMMs run on FP8 (FP4) tensor
+  cores here, or its numerics run at high-precision speed (the pure-JAX path, or block-scaled operands dequantized
+  into bfloat16)."""
   def row(native: bool, reason: str) -> dict[str, str]:
     return {"mode": "native" if native else "emulated", "reason": reason}
 
-  rows = _machine_recipes(min_cc, cuda_loaded, row)
-  for name in RECIPES:
-    if not hasattr(recipe_module, name):
-      hardware = ("its GEMMs need compute capability >= 10.0 (Blackwell)"
-                  if name in ("MXFP8BlockScaling", "NVFP4BlockScaling")
-                  else "its GEMMs (1x128 / 128x128 scales) need FP8 tensor cores, compute capability >= 8.9")
-      rows[name] = {"mode": "unavailable", "reason": f"not in te_jax.recipe yet; {hardware}"}
-  return rows
-
-
-def _machine_recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool, row) -> dict[str, dict[str, str]]:
-  """What the machine allows each recipe, as if te_jax had them all."""
   if native.REFERENCE_FORCED:
     return {r: row(False, "TE_JAX_REFERENCE=1 forces the pure-JAX path") for r in RECIPES}
   if min_cc is None:
@@ -140,16 +129,26 @@ def _machine_recipes(min_cc: tuple[int, int] | None, cuda_loaded: bool, row) -> 
     per_tensor = row(False, f"compute capability {cc} < 8.9: no FP8 tensor cores")
   else:
     per_tensor = row(True, f"compute capability {cc} >= 8.9 and the CUDA module is loaded")
-  if min_cc < _BLOCK_FP_CC:
-    block_fp = f"hardware GEMMs need compute capability >= 10.0 (Blackwell); emulated on {cc}"
+  if not cuda_loaded:
+    block, block_fp = per_tensor, per_tensor
   else:
-    block_fp = "no handler for this recipe yet: the pure-JAX path"
+    if min_cc == _BLOCK_CC:
+      block = row(True, f"compute capability {cc}: cuBLASLt's 1x128 / 128x128 block-scaled FP8 GEMMs")
+    else:
+      block = row(False, f"cuBLASLt's 1x128 / 128x128 block-scaled GEMMs are for compute capability 9.0; on {cc} "
+                         "the quantize is native and the GEMM dequantizes into bfloat16")
+    if min_cc[0] == _BLOCK_FP_CC[0]:
+      block_fp = row(True, f"compute capability {cc}: cuBLASLt's block-scaled tensor-core GEMMs (built, never run on "
+                           "this project's own machines)")
+    else:
+      block_fp = row(False, f"hardware GEMMs need compute capability 10.x (Blackwell); on {cc} the quantize is native "
+                            "and the GEMM dequantizes into bfloat16")
   return {
       "DelayedScaling": per_tensor,
       "Float8CurrentScaling": per_tensor,
-      "Float8BlockScaling": row(False, "no block-scaled GEMM handler yet (1x128 / 128x128 FP8 scales)"),
-      "MXFP8BlockScaling": row(False, block_fp),
-      "NVFP4BlockScaling": row(False, block_fp),
+      "Float8BlockScaling": block,
+      "MXFP8BlockScaling": block_fp,
+      "NVFP4BlockScaling": block_fp,
   }
 
 

@@ -10,7 +10,8 @@ import enum
 
 import jax.numpy as jnp
 
-__all__ = ["Format", "MMParams", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+__all__ = ["Format", "MMParams", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "NVFP4BlockScaling"]
 
 
 class Format(enum.Enum):
@@ -133,4 +134,118 @@ class Float8CurrentScaling:
     _check_gemm_params(self)
 
 
-Recipe = DelayedScaling | Float8CurrentScaling
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling:
+  """Block scaling (DeepSeek-V3, arXiv 2412.19437 §3.3): activations and gradients scaled per 1 x 128 tile of a row,
+  weights per 128 x 128 block, each scale from its block's own amax. No state, so it works under ``nn.scan``, remat
+  and every sharding (a block never straddles a shard: the ops raise where one would).
+
+  On Hopper (compute capability 9.0) the GEMMs run natively through cuBLASLt's block-scaled FP8 kernels; elsewhere they
+  dequantize into bfloat16 (``python -m te_jax.doctor`` says which).
+
+  >>> from te_jax import recipe
+  >>> recipe.Float8BlockScaling().fp8_format.name
+  'E4M3'
+
+  Attributes:
+    fp8_format: ``Format.E4M3`` (E4M3 everywhere, DeepSeek-V3's and Transformer Engine's default for this recipe) or
+      ``Format.HYBRID`` (E5M2 gradients).
+    power_of_two_scales: round each scale down to a power of two, so that scaling and dequantization are exact
+      (Transformer Engine's default); False keeps float32 scales.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMMs' accumulation (``MMParams``); full precision for all
+      three by default.
+  """
+
+  fp8_format: Format = Format.E4M3
+  power_of_two_scales: bool = True
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+    _check_flag("power_of_two_scales", self.power_of_two_scales)
+    _check_gemm_params(self)
+
+  @property
+  def fp8_dpa(self) -> bool:
+    """Attention stays in the input precision under block-scaled recipes."""
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+  """MXFP8 (OCP Microscaling Formats v1.0): every tensor scaled per 1 x 32 elements of a row by a power of two (an
+  E8M0 scale), each direction of a tensor (the GEMM operand and its transposed copy) with its own scales. No state.
+
+  Native GEMMs need compute capability 10.x (Blackwell); on Hopper the quantize is native and the GEMM dequantizes
+  into bfloat16 ("emulated": its numerics, not its speed).
+
+  >>> from te_jax import recipe
+  >>> recipe.MXFP8BlockScaling().fp8_format.name
+  'E4M3'
+
+  Attributes:
+    fp8_format: ``Format.E4M3`` (the default) or ``Format.HYBRID`` (E5M2 gradients).
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMMs' accumulation (``MMParams``).
+  """
+
+  fp8_format: Format = Format.E4M3
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+    _check_gemm_params(self)
+
+  @property
+  def fp8_dpa(self) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling:
+  """NVFP4 (NVIDIA's recipe, arXiv 2509.25149): E2M1 values, an E4M3 scale per 1 x 16 elements of a row and a float32
+  scale per tensor. No state.
+
+  Weights are scaled per 16 x 16 block (``weight_block_2d``), so that a weight and its transpose hold the same
+  values; the gradients round stochastically (``stochastic_rounding``); the weight-gradient GEMM's operands (the
+  transposed input and output gradient, contracted over the tokens) pass through a random Hadamard transform over
+  blocks of 16 tokens first (``random_hadamard_transform``), which spreads outliers across each block and cancels in
+  the product. Native GEMMs need compute capability 10.x; on Hopper the GEMM dequantizes into bfloat16 ("emulated").
+
+  >>> from te_jax import recipe
+  >>> recipe.NVFP4BlockScaling().stochastic_rounding
+  True
+
+  Attributes:
+    weight_block_2d: 16 x 16 blocks for weights (else 1 x 16, as for the other tensors).
+    stochastic_rounding: round gradients stochastically (unbiased), the rest to nearest.
+    random_hadamard_transform: transform the weight-gradient GEMM's operands by a 16 x 16 Hadamard matrix with
+      random signs (fixed by ``hadamard_seed``) over blocks of tokens.
+    hadamard_seed: the seed of the transform's random signs.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: the GEMMs' accumulation (``MMParams``).
+  """
+
+  weight_block_2d: bool = True
+  stochastic_rounding: bool = True
+  random_hadamard_transform: bool = True
+  hadamard_seed: int = 0
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+
+  def __post_init__(self):
+    for name in ("weight_block_2d", "stochastic_rounding", "random_hadamard_transform"):
+      _check_flag(name, getattr(self, name))
+    if not isinstance(self.hadamard_seed, int) or isinstance(self.hadamard_seed, bool) or self.hadamard_seed < 0:
+      raise ValueError(f"hadamard_seed must be an int >= 0, got {self.hadamard_seed!r}")
+    _check_gemm_params(self)
+
+  @property
+  def fp8_dpa(self) -> bool:
+    return False
+
+
+Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | NVFP4BlockScaling

@@ -484,7 +484,7 @@ def test_delayed_scaling_needs_fp8_meta():
     (lambda: te_jax.dense(jnp.ones((4, 32)), jnp.ones((32, 16)), jnp.ones((8,))), r"bias must have shape \(16,\)"),
     (lambda: te_jax.dense(jnp.ones((4, 32)), jnp.ones((32, 16)), axis=2), r"axis 2 is out of range for rank 2"),
     (lambda: te_jax.dense(jnp.ones((4, 32)), jnp.ones((32, 16)), axis=(1, -1)), r"axes repeat"),
-    (lambda: te_jax.dense(jnp.ones((16, 32)), jnp.ones((32, 16)), recipe="fp8"), r"recipe must be DelayedScaling"),
+    (lambda: te_jax.dense(jnp.ones((16, 32)), jnp.ones((32, 16)), recipe="fp8"), r"recipe must be one of te_jax.recipe.DelayedScaling\(\)"),
 ], ids=["kernel-shape", "bias-shape", "axis-range", "axis-repeat", "recipe-type"])
 def test_argument_errors(call, match):
   with pytest.raises(ValueError, match=match):

@@ -10,10 +10,12 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+import typing
+
 import jax
 import numpy as np
 
-from te_jax.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = [
     "AutocastState", "autocast", "calibration_pass", "check_fp8_support", "check_recipe", "get_autocast_state",
@@ -47,9 +49,13 @@ def get_autocast_state() -> AutocastState:
 
 def check_recipe(recipe) -> Recipe:
   """``recipe`` if it is one of ``te_jax.recipe``'s recipes, else a ValueError that names it."""
-  if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-    raise ValueError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-  return recipe
+  recipes = typing.get_args(Recipe)
+  if isinstance(recipe, recipes):
+    return recipe
+  names = ", ".join(f"te_jax.recipe.{r.__name__}()" for r in recipes)
+  if isinstance(recipe, type) and issubclass(recipe, recipes):
+    raise ValueError(f"recipe must be a recipe instance, got the class {recipe.__name__}: pass {recipe.__name__}()")
+  raise ValueError(f"recipe must be one of {names}, got {recipe!r} ({type(recipe).__name__})")
 
 
 def resolve_recipe(recipe: Recipe | None) -> Recipe | None:

@@ -130,6 +130,19 @@ class QuantizedTensor:
     """The tensor without its transposed copy (what a GEMM that reads only ``data`` keeps for the backward pass)."""
     return dataclasses.replace(self, data_t=None, scale_inv_t=None)
 
+  def with_rows(self, *rows: int) -> "QuantizedTensor":
+    """The tensor (without a transposed copy) with its leading dims reshaped to ``rows``, its last dim kept: the
+    scales' leading dims reshaped alike where they cover rows one by one (per-tensor scales cover any shape)."""
+    if self.data_t is not None:
+      raise ValueError("with_rows reshapes a tensor without its transposed copy: call without_transposed() first")
+    shape = (*rows, self.shape[-1])
+    if self.mode.block is None:
+      return dataclasses.replace(self, data=self.data.reshape(shape))
+    if self.mode.block[0] > 1 and tuple(rows) != self.shape[:-1]:
+      raise ValueError(f"{self.mode.name} blocks cover rows too: its rows {self.shape[:-1]} cannot become {rows}")
+    return dataclasses.replace(self, data=self.data.reshape(shape),
+                               scale_inv=self.scale_inv.reshape(*rows, self.scale_inv.shape[-1]))
+
   def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
     """``data * scale_inv`` in ``dtype``, computed in float32, each scale broadcast over its block.
 

@@ -22,7 +22,9 @@ from te_jax.compare.train import Run, check_batches, cross_entropy, tokens_in, t
 __all__ = ["RECIPES", "emulation_note", "run"]
 
 #: ``--recipe`` names and the ``te_jax.recipe`` class each picks.
-RECIPES = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling}
+RECIPES = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,
+           "block": te_recipe.Float8BlockScaling, "mxfp8": te_recipe.MXFP8BlockScaling,
+           "nvfp4": te_recipe.NVFP4BlockScaling}
 
 
 def emulation_note() -> str | None:

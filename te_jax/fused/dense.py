@@ -30,7 +30,6 @@ from te_jax.fused.linear import (Fp8Config, LinearResiduals, Unstack, as_arrays,
                                  linear_fwd, pad_rows, primal_values, quantize_grad, residual_rows, state_as_float32,
                                  state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
-from te_jax.ops.quantize import quantize
 from te_jax.recipe import Recipe
 
 __all__ = ["dense", "normalize_axes"]
@@ -63,8 +62,8 @@ def _dense_fp8_fwd(cfg: _Config, *primals):
 def _forward(cfg: _Config, x, kernel, bias, residual, meta_in):
   fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
-  sx = fp8.quantizer.scale(meta and meta.x, x, fp8.fwd_dtype)
-  qx = quantize(x, sx, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)  # (M, K) and (K, M), or kept rows
+  # (M, K) and (K, M), or kept rows
+  qx = fp8.quantizer.quantize("x", meta and meta.x, x, fp8.fwd_dtype, transpose=True, transpose_batch_dims=0)
   out, res = linear_fwd(fp8, qx.out, kernel, meta and meta.kernel, bias, residual, cfg.unstack, cfg.out_rows)
   return out, _Residuals(res, qx.amax, meta_in)
 
@@ -76,8 +75,7 @@ def _dense_fp8_bwd(cfg: _Config, r: _Residuals, g):
     g = g.reshape(-1, g.shape[-1])
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
-  sg = fp8.quantizer.scale(meta and meta.grad, g, fp8.bwd_dtype)
-  qg = quantize_grad(fp8, g, sg, cfg.unstack)  # (M, N) and (N, M)
+  qg = quantize_grad(fp8, g, meta and meta.grad, cfg.unstack)  # (M, N) and (N, M)
   dx, dw = linear_bwd(fp8, r.linear, qg.out)
   dbias = qg.dbias.astype(fp8.bias_dtype) if fp8.has_bias else None
   new_meta = None

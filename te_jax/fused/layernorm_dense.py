@@ -77,8 +77,7 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   fp8 = cfg.fp8
   meta = state_as_float32(r.meta)
   g, g_hp, g_x = jax.tree.map(instantiate, cotangents, is_leaf=lambda c: c is None)
-  sg = fp8.quantizer.scale(meta and meta.grad, g, fp8.bwd_dtype)
-  qg = quantize_grad(fp8, g, sg, cfg.unstack)
+  qg = quantize_grad(fp8, g, meta and meta.grad, cfg.unstack)
   dgrad_rows = None if cfg.grad_sharding is None else r.x.shape[:-1]
   dz, dw = linear_bwd(fp8, r.linear, qg.out, dgrad_rows)
   if cfg.grad_sharding is not None:

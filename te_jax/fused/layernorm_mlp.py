@@ -26,7 +26,6 @@ from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays
                                  norm_to_fp8, pad_rows, primal_values, residual_rows, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
-from te_jax.ops.quantize import quantize
 from te_jax.recipe import Recipe
 
 __all__ = ["intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
@@ -133,10 +132,9 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   if fc2.quantizer.fused_cast:
     s2 = fc2.quantizer.scale(meta_2.x, None, fc2.fwd_dtype)
     a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
-  else:  # the activation's amax is needed before its cast (current scaling): a second pass
+  else:  # the activation's amax is needed before its cast (current and block scaling): a second pass
     a_hp = activation_fwd(h, cfg.activation_type).out
-    s2 = fc2.quantizer.scale(meta_2 and meta_2.x, a_hp, fc2.fwd_dtype)
-    a = quantize(a_hp, s2, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
+    a = fc2.quantizer.quantize("x", meta_2 and meta_2.x, a_hp, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
   y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
@@ -149,8 +147,8 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
   meta_1, meta_2 = state_as_float32((r.meta_1, r.meta_2))
   fc1, fc2 = cfg.fc1, cfg.fc2
-  sg2 = fc2.quantizer.scale(meta_2 and meta_2.grad, g, fc2.bwd_dtype)
-  qg = quantize(g, sg2, fc2.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc2.has_bias)
+  qg = fc2.quantizer.quantize("grad", meta_2 and meta_2.grad, g, fc2.bwd_dtype, transpose=True,
+                              transpose_batch_dims=0, dbias=fc2.has_bias)
   da, dk2 = linear_bwd(fc2, res_2, qg.out)
   rows = da.shape[:-1]  # (M,), or (B, S) kept
   axes = cfg.intermediate_axes
@@ -164,9 +162,9 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
       dh = dh._replace(out=merged, dbias=None if dh.dbias is None else merge_parts(dh.dbias, 0, axes))
   else:  # gated: the (M, 2, F) gradient merged before its cast
     dh_hp = activation_bwd(da, h, cfg.activation_type).out
-    sg1 = fc1.quantizer.scale(meta_1 and meta_1.grad, dh_hp, fc1.bwd_dtype)
     dh_hp = merge_parts(dh_hp, len(rows), axes) if cfg.gated else dh_hp
-    dh = quantize(dh_hp, sg1, fc1.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=fc1.has_bias)
+    dh = fc1.quantizer.quantize("grad", meta_1 and meta_1.grad, dh_hp, fc1.bwd_dtype, transpose=True,
+                                transpose_batch_dims=0, dbias=fc1.has_bias)
   # dh.out: (M, N) and (N, M), N = F or 2F; with the rows kept (B, S, N) and (N, B, S)
   dgrad_rows = None if cfg.grad_sharding is None else x.shape[:-1]
   dz, dk1 = linear_bwd(fc1, res_1, dh.out, dgrad_rows)

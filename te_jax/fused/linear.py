@@ -26,9 +26,8 @@ from te_jax._core.quantized_tensor import QuantizedTensor
 from te_jax.fused.quantizer import Quantizer, quantizer_for
 from te_jax.ops.gemm import FP8_ALIGN, gemm
 from te_jax.ops.norm import check_norm_args, layernorm, norm_bwd, norm_fwd
-from te_jax.ops.quantize import CastOutput, group_parts, quantize
+from te_jax.ops.quantize import CastOutput, group_parts
 from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
-from te_jax.ops.quantize_interleaved import quantize_interleaved
 from te_jax.recipe import Recipe
 
 __all__ = [
@@ -179,11 +178,11 @@ class Fp8Config:
 
   @property
   def fwd_dtype(self):
-    return self.recipe.fp8_format.fwd_dtype
+    return self.quantizer.fwd_dtype
 
   @property
   def bwd_dtype(self):
-    return self.recipe.fp8_format.bwd_dtype
+    return self.quantizer.bwd_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,15 +242,14 @@ def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype,
   return jnp.pad(r, ((0, pad), (0, 0))) if pad else r
 
 
-def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], scale: jax.Array,
-                  unstack: Unstack | None) -> CastOutput:
+def quantize_grad(cfg: Fp8Config, g: jax.Array | tuple[jax.Array, ...], state, unstack: Unstack | None) -> CastOutput:
   """The output gradient as the backward GEMMs need it: FP8 (M, N) with its transposed copy (N, M), its amax, and the
   bias gradient when there is a bias. ``g`` is the (M, N) gradient, or with ``unstack`` the parts' gradients; with the
-  rows kept, (B, S, N) and (N, B, S)."""
+  rows kept, (B, S, N) and (N, B, S). ``state``: the gradient's scaling state (None where the quantizer keeps none)."""
+  kw = dict(transpose=True, transpose_batch_dims=0, dbias=cfg.has_bias)
   if unstack is None:
-    return quantize(g, scale, cfg.bwd_dtype, transpose=True, transpose_batch_dims=0, dbias=cfg.has_bias)
-  return quantize_interleaved(g, scale, cfg.bwd_dtype, group=unstack.group, transpose=True, transpose_batch_dims=0,
-                              dbias=cfg.has_bias)
+    return cfg.quantizer.quantize("grad", state, g, cfg.bwd_dtype, **kw)
+  return cfg.quantizer.quantize_parts("grad", state, g, cfg.bwd_dtype, group=unstack.group, **kw)
 
 
 class LinearResiduals(NamedTuple):
@@ -263,8 +261,8 @@ class LinearResiduals(NamedTuple):
 
 
 def _reshaped(t: QuantizedTensor, *shape: int) -> QuantizedTensor:
-  """A per-tensor scaled tensor with its data reshaped (its scale covers any shape)."""
-  return dataclasses.replace(t, data=t.data.reshape(*shape))
+  """``t`` as a GEMM's lhs (without its transposed copy) with its rows reshaped, its last dim kept."""
+  return t.without_transposed().with_rows(*shape[:-1])
 
 
 def _saved(t: QuantizedTensor) -> QuantizedTensor:
@@ -285,17 +283,18 @@ def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, r
 
   With the rows kept (``x`` (B, S, K), its copy (K, B, S): a layer's ``keep_rows``), every GEMM keeps (B, S) as two
   dims sharded as they come (``gemm``'s ``keep_rows`` and ``contract_dims``), the output (B, S, N)."""
-  sw = cfg.quantizer.scale(kernel_state, kernel, cfg.fwd_dtype, cfg.kernel_axes)
+  quantize_kernel = functools.partial(cfg.quantizer.quantize, "kernel", kernel_state, kernel, cfg.fwd_dtype,
+                                      shard_axes=cfg.kernel_axes, transpose=True)
   fwd_gemm = functools.partial(gemm, dtype=cfg.out_dtype, fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
   keep_rows = x.data.ndim > 2
   if unstack is None or unstack.parts == 1:
-    qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True)  # (K, N) and (N, K)
+    qw = quantize_kernel()  # (K, N) and (N, K)
     lhs = x if out_rows is None else _reshaped(x, *out_rows, x.shape[-1])
     out = fwd_gemm(lhs, qw.out.transposed(), bias=bias, residual=residual, scatter_rows=out_rows is not None,
                    keep_rows=keep_rows)
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
-    qw = quantize(kernel, sw, cfg.fwd_dtype, transpose=True, transpose_parts=(unstack.parts, unstack.group))
+    qw = quantize_kernel(transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
     out = fwd_gemm(x, qw.out.transposed(), bias=biases, rhs_parts=True, keep_rows=keep_rows)
   return out, LinearResiduals(_saved(x.transposed()), _saved(qw.out), qw.amax)
@@ -365,14 +364,13 @@ def norm_to_fp8(cfg: Fp8Config, norm: NormSpec, state, x2d, gamma, beta, *, keep
   (H, B, S)).
 
   Where the quantizer knows the scale up front (delayed scaling), the norm kernel casts directly. Otherwise (current
-  scaling needs the amax of the normalized tensor first), and where ``keep_hp`` asks for the normalized tensor
-  itself, the norm writes it in the compute dtype and a quantize pass follows.
+  scaling needs the amax of the normalized tensor first, block scaling each block's), and where ``keep_hp`` asks for
+  the normalized tensor itself, the norm writes it in the compute dtype and the quantizer's pass follows.
   """
   if cfg.quantizer.fused_cast and not keep_hp:
     scale = cfg.quantizer.scale(state, None, cfg.fwd_dtype)
     out = norm.fwd(x2d, gamma, beta, dtype=cfg.fwd_dtype, scale=scale, transpose=True)
     return NormFp8(out.out, out.amax, out.mean, out.rsigma, None)
   out = norm.fwd(x2d, gamma, beta, dtype=x2d.dtype)
-  s = cfg.quantizer.scale(state, out.out, cfg.fwd_dtype)
-  q = quantize(out.out, s, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)
+  q = cfg.quantizer.quantize("x", state, out.out, cfg.fwd_dtype, transpose=True, transpose_batch_dims=0)
   return NormFp8(q.out, q.amax, out.mean, out.rsigma, out.out if keep_hp else None)
