@@ -211,3 +211,56 @@ def test_scan_and_remat_run_block_scaling():
       h = te_jax.dense(h, layer["kernel"], layer.get("bias"), recipe=r).astype(h.dtype)
   np.testing.assert_allclose(float(y), float(jnp.sum(h.astype(jnp.float32))), rtol=1e-6)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("r", [recipe.Float8BlockScaling(), recipe.NVFP4BlockScaling()], ids=["block", "nvfp4"])
+def test_dense_sharded_as_on_one_device(r):
+  """The batch over 4 devices and the kernel's features over 2 (data x tensor parallel), jitted with NamedSharding:
+  the output as on one device bit for bit (block scales are local to their blocks), the gradients within the rounding
+  of their sharded contractions, and no all-gather of an activation or its gradient."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from parallel_model import collectives
+
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # 128 tokens and 128 features a shard: the weight gradient's 1 x 128 blocks run along the tokens, the kernel's
+  # 128 x 128 blocks over its features, whole in each shard.
+  x = jax.random.normal(jax.random.key(0), (512, 256), BF16)
+  w = jax.random.normal(jax.random.key(1), (256, 256), jnp.float32) * 0.05
+  gy = jax.random.normal(jax.random.key(2), (512, 256), BF16)
+
+  def step(x, w):
+    y, vjp = jax.vjp(lambda x, w: te_jax.dense(x, w, recipe=r), x, w)
+    return y, *vjp(gy)
+
+  want = jax.jit(step)(x, w)
+  shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  xs, ws = shard(x, P("data", None)), shard(w, P(None, "model"))
+  sharded = jax.jit(step)
+  got = sharded(xs, ws)
+  (y, dx, dw), (want_y, want_dx, want_dw) = got, want
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32))
+  # dgrad contracts the sharded features, wgrad the sharded batch: each shard's partial product is rounded to the
+  # output dtype (bfloat16 for dx, as the per-tensor and the BF16 layers do) and the partials are added: within a
+  # rounding of bfloat16 (float32 for dw) of the unsharded result, in norm.
+  def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+  assert rel(dx, want_dx) < 2**-8, rel(dx, want_dx)
+  assert rel(dw, want_dw) < 2**-20, rel(dw, want_dw)
+  gathers = [c for c in collectives(sharded.lower(xs, ws).compile().as_text()) if c[0] == "all-gather"]
+  assert not any(dtype in ("bf16", "f8e4m3fn", "f4e2m1fn") and kind for kind, _, dtype in gathers), gathers
+
+
+def test_a_block_straddling_shards_raises():
+  """The kernel's 128 x 128 blocks over 128 features split over 2 devices: a clear error naming the dim, the mesh
+  axis and the block, not a quantization that depends on the mesh."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.ones((128, 256), BF16)
+  w = jax.device_put(jnp.ones((256, 128), jnp.float32), NamedSharding(mesh, P(None, "model")))
+  with pytest.raises(Exception, match=r"sharded over mesh axis model into 2 shards.*BLOCK_128X128 blocks of 128"):
+    jax.jit(lambda x, w: te_jax.dense(x, w, recipe=recipe.Float8BlockScaling()))(x, w)
