@@ -5,7 +5,8 @@ The timed function is the whole backward pass of the layer: ``jax.vjp`` of ``app
 (parameters and FP8 state) and the input, applied to a random output gradient. Parameters are float32, inputs and
 compute bfloat16. Rates count 6*M*K*N FLOPs (three GEMMs). One more te_jax row runs all three GEMMs with FP8 fast
 accumulation (the default recipe keeps dgrad and wgrad at full precision, as Transformer Engine does; Flax's op lets
-XLA choose).
+XLA choose), one under ``Float8BlockScaling`` (1 x 128 / 128 x 128 block scales: cuBLASLt's block-scaled GEMMs on
+Hopper).
 
   python benchmarks/bench_dense.py
 """
@@ -43,6 +44,8 @@ def bench_shape(ctx: harness.Context, mkn, key) -> list[dict]:
       "te_jax DenseGeneral fp8": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16), delayed),
       "te_jax DenseGeneral fp8 (fast accumulation)": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16),
                                                       recipe_with_fast_accumulation(delayed)),
+      "te_jax DenseGeneral fp8 block scaling": (te_flax.DenseGeneral(n, use_bias=False, dtype=jnp.bfloat16),
+                                                recipe.Float8BlockScaling()),
       "flax Dense fp8": (nn.Dense(n, use_bias=False, dtype=jnp.bfloat16,
                                   dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp), None),
       "flax Dense bf16": (nn.Dense(n, use_bias=False, dtype=jnp.bfloat16), None),
