@@ -30,6 +30,7 @@ namespace nb = nanobind;
 namespace te_jax {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeInterleavedCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(QuantizeBlockCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ActBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NormFwdCudaHandler);
@@ -70,6 +71,7 @@ NB_MODULE(_te_cuda, m) {
     nb::dict d;
     d["te_quantize_cuda"] = Capsule(te_jax::QuantizeCudaHandler);
     d["te_quantize_interleaved_cuda"] = Capsule(te_jax::QuantizeInterleavedCudaHandler);
+    d["te_quantize_block_cuda"] = Capsule(te_jax::QuantizeBlockCudaHandler);
     d["te_act_fwd_cuda"] = Capsule(te_jax::ActFwdCudaHandler);
     d["te_act_bwd_cuda"] = Capsule(te_jax::ActBwdCudaHandler);
     d["te_norm_fwd_cuda"] = Capsule(te_jax::NormFwdCudaHandler);

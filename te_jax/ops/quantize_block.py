@@ -78,18 +78,25 @@ dequantized value below 2**-126. Where XLA keeps subnormals (its GPU backend, th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from te_jax._core.dtypes import FP8_DTYPES
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode, scale_inv
 from te_jax._core.scaling import compute_scale, fp8_max
-from te_jax.ops.quantize import amax_f32, check_input, saturating_cast
+from te_jax.ops.quantize import amax_f32, check_input, every_axis_divides, saturating_cast
 
-__all__ = ["BLOCK_MODES", "E2M1", "block_amax", "quantize_block_ref", "quantize_nvfp4_ref"]
+__all__ = ["BLOCK_MODES", "E2M1", "QuantizeBlockConfig", "block_amax", "check_whole_blocks", "nvfp4_global_scale",
+           "quantize_block", "quantize_block_ref", "quantize_nvfp4_ref"]
 
 #: The block-scaled modes ``quantize_block_ref`` writes.
 BLOCK_MODES = (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128, ScalingMode.MXFP8_1X32, ScalingMode.NVFP4_1X16)
@@ -225,6 +232,42 @@ def _check_transposed(x: jax.Array, with_transposed: bool) -> None:
                      f"{tuple(x.shape)}")
 
 
+def _check_mode(mode) -> None:
+  if not isinstance(mode, ScalingMode) or mode not in BLOCK_MODES:
+    raise ValueError(f"mode must be one of {', '.join(m.name for m in BLOCK_MODES)}, got {mode!r}")
+
+
+def _checked_dtype(x: jax.Array, mode: ScalingMode, dtype, power_of_two_scales: bool, with_transposed: bool):
+  """The element format of an FP8 mode's quantize, its other arguments checked."""
+  if power_of_two_scales and mode not in (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128):
+    raise ValueError(f"power_of_two_scales applies to BLOCK_1X128 and BLOCK_128X128, not {mode.name} (MXFP8's E8M0 "
+                     "scales are powers of two already; NVFP4's are E4M3)")
+  dt = _E4M3 if dtype is None else _dtype_or_none(dtype)
+  if dt not in FP8_DTYPES:
+    raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {dtype!r}")
+  if mode is ScalingMode.BLOCK_128X128:
+    _check_rank(x, 2, "BLOCK_128X128 (128 x 128 blocks over its last two dims)")
+  _check_transposed(x, with_transposed)
+  return dt
+
+
+def _check_nvfp4_args(x: jax.Array, block_2d: bool, with_transposed: bool, global_amax, key):
+  """NVFP4's options checked; ``global_amax`` as a float32 scalar (a Python number accepted)."""
+  if block_2d:
+    _check_rank(x, 2, "block_2d=True (16 x 16 blocks over its last two dims)")
+  _check_transposed(x, with_transposed)
+  if global_amax is not None:
+    if isinstance(global_amax, (int, float)):
+      global_amax = jnp.float32(global_amax)
+    if not hasattr(global_amax, "dtype") or jnp.dtype(global_amax.dtype) != jnp.float32 or jnp.shape(global_amax):
+      raise TypeError(f"global_amax must be a float32 scalar, got "
+                      f"{getattr(global_amax, 'dtype', type(global_amax).__name__)} of shape {jnp.shape(global_amax)}")
+  if key is not None and not (hasattr(key, "dtype") and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                                         or key.dtype == jnp.uint32)):
+    raise TypeError(f"key must be a jax.random key, got {getattr(key, 'dtype', type(key).__name__)}")
+  return global_amax, key
+
+
 def quantize_block_ref(x: jax.Array, mode: ScalingMode, dtype=None, *, power_of_two_scales: bool = False,
                        with_transposed: bool = False) -> QuantizedTensor:
   """``x`` quantized with block scales of ``mode``, by the rules of this module's docstring.
@@ -244,33 +287,17 @@ def quantize_block_ref(x: jax.Array, mode: ScalingMode, dtype=None, *, power_of_
     options (16 x 16 weight blocks, a given global amax, stochastic rounding) are that function's.
   """
   x = check_input(x)
-  if not isinstance(mode, ScalingMode) or mode not in BLOCK_MODES:
-    raise ValueError(f"mode must be one of {', '.join(m.name for m in BLOCK_MODES)}, got {mode!r}")
-  if power_of_two_scales and mode not in (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128):
-    raise ValueError(f"power_of_two_scales applies to BLOCK_1X128 and BLOCK_128X128, not {mode.name} (MXFP8's E8M0 "
-                     "scales are powers of two already; NVFP4's are E4M3)")
+  _check_mode(mode)
   if mode is ScalingMode.NVFP4_1X16:
+    if power_of_two_scales:
+      raise ValueError("power_of_two_scales applies to BLOCK_1X128 and BLOCK_128X128, not NVFP4_1X16 (its scales "
+                       "are E4M3)")
     if dtype is not None and _dtype_or_none(dtype) != E2M1:
       raise ValueError(f"dtype must be float4_e2m1fn for NVFP4_1X16, got {dtype!r}")
     return quantize_nvfp4_ref(x, with_transposed=with_transposed)
-  dt = _E4M3 if dtype is None else _dtype_or_none(dtype)
-  if dt not in FP8_DTYPES:
-    raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {dtype!r}")
-  if mode is ScalingMode.BLOCK_128X128:
-    _check_rank(x, 2, "BLOCK_128X128 (128 x 128 blocks over its last two dims)")
-  _check_transposed(x, with_transposed)
-  xf = x.astype(jnp.float32)
-  if mode is ScalingMode.MXFP8_1X32:
-    one = functools.partial(_mxfp8, dtype=dt)
-  else:
-    one = functools.partial(_fp8_block, block=mode.block, dtype=dt, power_of_two=power_of_two_scales)
-  data, inv = one(xf)
-  data_t = inv_t = None
-  if with_transposed and mode is ScalingMode.BLOCK_128X128:  # square blocks: the same values, transposed
-    data_t, inv_t = _swap(data), _swap(inv)
-  elif with_transposed:
-    data_t, inv_t = one(_swap(xf))
-  return QuantizedTensor(data, inv, data_t, inv_t, mode=mode)
+  dt = _checked_dtype(x, mode, dtype, power_of_two_scales, with_transposed)
+  return QuantizedTensor(*_fp8_outputs(x.astype(jnp.float32), mode, dt, power_of_two_scales, with_transposed),
+                         mode=mode)
 
 
 def quantize_nvfp4_ref(x: jax.Array, *, block_2d: bool = False, with_transposed: bool = False,
@@ -304,32 +331,59 @@ def quantize_nvfp4_ref(x: jax.Array, *, block_2d: bool = False, with_transposed:
     ``global_scale_inv`` (``1 / s_enc``), and the transposed copy when asked for.
   """
   x = check_input(x)
-  if block_2d:
-    _check_rank(x, 2, "block_2d=True (16 x 16 blocks over its last two dims)")
-  _check_transposed(x, with_transposed)
-  if global_amax is not None:
-    if isinstance(global_amax, (int, float)):
-      global_amax = jnp.float32(global_amax)
-    if not hasattr(global_amax, "dtype") or jnp.dtype(global_amax.dtype) != jnp.float32 or jnp.shape(global_amax):
-      raise TypeError(f"global_amax must be a float32 scalar, got "
-                      f"{getattr(global_amax, 'dtype', type(global_amax).__name__)} of shape {jnp.shape(global_amax)}")
-  if key is not None and not (hasattr(key, "dtype") and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-                                                         or key.dtype == jnp.uint32)):
-    raise TypeError(f"key must be a jax.random key, got {getattr(key, 'dtype', type(key).__name__)}")
+  global_amax, key = _check_nvfp4_args(x, block_2d, with_transposed, global_amax, key)
   xf = x.astype(jnp.float32)
+  s_enc, s_dec = nvfp4_global_scale(xf, global_amax)
+  bits, bits_t = _nvfp4_bits(key, xf.shape, with_transposed and not block_2d)
+  data, inv, data_t, inv_t = _nvfp4_outputs(xf, s_enc, s_dec, bits, bits_t, block_2d, with_transposed)
+  return QuantizedTensor(data, inv, data_t, inv_t, global_scale_inv=s_dec, mode=ScalingMode.NVFP4_1X16)
+
+
+def nvfp4_global_scale(xf: jax.Array, global_amax: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """NVFP4's ``(s_enc, s_dec)``: ``448 * 6 / amax`` (``compute_scale``, previous scale 1) and its reciprocal, from
+  ``global_amax`` or else from ``max|x|`` over x's finite elements (an XLA reduction, ahead of the cast)."""
   amax = amax_f32(jnp.where(jnp.isfinite(xf), xf, 0.0)) if global_amax is None else global_amax
   s_enc = compute_scale(amax, jnp.float32(1.0), _E4M3_MAX * _E2M1_MAX)
-  s_dec = scale_inv(s_enc)
-  bits = None if key is None else jax.random.bits(key, xf.shape, jnp.uint32)
+  return s_enc, scale_inv(s_enc)
+
+
+def _nvfp4_bits(key, shape, transposed_bits: bool):
+  """The stochastic rounding's 32 random bits per element of x (and of the transposed copy of 1 x 16 blocks, from
+  ``fold_in(key, 1)``), or Nones without a key."""
+  if key is None:
+    return None, None
+  bits = jax.random.bits(key, shape, jnp.uint32)
+  if not transposed_bits:
+    return bits, None
+  t_shape = (*shape[:-2], shape[-1], shape[-2])
+  return bits, jax.random.bits(jax.random.fold_in(key, 1), t_shape, jnp.uint32)
+
+
+def _fp8_outputs(xf, mode, dt, power_of_two: bool, with_transposed: bool):
+  """(data, scale_inv, data_t, scale_inv_t) of an FP8 mode (the transposed pair None without the copy)."""
+  if mode is ScalingMode.MXFP8_1X32:
+    one = functools.partial(_mxfp8, dtype=dt)
+  else:
+    one = functools.partial(_fp8_block, block=mode.block, dtype=dt, power_of_two=power_of_two)
+  data, inv = one(xf)
+  data_t = inv_t = None
+  if with_transposed and mode is ScalingMode.BLOCK_128X128:  # square blocks: the same values, transposed
+    data_t, inv_t = _swap(data), _swap(inv)
+  elif with_transposed:
+    data_t, inv_t = one(_swap(xf))
+  return data, inv, data_t, inv_t
+
+
+def _nvfp4_outputs(xf, s_enc, s_dec, bits, bits_t, block_2d: bool, with_transposed: bool):
+  """(data, scale_inv, data_t, scale_inv_t) of NVFP4 for the global scale ``s_enc`` (``s_dec = 1 / s_enc``)."""
   data, inv = _nvfp4(xf, s_enc, s_dec, block_2d, bits)
   data_t = inv_t = None
   if with_transposed and block_2d:
     grid = _swap(inv[..., ::_NVFP4_2D[0], :])  # the 16 x 16 grid, transposed, in the copy's 1 x 16 layout
     data_t, inv_t = _swap(data), jnp.repeat(grid, _NVFP4_2D[0], axis=-2)[..., :xf.shape[-1], :]
   elif with_transposed:
-    bits_t = None if key is None else jax.random.bits(jax.random.fold_in(key, 1), _swap(xf).shape, jnp.uint32)
     data_t, inv_t = _nvfp4(_swap(xf), s_enc, s_dec, False, bits_t)
-  return QuantizedTensor(data, inv, data_t, inv_t, global_scale_inv=s_dec, mode=ScalingMode.NVFP4_1X16)
+  return data, inv, data_t, inv_t
 
 
 def _dtype_or_none(dtype):
@@ -337,3 +391,272 @@ def _dtype_or_none(dtype):
     return jnp.dtype(dtype)
   except TypeError:
     return None
+
+
+# ---- primitive -----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeBlockConfig:
+  """Static parameters of one block-scaled quantize.
+
+  Attributes:
+    mode: one of ``BLOCK_MODES``.
+    out_dtype: the element format (float8_e4m3fn / float8_e5m2; float4_e2m1fn for NVFP4).
+    power_of_two_scales: BLOCK_* scales rounded down to powers of two.
+    with_transposed: also the transposed copy (``data_t``, ``scale_inv_t``).
+    block_2d: NVFP4's 16 x 16 blocks.
+    stochastic: NVFP4's stochastic rounding: the operands after ``(x, s_enc, s_dec)`` are the random bits of x (and
+      of the transposed copy of 1 x 16 blocks).
+  """
+
+  mode: ScalingMode
+  out_dtype: np.dtype
+  power_of_two_scales: bool = False
+  with_transposed: bool = False
+  block_2d: bool = False
+  stochastic: bool = False
+
+  @property
+  def nvfp4(self) -> bool:
+    return self.mode is ScalingMode.NVFP4_1X16
+
+  @property
+  def transposed_bits(self) -> bool:
+    """Whether the transposed copy rounds with random bits of its own (1 x 16 blocks; 16 x 16 ones transpose)."""
+    return self.stochastic and self.with_transposed and not self.block_2d
+
+  def blocks(self, ndim: int) -> dict[int, int]:
+    """The block each blocked dim of x (as an index) is cut into, over the data and, with the copy, its scales."""
+    if self.mode is ScalingMode.BLOCK_128X128 or self.block_2d:
+      rows, cols = self.mode.block if not self.block_2d else _NVFP4_2D
+      return {ndim - 2: rows, ndim - 1: cols}
+    cols = self.mode.block[1]
+    return {ndim - 1: cols, **({ndim - 2: cols} if self.with_transposed else {})}
+
+
+def _block_ref(x, *extra, config: QuantizeBlockConfig):
+  """The primitive's definition: ``quantize_block_ref`` / ``quantize_nvfp4_ref`` after their argument checks, with
+  NVFP4's global scale and random bits as operands."""
+  xf = x.astype(jnp.float32)
+  if not config.nvfp4:
+    outs = _fp8_outputs(xf, config.mode, config.out_dtype, config.power_of_two_scales, config.with_transposed)
+  else:
+    s_enc, s_dec, *bits = extra
+    bits = bits + [None] * (2 - len(bits))
+    outs = _nvfp4_outputs(xf, s_enc, s_dec, bits[0], bits[1], config.block_2d, config.with_transposed)
+  return [o for o in outs if o is not None]
+
+
+def _abstract_eval(x, *extra, config: QuantizeBlockConfig):
+  del extra
+  mode = config.mode
+  outs = [output_aval(x, x.shape, config.out_dtype), output_aval(x, mode.scale_shape(x.shape), mode.scale_dtype)]
+  if config.with_transposed:
+    t = (*x.shape[:-2], x.shape[-1], x.shape[-2])
+    outs += [output_aval(x, t, config.out_dtype), output_aval(x, mode.scale_shape(t), mode.scale_dtype)]
+  return outs
+
+
+# The CUDA handler's operands after x: s_enc, s_dec (float32 scalars), bits, bits_t (uint32); those a call lacks are
+# empty. Its results: data, scale_inv, data_t, scale_inv_t, the copy's empty without it.
+_EMPTY_OPERANDS = (np.zeros((0,), np.float32), np.zeros((0,), np.float32), np.zeros((0,), np.uint32),
+                   np.zeros((0,), np.uint32))
+
+
+def _native_signature(platform: str, config: QuantizeBlockConfig, avals_in, avals_out) -> NativeSignature:
+  del platform
+  results = list(avals_out)
+  if not config.with_transposed:
+    empty = jax.core.ShapedArray((0,), config.out_dtype)
+    results += [empty, jax.core.ShapedArray((0,), config.mode.scale_dtype)]
+  keep = list(range(len(avals_out)))
+  return NativeSignature(extra_operands=_EMPTY_OPERANDS[len(avals_in) - 1:], result_avals=results, keep=keep)
+
+
+def _attributes(config: QuantizeBlockConfig) -> dict:
+  return {"mode": np.int64(config.mode.value), "power_of_two": np.bool_(config.power_of_two_scales),
+          "block_2d": np.bool_(config.block_2d)}
+
+
+def _swap_spec(spec: tuple) -> tuple:
+  return (*spec[:-2], spec[-1], spec[-2]) if len(spec) >= 2 else spec
+
+
+def check_whole_blocks(config: QuantizeBlockConfig, mesh, shape, spec) -> None:
+  """Raises a ValueError where x sharded as ``spec`` would cut a block of one of its blocked dims across shards."""
+  for d, block in sorted(config.blocks(len(shape)).items()):
+    axes = mesh_axes(spec[d])
+    if not axes:
+      continue
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if shape[d] % shards or (shape[d] // shards) % block:
+      raise ValueError(
+          f"quantize_block: x's dim {d} (size {shape[d]}) is sharded over mesh axis {' x '.join(axes)} into "
+          f"{shards} shards, which would cut its {config.mode.name} blocks of {block}: each shard must hold whole "
+          f"blocks (a dim size a multiple of {shards} * {block}), or leave that dim unsharded")
+
+
+def _partition(config: QuantizeBlockConfig, mesh, arg_shapes, result_shape):
+  """x stays sharded as given (every shard quantizes its own whole blocks, no collective); the outputs shard as
+  their dims of x, the copy's with the last two swapped."""
+  del result_shape
+  x = arg_shapes[0]
+  spec = full_spec(x.sharding, len(x.shape))
+  check_whole_blocks(config, mesh, x.shape, spec)
+  same, swapped = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*_swap_spec(spec)))
+  outs = [same, same] + ([swapped, swapped] if config.with_transposed else [])
+  args = [same] + [NamedSharding(mesh, P())] * (2 if config.nvfp4 else 0)
+  args += [same] * config.stochastic + [swapped] * config.transposed_bits
+
+  def lower_fn(*operands):
+    return tuple(_OP.inner.bind(*operands, config=config))
+
+  return mesh, lower_fn, tuple(outs), tuple(args)
+
+
+def _sharding_rule(config: QuantizeBlockConfig, mesh, value_types, result_types):
+  """Leading dims shared by every operand and result; a blocked dim is ``(n b)`` with its scales' dim ``n`` where it
+  holds whole blocks and every mesh axis divides n (so the propagation shards whole blocks only), b never sharded;
+  otherwise the scales' dim is a factor of its own (and ``partition`` rejects a sharding that cuts a block)."""
+  del result_types
+  shape = value_types[0].shape
+  nd = len(shape)
+  blocks = config.blocks(nd)
+  x, scale = [f"d{i}" for i in range(nd)], [f"d{i}" for i in range(nd)]
+  scale_t = list(scale)
+  sizes: dict = {}
+  replicated = []
+  for d, b in sorted(blocks.items()):  # Shardy wants the replicated factors in order
+    if shape[d] % b == 0 and every_axis_divides(mesh, shape[d] // b):
+      n, inner = f"n{d}", f"b{d}"
+      x[d] = f"({n} {inner})"
+      sizes.update({n: shape[d] // b, inner: b})
+      replicated.append(inner)
+      blocked = n
+    else:
+      blocked = f"s{d}"
+    # The data's scales block dims of the data's block; the copy's, dims of its own (1 x B: x's rows).
+    if d == nd - 1 or config.mode is ScalingMode.BLOCK_128X128:
+      scale[d] = blocked if d == nd - 1 or not config.block_2d else x[d]
+    if config.mode is ScalingMode.BLOCK_128X128 or d == nd - 2:
+      scale_t[d] = blocked
+    elif config.block_2d or not config.with_transposed:
+      scale_t[d] = x[d]
+  if config.block_2d:  # 16 x 16 blocks, stored in the 1 x 16 layout: full rows in both
+    scale[nd - 2] = x[nd - 2]
+    scale_t[nd - 1] = x[nd - 1]
+  elif config.mode is not ScalingMode.BLOCK_128X128:
+    scale[nd - 2:nd - 1] = x[nd - 2:nd - 1]
+    scale_t[nd - 1] = x[nd - 1]
+  x_s, t_s = " ".join(x), " ".join(_swap_spec(tuple(x)))
+  operands = [x_s] + ["", ""] * config.nvfp4 + [x_s] * config.stochastic + [t_s] * config.transposed_bits
+  results = [x_s, " ".join(scale)]
+  if config.with_transposed:
+    results += [t_s, " ".join(_swap_spec(tuple(scale_t)))]
+  # Shardy takes the sizes of the factors that appear only inside compound dims.
+  whole = {dim for mapping in operands + results for dim in mapping.split(" ") if not dim.startswith("(")}
+  sizes = {f: n for f, n in sizes.items() if f not in whole}
+  if replicated:
+    sizes["need_replication_factors"] = tuple(replicated)
+  return f"{', '.join(operands)} -> {', '.join(results)}", sizes
+
+
+def _visible_sharding(x) -> NamedSharding | None:
+  """x's NamedSharding where it is known before compilation: a committed array, or a value whose type carries it
+  (explicit mesh axes)."""
+  sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding
+  return sharding if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 else None
+
+
+def _batcher(args, dims, *, config: QuantizeBlockConfig):
+  """vmap: a leading dim is a batch dim of every mode, so x's batch dim moves to the front and one call quantizes
+  the stack; NVFP4 with a global scale per element (computed from each element's amax) runs once per element."""
+  if config.nvfp4 and (dims[1] is not None or dims[2] is not None):
+    return sequential_batcher(_OP)(args, dims, config=config)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  moved = []
+  for i, (a, d) in enumerate(zip(args, dims)):
+    if config.nvfp4 and i in (1, 2):
+      moved.append(a)
+    elif d is None:
+      moved.append(jnp.broadcast_to(a, (size, *a.shape)))
+    else:
+      moved.append(jnp.moveaxis(a, d, 0))
+  outs = _OP.bind(*moved, config=config)
+  return list(outs), [0] * len(outs)
+
+
+_OP = define_op(
+    "quantize_block",
+    abstract_eval=_abstract_eval,
+    reference=_block_ref,
+    native_platforms=("cuda",),
+    ffi_attributes=_attributes,
+    native_signature=_native_signature,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+    batcher=_batcher,
+)
+
+
+# ---- public API ----------------------------------------------------------------------------------------------------
+
+
+def quantize_block(x: jax.Array, mode: ScalingMode, dtype=None, *, power_of_two_scales: bool = False,
+                   with_transposed: bool = False, block_2d: bool = False, global_amax: jax.Array | None = None,
+                   key: jax.Array | None = None) -> QuantizedTensor:
+  """``x`` quantized with block scales of ``mode``: bit for bit ``quantize_block_ref`` (``quantize_nvfp4_ref`` for
+  NVFP4), as one kernel (the ``te_quantize_block_cuda`` handler) on a GPU.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> from te_jax.ops.quantize_block import quantize_block
+  >>> q = quantize_block(jnp.array([[1.0, -3.0], [0.5, 0.25]], jnp.bfloat16), te_jax.ScalingMode.MXFP8_1X32,
+  ...                    with_transposed=True)
+  >>> q.scale_inv.astype(jnp.float32).tolist(), q.data_t.astype(jnp.float32).tolist()
+  ([[0.0078125], [0.001953125]], [[128.0, 64.0], [-384.0, 32.0]])
+
+  Args:
+    x: float32, bfloat16 or float16, rank >= 1 (>= 2 for ``BLOCK_128X128``, ``block_2d`` and ``with_transposed``);
+      its leading dims are batch dims.
+    mode: one of ``BLOCK_MODES``.
+    dtype: the element format (default E4M3; E2M1, the only one, for NVFP4).
+    power_of_two_scales: BLOCK_* only: scales rounded down to powers of two.
+    with_transposed: also quantize ``swapaxes(x, -1, -2)`` over its own rows (``data_t``, ``scale_inv_t``).
+    block_2d: NVFP4 only: 16 x 16 blocks.
+    global_amax: NVFP4 only: the float32 scalar amax of the global scale (default: ``max|x|`` over x's finite
+      elements, an XLA reduction before the cast; under sharding it all-reduces).
+    key: NVFP4 only: a ``jax.random`` key for stochastic rounding, from ``jax.random.bits(key, x.shape)`` (and
+      ``fold_in(key, 1)`` for the transposed copy of 1 x 16 blocks) drawn here and read by the kernel.
+
+  Returns:
+    A ``QuantizedTensor`` of ``mode``, as the reference's.
+  """
+  x = check_input(x)
+  _check_mode(mode)
+  if mode is not ScalingMode.NVFP4_1X16:
+    for name, value in (("block_2d", block_2d), ("global_amax", global_amax), ("key", key)):
+      if value is not None and value is not False:
+        raise ValueError(f"{name} applies to NVFP4_1X16 only, not {mode.name}")
+    dt = _checked_dtype(x, mode, dtype, power_of_two_scales, with_transposed)
+  else:
+    if dtype is not None and _dtype_or_none(dtype) != E2M1:
+      raise ValueError(f"dtype must be float4_e2m1fn for NVFP4_1X16, got {dtype!r}")
+    if power_of_two_scales:
+      raise ValueError("power_of_two_scales applies to BLOCK_1X128 and BLOCK_128X128, not NVFP4_1X16 (its scales "
+                       "are E4M3)")
+    global_amax, key = _check_nvfp4_args(x, block_2d, with_transposed, global_amax, key)
+    dt = E2M1
+  config = QuantizeBlockConfig(mode, dt, bool(power_of_two_scales), bool(with_transposed), bool(block_2d),
+                               key is not None)
+  visible = _visible_sharding(x)
+  if visible is not None:  # where x's sharding is known here; under jax.jit, partition checks it
+    check_whole_blocks(config, visible.mesh, x.shape, full_spec(visible, x.ndim))
+  operands = [x]
+  s_dec = None
+  if config.nvfp4:
+    s_enc, s_dec = nvfp4_global_scale(x.astype(jnp.float32), global_amax)
+    bits = _nvfp4_bits(key, x.shape, config.transposed_bits)
+    operands += [s_enc, s_dec, *(b for b in bits if b is not None)]
+  outs = list(_OP.bind(*operands, config=config)) + [None, None]
+  return QuantizedTensor(outs[0], outs[1], outs[2], outs[3], global_scale_inv=s_dec, mode=mode)

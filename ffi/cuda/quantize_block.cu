@@ -1,0 +1,565 @@
+// CUDA handler for te_quantize_block: the block-scaled casts of te_jax/ops/quantize_block.py (BLOCK_1X128,
+// BLOCK_128X128, MXFP8_1X32, NVFP4_1X16), bit for bit its reference: the same float32 operations in the same order
+// (IEEE division and reciprocal, no contraction into FMAs, subnormals kept, as XLA's GPU backend computes them).
+//
+// One 256-thread block per 128 x 128 tile of x (batch, rows, cols). Thread t holds 8 consecutive columns (chunk
+// t % 16) of 8 consecutive rows (8 * (t / 16) ...): 16-byte loads, all in flight before the first use. A 1 x B block
+// of a row is B / 8 consecutive lanes, its amax a few shuffles; a 16 x 16 block is 2 x 2 threads of one warp; a
+// 128 x 128 block the whole tile. The transposed copy of 1 x B blocks quantizes x's columns: the tile's values go to
+// shared memory as float32 (64 KiB), XOR-swizzled so that the row-wise writes (16-byte vectors) and the column-wise
+// reads (one word per lane, lanes 8 rows apart) are free of bank conflicts, and the same per-line code runs on the
+// columns, so that both copies are written with coalesced stores along their own rows. For square blocks the copy is
+// the transposed data: the codes go through shared memory instead.
+//
+// Element formats: FP8 codes are one byte each (cvt.rn.satfinite). E2M1 has no conversion instruction before sm_100:
+// it is rounded here by comparison with the midpoints of its grid (ties to even). XLA passes float4_e2m1fn buffers
+// packed two per byte (layout {0:E(4)}, ceil(n / 2) bytes; the FFI's element_count() is still n), element 2k in the
+// low nibble of byte k and 2k + 1 in the high one (checked on XLA:CPU of jaxlib 0.11.2 through a custom call's raw
+// bytes; XLA's GPU emitter packs the same way). A row of odd length starts mid-byte every other row: those rows'
+// nibbles are OR-ed into a zeroed buffer with atomics (a slow path for odd shapes only).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "te_jax/cuda_check.h"
+#include "te_jax/launch_utils.h"
+#include "te_jax/quantize_block_view.h"
+#include "te_jax/scaling_mode.h"
+#include "te_jax/vec_load.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_jax {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTile = 128;
+constexpr int kLines = 8;    // rows (or columns, for the copy) per thread
+constexpr int kChunks = 16;  // 8-element chunks per tile line
+constexpr size_t kStashBytes = sizeof(float) * kTile * kTile;
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kF32NanBits = 0x7FC00000u;  // jnp.float32(nan)
+constexpr float kF32Max = 3.40282347e38f;
+constexpr int kMode1x128 = static_cast<int>(ScalingMode::kBlock1x128);
+constexpr int kMode128 = static_cast<int>(ScalingMode::kBlock128x128);
+constexpr int kModeMx = static_cast<int>(ScalingMode::kMxfp8_1x32);
+constexpr int kModeNv = static_cast<int>(ScalingMode::kNvfp4_1x16);
+
+template <int kMode>
+constexpr int BlockCols() {
+  return static_cast<int>(scale_block(static_cast<ScalingMode>(kMode)).cols);
+}
+
+struct Params {
+  const void* x;
+  const float* s_enc;     // NVFP4: 448 * 6 / global amax
+  const float* s_dec;     // NVFP4: 1 / s_enc
+  const uint32_t* bits;   // stochastic rounding's bits of x, or null
+  const uint32_t* bits_t; // ... of the copy (1 x 16 blocks), or null
+  uint8_t* data;
+  void* scale;
+  uint8_t* data_t;        // null without the copy
+  void* scale_t;
+  int64_t batch, rows, cols, tiles_m, tiles_n;
+  bool e5m2;              // the FP8 modes' element format
+  bool pow2;              // BLOCK_*: power-of-two scales
+  bool block_2d;          // NVFP4: 16 x 16 blocks
+  bool x_vec;             // x's rows 16-byte accessible in chunks of 8
+};
+
+// ---- element formats ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t Fp8Code(float v, bool e5m2) {
+  const float top = e5m2 ? 57344.0f : 448.0f;
+  v = fminf(fmaxf(v, -top), top);
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+// The positive NaN jnp writes for each format (ml_dtypes' conversion of float32 NaN).
+__device__ __forceinline__ uint32_t Fp8Nan(bool e5m2) { return e5m2 ? 0x7Eu : 0x7Fu; }
+
+__device__ __forceinline__ float E4m3Value(uint32_t code) {
+  __nv_fp8_e4m3 f;
+  f.__x = static_cast<__nv_fp8_storage_t>(code);
+  return static_cast<float>(f);
+}
+
+// float32 -> E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6), saturating, to nearest with ties to the even code: a tie at 0.25,
+// 1.25, 2.5 or 5 goes down, one at 0.75, 1.75 or 3.5 up. The sign is kept (zeros included).
+__device__ __forceinline__ uint32_t E2m1Rn(float v) {
+  const float a = fabsf(v);
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                        (a > 5.0f);
+  return ((__float_as_uint(v) >> 28) & 8u) | code;
+}
+
+// Stochastic rounding: up iff (bits >> 8) * 2^-24 < (|v| - lo) / (hi - lo), as the reference's _round_e2m1.
+__device__ __forceinline__ uint32_t E2m1Sr(float v, uint32_t bits) {
+  const float a = fminf(fabsf(v), 6.0f);
+  const float step = a >= 4.0f ? 2.0f : (a >= 2.0f ? 1.0f : 0.5f);
+  const float lo = __fmul_rn(floorf(__fdiv_rn(a, step)), step);
+  const float u = __fmul_rn(static_cast<float>(bits >> 8), 5.9604644775390625e-8f);  // 2^-24
+  const bool up = u < __fdiv_rn(__fsub_rn(a, lo), step);
+  return ((__float_as_uint(v) >> 28) & 8u) | E2m1Rn(up ? __fadd_rn(lo, step) : lo);
+}
+
+// ---- per-block scales -----------------------------------------------------------------------------------------
+
+struct BlockScale {
+  float mul;       // what the block's elements are multiplied by before their cast
+  uint32_t scale;  // the stored scale's bits: float32 (BLOCK_*), E8M0 (MXFP8) or E4M3 (NVFP4)
+  bool finite;     // the block holds no inf or NaN
+};
+
+// From a block's amax bits (the unsigned max of |x|'s bit patterns: NaN above inf above every finite value).
+template <int kMode>
+__device__ __forceinline__ BlockScale ScaleOf(uint32_t amax_bits, const Params& p, float s_enc, float s_dec) {
+  BlockScale s;
+  s.finite = amax_bits < kInfBits;
+  const float amax = __uint_as_float(amax_bits);
+  if constexpr (kMode == kMode1x128 || kMode == kMode128) {
+    // compute_scale(amax, 1, fp8_max): fp8_max / amax where that is a positive finite float32, else 1.
+    const float q = __fdiv_rn(p.e5m2 ? 57344.0f : 448.0f, amax);
+    float scale = (amax > 0.0f && s.finite && q <= kF32Max && q > 0.0f) ? q : 1.0f;
+    if (p.pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+    s.mul = scale;
+    s.scale = s.finite ? __float_as_uint(__frcp_rn(scale)) : kF32NanBits;
+  } else if constexpr (kMode == kModeMx) {
+    // OCP MX v1.0 6.3: the shared exponent floor(log2(amax)) - emax_elem, clamped to E8M0's [-127, 127].
+    const int biased = static_cast<int>(amax_bits >> 23);
+    const int shared = max(biased - 127 - (p.e5m2 ? 15 : 8), -127);
+    s.mul = __uint_as_float(static_cast<uint32_t>(127 - shared) << 23);  // 2^-shared, exact
+    s.scale = s.finite ? static_cast<uint32_t>(shared + 127) : 0xFFu;
+  } else {
+    // e4m3(amax * (s_enc * (1 / 6))), saturating; the elements' multiplier min(1 / (scale * s_dec), float32 max),
+    // 0 where the scale is 0.
+    const float c = __fmul_rn(s_enc, static_cast<float>(1.0 / 6.0));
+    const uint32_t code = s.finite ? static_cast<uint32_t>(__nv_cvt_float_to_fp8(
+                                         fminf(__fmul_rn(amax, c), 448.0f), __NV_SATFINITE, __NV_E4M3))
+                                   : 0x7Fu;
+    const float sv = E4m3Value(code);
+    s.mul = sv == 0.0f ? 0.0f : fminf(__frcp_rn(__fmul_rn(sv, s_dec)), kF32Max);
+    s.scale = code;
+  }
+  return s;
+}
+
+// The codes of 8 elements of one block.
+template <int kMode, bool kSR>
+__device__ __forceinline__ void Codes(const float (&f)[8], const BlockScale& s, const uint32_t* bits, bool e5m2,
+                                      uint32_t (&codes)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float v = __fmul_rn(f[j], s.mul);
+    if constexpr (kMode == kModeNv) {
+      uint32_t c;
+      if constexpr (kSR) {
+        c = E2m1Sr(v, bits[j]);
+      } else {
+        c = E2m1Rn(v);
+      }
+      codes[j] = s.finite ? c : 0u;
+    } else {
+      codes[j] = s.finite ? Fp8Code(v, e5m2) : Fp8Nan(e5m2);
+    }
+  }
+}
+
+// ---- writes ---------------------------------------------------------------------------------------------------
+
+// The 8 codes of elements [pos, pos + 8) of a line of `len` whose first element is element `line_start` of the
+// buffer (the flat index, which places E2M1's nibbles); elements at or past len are not written.
+template <bool kFp4>
+__device__ __forceinline__ void WriteCodes(uint8_t* out, int64_t line_start, int64_t len, int64_t pos,
+                                           const uint32_t (&c)[8]) {
+  const int64_t e = line_start + pos;
+  if constexpr (!kFp4) {
+    if (len % 8 == 0) {
+      uint2 w;
+      w.x = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
+      w.y = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
+      *reinterpret_cast<uint2*>(out + e) = w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (pos + j < len) out[e + j] = static_cast<uint8_t>(c[j]);
+      }
+    }
+  } else if (len % 8 == 0) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w |= c[j] << (4 * j);
+    *reinterpret_cast<uint32_t*>(out + e / 2) = w;
+  } else if (len % 2 == 0) {  // pairs start at even elements: whole bytes
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      if (pos + j < len) out[e / 2 + j / 2] = static_cast<uint8_t>(c[j] | (c[j + 1] << 4));
+    }
+  } else {  // odd lines: a byte may hold the end of one line and the start of the next
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (pos + j < len) {
+        const int64_t byte = (e + j) / 2;
+        const uint32_t shift = static_cast<uint32_t>((byte % 4) * 8 + ((e + j) % 2) * 4);
+        atomicOr(reinterpret_cast<unsigned int*>(out + (byte - byte % 4)), c[j] << shift);
+      }
+    }
+  }
+}
+
+template <int kMode>
+__device__ __forceinline__ void WriteScale(void* scale, int64_t index, uint32_t bits) {
+  if constexpr (kMode == kMode1x128 || kMode == kMode128) {
+    static_cast<uint32_t*>(scale)[index] = bits;
+  } else {
+    static_cast<uint8_t*>(scale)[index] = static_cast<uint8_t>(bits);
+  }
+}
+
+// ---- the shared-memory tile -----------------------------------------------------------------------------------
+
+// Word of tile element (r, c): rows of 128 words, c XOR-ed with a function of r / 8 (bits 0-2 and 4), so that 16
+// lanes writing a row segment each and 32 lanes reading a column (8 rows apart, 2 columns) hit distinct banks.
+__device__ __forceinline__ int Swizzle(int r8) { return (r8 & 7) | ((r8 & 8) << 1); }
+__device__ __forceinline__ int StashIndex(int r, int c) { return r * kTile + (c ^ Swizzle(r >> 3)); }
+
+// Stores 8 words of tile row r, columns [8k, 8k + 8), as two 16-byte vectors in the swizzled order.
+__device__ __forceinline__ void StashRow(uint32_t* stash, int r, int k, const uint32_t (&w)[8]) {
+  const int sw = Swizzle(r >> 3);
+  const int lo = sw & 7;
+  uint32_t u[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) u[j] = w[j];
+#pragma unroll
+  for (int bit = 1; bit < 8; bit <<= 1) {  // u[pos] = w[pos ^ lo], by a butterfly (no dynamic register indexing)
+    uint32_t t[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t[j] = (lo & bit) ? u[j ^ bit] : u[j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u[j] = t[j];
+  }
+  const int group = k ^ ((sw >> 4) << 1);  // the 8-word group the columns land in
+  uint32_t* row = stash + r * kTile + 8 * group;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int half = s ^ ((group >> 2) & 1);  // alternate halves across lanes: a phase covers all banks
+    const uint4 v = half ? make_uint4(u[4], u[5], u[6], u[7]) : make_uint4(u[0], u[1], u[2], u[3]);
+    *reinterpret_cast<uint4*>(row + 4 * half) = v;
+  }
+}
+
+// ---- loads ----------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void LoadBits(const uint32_t* line, int64_t pos, int64_t len, bool in_line,
+                                         uint32_t (&b)[8]) {
+  if (in_line && len % 8 == 0) {
+    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(line + pos));
+    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(line + pos) + 1);
+    b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) b[j] = in_line && pos + j < len ? line[pos + j] : 0u;
+  }
+}
+
+// ---- the kernel -----------------------------------------------------------------------------------------------
+
+// One line (a row of x, or of the copy) of 8 elements per lane: its 1 x B blocks' amaxes (B / 8 lanes each), scales,
+// codes and writes.
+template <int kMode, bool kSR>
+__device__ __forceinline__ void QuantizeLine(const Params& p, float s_enc, float s_dec, const float (&f)[8],
+                                             const uint32_t (&bits)[8], uint8_t* data, void* scale, int64_t line,
+                                             int64_t n_lines, int64_t len, int64_t pos, int64_t b) {
+  constexpr int kB = BlockCols<kMode>();
+  uint32_t amax = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = max(amax, __float_as_uint(f[j]) & kAbsMask);
+#pragma unroll
+  for (int off = 1; off < kB / 8; off <<= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+  const BlockScale s = ScaleOf<kMode>(amax, p, s_enc, s_dec);
+  uint32_t codes[8];
+  Codes<kMode, kSR>(f, s, bits, p.e5m2, codes);
+  if (line < n_lines && pos < len) {
+    const int64_t first = (b * n_lines + line) * len;
+    WriteCodes<kMode == kModeNv>(data, first, len, pos, codes);
+    if (pos % kB == 0) WriteScale<kMode>(scale, (b * n_lines + line) * CeilDiv(len, kB) + pos / kB, s.scale);
+  }
+}
+
+template <typename T, int kMode, bool kTransposed, bool kSR>
+__global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params p) {
+  extern __shared__ uint32_t stash[];  // kStashBytes with the copy, else none
+  __shared__ uint32_t scratch[kThreads / 32];
+  __shared__ uint32_t grid2d[kTile / 16][kTile / 16];  // NVFP4 16 x 16: the tile's E4M3 block scales
+
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / (p.tiles_m * p.tiles_n);
+  const int64_t row0 = ((t / p.tiles_n) % p.tiles_m) * kTile;
+  const int64_t col0 = (t % p.tiles_n) * kTile;
+  const int k = threadIdx.x % kChunks;
+  const int g = threadIdx.x / kChunks;
+  const int64_t col = col0 + 8 * k;
+  const bool col_ok = col < p.cols;
+  const T* x = static_cast<const T*>(p.x) + b * p.rows * p.cols;
+  float s_enc = 0.0f, s_dec = 0.0f;
+  if constexpr (kMode == kModeNv) s_enc = *p.s_enc, s_dec = *p.s_dec;
+
+  Chunk<T> in[kLines];
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+    const int64_t r = row0 + 8 * g + i;
+    in[i].LoadOrZero(x + (r < p.rows ? r : 0) * p.cols, col, p.cols, col_ok && r < p.rows, p.x_vec);
+  }
+  uint32_t bits[kLines][8];
+  if constexpr (kSR) {
+#pragma unroll
+    for (int i = 0; i < kLines; ++i) {
+      const int64_t r = row0 + 8 * g + i;
+      const bool ok = col_ok && r < p.rows;
+      LoadBits(p.bits + (b * p.rows + (ok ? r : 0)) * p.cols, col, p.cols, ok, bits[i]);
+    }
+  }
+
+  const bool square = kMode == kMode128 || (kMode == kModeNv && p.block_2d);
+  if (!square) {
+    // ---- 1 x B blocks along x's rows, and along its columns for the copy -------------------------------------
+#pragma unroll
+    for (int i = 0; i < kLines; ++i) {
+      float f[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = in[i].Get(j);
+      uint32_t none[8] = {};
+      QuantizeLine<kMode, kSR>(p, s_enc, s_dec, f, kSR ? bits[i] : none, p.data, p.scale, row0 + 8 * g + i,
+                               p.rows, p.cols, col, b);
+      if constexpr (kTransposed) {
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = __float_as_uint(f[j]);
+        StashRow(stash, 8 * g + i, k, w);
+      }
+    }
+    if constexpr (kTransposed) {
+      __syncthreads();
+      // Thread (g, k) now holds columns 8g .. 8g + 7 of the tile, rows 8k .. 8k + 7 of each: lines of the copy.
+      const int64_t pos = row0 + 8 * k;
+#pragma unroll 1
+      for (int i = 0; i < kLines; ++i) {
+        const int c = 8 * g + i;
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = __uint_as_float(stash[StashIndex(8 * k + j, c)]);
+        uint32_t tb[8] = {};
+        if constexpr (kSR) {
+          const int64_t line = col0 + c;
+          const bool ok = line < p.cols && pos < p.rows;
+          LoadBits(p.bits_t + (b * p.cols + (ok ? line : 0)) * p.rows, pos, p.rows, ok, tb);
+        }
+        QuantizeLine<kMode, kSR>(p, s_enc, s_dec, f, tb, p.data_t, p.scale_t, col0 + c, p.cols, p.rows, pos, b);
+      }
+    }
+    return;
+  }
+
+  // ---- square blocks: 128 x 128 (the tile) or NVFP4's 16 x 16 (2 x 2 threads) ---------------------------------
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = max(amax, __float_as_uint(in[i].Get(j)) & kAbsMask);
+  }
+  if (kMode == kMode128) {
+    amax = __reduce_max_sync(0xFFFFFFFFu, amax);
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, scratch[w]);
+  } else {
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));   // the other 8 columns of the block
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 16));  // the other 8 rows
+  }
+  const BlockScale s = ScaleOf<kMode>(amax, p, s_enc, s_dec);
+  const int64_t n_cb = CeilDiv(p.cols, kMode == kMode128 ? kTile : 16);
+  const int64_t n_rb = CeilDiv(p.rows, kMode == kMode128 ? kTile : 16);
+  if (kMode == kMode128 && threadIdx.x == 0) {
+    const int64_t tm = row0 / kTile, tn = col0 / kTile;
+    WriteScale<kMode>(p.scale, (b * n_rb + tm) * n_cb + tn, s.scale);
+    if constexpr (kTransposed) WriteScale<kMode>(p.scale_t, (b * n_cb + tn) * n_rb + tm, s.scale);
+  }
+  if (kMode == kModeNv && kTransposed && g % 2 == 0 && k % 2 == 0) grid2d[g / 2][k / 2] = s.scale;
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+    const int64_t r = row0 + 8 * g + i;
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = in[i].Get(j);
+    uint32_t none[8] = {};
+    uint32_t codes[8];
+    Codes<kMode, kSR>(f, s, kSR ? bits[i] : none, p.e5m2, codes);
+    if (r < p.rows && col_ok) {
+      WriteCodes<kMode == kModeNv>(p.data, (b * p.rows + r) * p.cols, p.cols, col, codes);
+      if (kMode == kModeNv && k % 2 == 0) WriteScale<kMode>(p.scale, (b * p.rows + r) * n_cb + col / 16, s.scale);
+    }
+    if constexpr (kTransposed) StashRow(stash, 8 * g + i, k, codes);
+  }
+  if constexpr (kTransposed) {
+    __syncthreads();
+    const int64_t pos = row0 + 8 * k;
+#pragma unroll 1
+    for (int i = 0; i < kLines; ++i) {
+      const int c = 8 * g + i;
+      const int64_t line = col0 + c;
+      uint32_t codes[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) codes[j] = stash[StashIndex(8 * k + j, c)];
+      if (line < p.cols && pos < p.rows) {
+        WriteCodes<kMode == kModeNv>(p.data_t, (b * p.cols + line) * p.rows, p.rows, pos, codes);
+        if (kMode == kModeNv && k % 2 == 0) {
+          WriteScale<kMode>(p.scale_t, (b * p.cols + line) * n_rb + pos / 16, grid2d[k / 2][g / 2]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int kMode, bool kTransposed, bool kSR>
+ffi::Error Launch(cudaStream_t stream, const Params& p) {
+  auto kernel = QuantizeBlockKernel<T, kMode, kTransposed, kSR>;
+  const size_t smem = kTransposed ? kStashBytes : 0;
+  if (kTransposed) {  // the opt-in above 48 KiB of dynamic shared memory (per device: set on every launch)
+    TE_JAX_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+        "quantize_block: shared memory opt-in");
+  }
+  const int64_t blocks = p.batch * p.tiles_m * p.tiles_n;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  return LastCudaError("quantize_block kernel launch");
+}
+
+template <typename T>
+ffi::Error Dispatch(cudaStream_t stream, const Params& p, int64_t mode) {
+  const bool tr = p.data_t != nullptr;
+  const bool sr = p.bits != nullptr;
+  ffi::Error err = ffi::Error::InvalidArgument("quantize_block: unknown mode");
+  DispatchBool(tr, [&](auto kT) {
+    constexpr bool kTr = decltype(kT)::value;
+    switch (mode) {
+      case kMode1x128: err = Launch<T, kMode1x128, kTr, false>(stream, p); break;
+      case kMode128: err = Launch<T, kMode128, kTr, false>(stream, p); break;
+      case kModeMx: err = Launch<T, kModeMx, kTr, false>(stream, p); break;
+      case kModeNv:
+        err = sr ? Launch<T, kModeNv, kTr, true>(stream, p) : Launch<T, kModeNv, kTr, false>(stream, p);
+        break;
+      default: break;
+    }
+  });
+  return err;
+}
+
+// The scale shape's element count of data shaped (batch, rows, cols) as the view reads it.
+int64_t ScaleCount(int64_t mode, bool block_2d, const QuantizeBlockView& v) {
+  if (mode == kMode128) return v.batch * CeilDiv(v.rows, kTile) * CeilDiv(v.cols, kTile);
+  const int64_t block = scale_block(static_cast<ScalingMode>(mode)).cols;
+  (void)block_2d;  // NVFP4's 16 x 16 scales are stored in the 1 x 16 layout
+  return v.batch * v.rows * CeilDiv(v.cols, block);
+}
+
+ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_enc, ffi::AnyBuffer s_dec,
+                             ffi::AnyBuffer bits, ffi::AnyBuffer bits_t, ffi::Result<ffi::AnyBuffer> data,
+                             ffi::Result<ffi::AnyBuffer> scale, ffi::Result<ffi::AnyBuffer> data_t,
+                             ffi::Result<ffi::AnyBuffer> scale_t, int64_t mode, bool power_of_two, bool block_2d) {
+  if (mode != kMode1x128 && mode != kMode128 && mode != kModeMx && mode != kModeNv) {
+    return ffi::Error::InvalidArgument("quantize_block: mode must be BLOCK_1X128, BLOCK_128X128, MXFP8_1X32 or "
+                                       "NVFP4_1X16, got " + std::to_string(mode));
+  }
+  const bool nvfp4 = mode == kModeNv;
+  const bool transposed = data_t->element_count() > 0;
+  const bool sr = bits.element_count() > 0;
+  if (block_2d && !nvfp4) return ffi::Error::InvalidArgument("quantize_block: block_2d is NVFP4's");
+  if (power_of_two && mode != kMode1x128 && mode != kMode128) {
+    return ffi::Error::InvalidArgument("quantize_block: power_of_two is BLOCK_1X128's and BLOCK_128X128's");
+  }
+  const ffi::DataType dt = data->element_type();
+  if (nvfp4 ? dt != ffi::DataType::F4E2M1FN : (dt != ffi::DataType::F8E4M3FN && dt != ffi::DataType::F8E5M2)) {
+    return ffi::Error::InvalidArgument("quantize_block: data must be float4_e2m1fn for NVFP4_1X16, float8_e4m3fn or "
+                                       "float8_e5m2 otherwise");
+  }
+  auto view = MakeQuantizeBlockView(x.dimensions(), transposed || mode == kMode128 || block_2d);
+  if (view.has_error()) return view.error();
+  const QuantizeBlockView v = *view;
+  const int64_t n = v.size();
+  if (static_cast<int64_t>(data->element_count()) != n || (transposed && static_cast<int64_t>(
+                                                                          data_t->element_count()) != n)) {
+    return ffi::Error::InvalidArgument("quantize_block: data (and data_t) must hold as many elements as x");
+  }
+  const QuantizeBlockView vt{v.batch, v.cols, v.rows};
+  if (static_cast<int64_t>(scale->element_count()) != ScaleCount(mode, block_2d, v) ||
+      (transposed && static_cast<int64_t>(scale_t->element_count()) != ScaleCount(mode, block_2d, vt))) {
+    return ffi::Error::InvalidArgument("quantize_block: scale_inv (and scale_inv_t) must have the mode's scale shape");
+  }
+  if (nvfp4 && (s_enc.element_count() != 1 || s_dec.element_count() != 1 ||
+                s_enc.element_type() != ffi::DataType::F32 || s_dec.element_type() != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("quantize_block: NVFP4 takes s_enc and s_dec as float32 scalars");
+  }
+  if (sr && (!nvfp4 || static_cast<int64_t>(bits.element_count()) != n || bits.element_type() != ffi::DataType::U32 ||
+             (transposed && !block_2d) != (bits_t.element_count() > 0) ||
+             (bits_t.element_count() > 0 && static_cast<int64_t>(bits_t.element_count()) != n))) {
+    return ffi::Error::InvalidArgument("quantize_block: stochastic rounding (NVFP4) takes uint32 bits of x's size, "
+                                       "and of the copy's for 1 x 16 blocks with the copy");
+  }
+  if (n == 0) return ffi::Error::Success();
+
+  Params p{};
+  p.x = x.untyped_data();
+  p.s_enc = nvfp4 ? static_cast<const float*>(s_enc.untyped_data()) : nullptr;
+  p.s_dec = nvfp4 ? static_cast<const float*>(s_dec.untyped_data()) : nullptr;
+  p.bits = sr ? static_cast<const uint32_t*>(bits.untyped_data()) : nullptr;
+  p.bits_t = sr && bits_t.element_count() > 0 ? static_cast<const uint32_t*>(bits_t.untyped_data()) : nullptr;
+  p.data = static_cast<uint8_t*>(data->untyped_data());
+  p.scale = scale->untyped_data();
+  p.data_t = transposed ? static_cast<uint8_t*>(data_t->untyped_data()) : nullptr;
+  p.scale_t = transposed ? scale_t->untyped_data() : nullptr;
+  p.batch = v.batch, p.rows = v.rows, p.cols = v.cols;
+  p.tiles_m = CeilDiv(v.rows, kTile), p.tiles_n = CeilDiv(v.cols, kTile);
+  p.e5m2 = dt == ffi::DataType::F8E5M2;
+  p.pow2 = power_of_two;
+  p.block_2d = block_2d;
+  p.x_vec = v.cols % 8 == 0 && Aligned(p.x, 16);
+  const bool vec_ok = Aligned(p.data, 8) && (!transposed || Aligned(p.data_t, 8)) &&
+                      (!sr || (Aligned(p.bits, 16) && (p.bits_t == nullptr || Aligned(p.bits_t, 16))));
+  if (!vec_ok) return ffi::Error::InvalidArgument("quantize_block: XLA buffers are expected 16-byte aligned");
+  if (nvfp4) {  // odd lines OR their nibbles into a zeroed buffer
+    if (v.cols % 2) TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.data, 0, (n + 1) / 2, stream), "data memset");
+    if (transposed && v.rows % 2) {
+      TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.data_t, 0, (n + 1) / 2, stream), "data_t memset");
+    }
+  }
+  return WithFloatType(x.element_type(), "quantize_block: x must be float32, bfloat16 or float16",
+                       [&](auto dummy) { return Dispatch<decltype(dummy)>(stream, p, mode); });
+}
+
+}  // namespace
+
+// Launches only on XLA's stream and allocates nothing, so XLA may capture it into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeBlockCudaHandler, QuantizeBlockCuda,
+                              BindWithStream()
+                                  .Arg<ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
+                                  .Arg<ffi::AnyBuffer>()  // s_enc: NVFP4's f32 global scale, or empty
+                                  .Arg<ffi::AnyBuffer>()  // s_dec: its reciprocal, or empty
+                                  .Arg<ffi::AnyBuffer>()  // bits: u32 per element of x (stochastic rounding), or empty
+                                  .Arg<ffi::AnyBuffer>()  // bits_t: u32 per element of the copy, or empty
+                                  .Ret<ffi::AnyBuffer>()  // data: FP8 / E2M1 (packed), x's shape
+                                  .Ret<ffi::AnyBuffer>()  // scale_inv: the mode's scale shape and dtype
+                                  .Ret<ffi::AnyBuffer>()  // data_t: the transposed copy, or empty
+                                  .Ret<ffi::AnyBuffer>()  // scale_inv_t: its scales, or empty
+                                  .Attr<int64_t>("mode")        // te_jax::ScalingMode's number
+                                  .Attr<bool>("power_of_two")   // BLOCK_*: power-of-two scales
+                                  .Attr<bool>("block_2d"),      // NVFP4: 16 x 16 blocks
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace te_jax
