@@ -3,6 +3,7 @@ casts, taken in the compare loop's own step, per layer under nn.scan; the user-m
 to end (report fields, non-empty PNGs), and bad arguments."""
 
 import json
+import typing
 
 import flax.linen as nn
 import jax
@@ -16,7 +17,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax import recipe
-from te_jax.compare import PLOTS, cli, fp8_shares, health, report, run
+from te_jax.compare import PLOTS, RECIPES, cli, fp8_shares, health, report, run
 from te_jax.compare.train import Run, health_step
 from te_jax.ops.quantize import saturating_cast
 
@@ -340,3 +341,10 @@ def test_tiny_preset_end_to_end(tmp_path, capsys):
   assert abs(fp8["ratios"]["heldout_loss"] - 1) < 0.05
   for name in PLOTS:
     assert (out / name).stat().st_size > 1000, name
+
+
+def test_every_recipe_has_a_name():
+  """--recipe names every recipe te_jax has, each its class with its defaults."""
+  assert {type(cli.fp8_recipe(name)) for name in RECIPES} == set(typing.get_args(recipe.Recipe))
+  assert cli.fp8_recipe("block") == recipe.Float8BlockScaling()
+  assert cli.fp8_recipe("nvfp4") == recipe.NVFP4BlockScaling()
