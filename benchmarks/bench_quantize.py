@@ -8,12 +8,19 @@ that the te_jax path ran the native handler (its target is in the compiled HLO) 
 Bytes moved = input bytes + one FP8 byte per element for each FP8 output (+ the float32 dbias vector): the minimum
 traffic of the op, so GB/s over the measured copy bandwidth is the fraction of the memory-bound ceiling reached.
 
+The block-scaled rows (``BlockCase``: ``te_jax.ops.quantize_block.quantize_block`` against its reference under
+``jax.jit``) count x's bytes, the data's (one byte an element, half a byte for E2M1) and the scales', for each copy.
+NVFP4 rows take the global amax as given (as a training step that reduced it earlier does), except the one marked
+"amax computed", whose time also holds the XLA reduction of max|x| that reads x once more before the cast (its bytes
+still count x once: the row shows what the second pass costs).
+
   python benchmarks/bench_quantize.py     # this benchmark alone (run.py runs them all and writes the results)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import jax
@@ -23,6 +30,8 @@ import harness
 from te_jax.ops.quantize import QuantizeConfig, quantize_ref
 from te_jax._core.scaling import compute_scale, fp8_max
 from te_jax.ops.quantize import amax, quantize
+from te_jax._core.quantized_tensor import ScalingMode
+from te_jax.ops.quantize_block import quantize_block, quantize_block_ref, quantize_nvfp4_ref
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -101,9 +110,91 @@ def bench_case(ctx: harness.Context, case: Case, key: jax.Array) -> list[dict]:
   return harness.judge_pair(*rows, native=native, expected=expected, agree=agree)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockCase:
+  shape: tuple[int, int]
+  mode: ScalingMode
+  transpose: bool = True
+  block_2d: bool = False
+  amax_given: bool = True
+  dtype: jnp.dtype = jnp.bfloat16
+  note: str = ""
+
+  def name(self, shape: tuple[int, ...]) -> str:
+    out = "e2m1" if self.mode is ScalingMode.NVFP4_1X16 else "e4m3"
+    extras = ("+T" if self.transpose else "") + (" 16x16" if self.block_2d else "")
+    extras += "" if self.mode is not ScalingMode.NVFP4_1X16 else (" amax given" if self.amax_given else
+                                                                   " amax computed")
+    return f"{'x'.join(map(str, shape))} {jnp.dtype(self.dtype).name}->{out} {self.mode.name}{extras}"
+
+
+BLOCK_CASES = (
+    BlockCase((8192, 4096), ScalingMode.BLOCK_1X128, note="block scaling's activations (+T: the backward's copy)"),
+    BlockCase((8192, 4096), ScalingMode.BLOCK_1X128, transpose=False),
+    BlockCase((8192, 4096), ScalingMode.BLOCK_128X128),
+    BlockCase((8192, 4096), ScalingMode.MXFP8_1X32),
+    BlockCase((8192, 4096), ScalingMode.NVFP4_1X16),
+    BlockCase((8192, 4096), ScalingMode.NVFP4_1X16, amax_given=False),
+)
+
+
+def _bitwise_equal(a: jax.Array, b: jax.Array) -> bool:
+  """harness.bitwise_equal, and for E2M1 (4 bits an element, which no 8-bit integer bitcast takes) its 4-bit codes."""
+  if a.dtype == jnp.float4_e2m1fn and a.shape == b.shape and b.dtype == a.dtype:
+    codes = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint4).astype(jnp.uint8)  # noqa: E731
+    return bool(jnp.array_equal(codes(a), codes(b)))
+  return harness.bitwise_equal(a, b)
+
+
+def bench_block_case(ctx: harness.Context, case: BlockCase, key: jax.Array) -> list[dict]:
+  """Times one block-scaled case on both paths; returns the te_jax row and the XLA row."""
+  shape = tuple(d // ctx.shrink for d in case.shape)
+  x = (3.0 * jax.random.normal(key, shape, jnp.float32)).astype(case.dtype)
+  nvfp4 = case.mode is ScalingMode.NVFP4_1X16
+  kw = dict(with_transposed=case.transpose) | (dict(block_2d=case.block_2d) if nvfp4 else {})
+
+  # s: NVFP4's global amax where given (the float scalar time_loop perturbs); unused by the other modes.
+  def ours(x, s):
+    extra = dict(global_amax=s) if nvfp4 and case.amax_given else {}
+    return jax.tree.leaves(quantize_block(x, case.mode, **kw, **extra))
+
+  def xla(x, s):
+    if not nvfp4:
+      return jax.tree.leaves(quantize_block_ref(x, case.mode, **kw))
+    return jax.tree.leaves(quantize_nvfp4_ref(x, **kw, **(dict(global_amax=s) if case.amax_given else {})))
+
+  s = amax(x)
+  te_fn, xla_fn = jax.jit(ours), jax.jit(xla)
+  targets = harness.custom_call_targets(te_fn, x, s)
+  expected = "te_quantize_block_cuda"
+  native = expected in targets or not ctx.gpu  # there is no CPU handler: on a CPU the reference is the path
+  te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
+  agree = all(_bitwise_equal(a, b) for a, b in zip(te_fn(x, s), xla_fn(x, s), strict=True))
+  scales = case.mode.scale_shape(shape)
+  scale_bytes = math.prod(scales) * case.mode.scale_dtype.itemsize
+  data_bytes = x.size // 2 if nvfp4 else x.size
+  moved = x.nbytes + (2 if case.transpose else 1) * (data_bytes + scale_bytes) + (4 if nvfp4 else 0)
+  rows = []
+  for impl, fn, plain in (("te_jax", te_fn, ours), ("xla (jnp)", xla_fn, xla)):
+    rows.append({
+        "bench": "quantize",
+        "case": case.name(shape),
+        "impl": impl,
+        "shape": list(shape),
+        "dtype": jnp.dtype(case.dtype).name,
+        "mode": case.mode.name,
+        "transpose": case.transpose,
+        **harness.memory_bound_timing(ctx, fn, plain, (x, s), moved, x.size),
+        "handler": te_handler if impl == "te_jax" else "xla fusion",
+        "note": case.note,
+    })
+  return harness.judge_pair(*rows, native=native, expected=expected, agree=agree)
+
+
 def run(ctx: harness.Context) -> list[dict]:
-  """All cases, te_jax row then XLA row for each."""
-  return harness.run_pairs(ctx, "quantize", CASES, bench_case, seed=0)
+  """All cases, te_jax row then XLA row for each: the per-tensor cast, then the block-scaled ones."""
+  return (harness.run_pairs(ctx, "quantize", CASES, bench_case, seed=0)
+          + harness.run_pairs(ctx, "quantize", BLOCK_CASES, bench_block_case, seed=len(CASES)))
 
 
 if __name__ == "__main__":

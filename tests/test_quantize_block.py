@@ -1,6 +1,9 @@
 """The block-scaled quantize references (te_jax.ops.quantize_block) against a numpy computation written here: scales
 and data bit for bit for every mode, format and input dtype, partial and all-zero blocks, inf and NaN, power-of-two
 scales, the transposed copies, NVFP4's 16 x 16 blocks, global amax and stochastic rounding, and every bad argument.
+Then ``quantize_block``, the primitive: equal to the references under jit, vmap, sharding (no collectives, whole
+blocks per shard or a ValueError) and shard_map on the CPU, and on a GPU (``@pytest.mark.gpu``) its CUDA handler
+bit for bit equal to the references as XLA:GPU computes them, over every mode, option and odd or large shape.
 
 The oracle works in float64 on the float32 values the definition rounds to (``f32``: a float64 quotient or product of
 float32 operands, rounded once to float32, is the IEEE float32 result), rounds to the element formats with its own
@@ -17,7 +20,12 @@ import numpy as np
 import pytest
 
 from te_jax import QuantizedTensor, ScalingMode
-from te_jax.ops.quantize_block import BLOCK_MODES, E2M1, block_amax, quantize_block_ref, quantize_nvfp4_ref
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from parallel_model import collectives
+from te_jax.ops.quantize_block import (BLOCK_MODES, E2M1, block_amax, quantize_block, quantize_block_ref,
+                                       quantize_nvfp4_ref)
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 TINY = 2.0**-126
@@ -576,3 +584,196 @@ def test_sweep(seed):
                      mode is not ScalingMode.MXFP8_1X32, transposed=True)
     key = jax.random.key(seed) if rng.integers(2) else None
     check_nvfp4(x, block_2d=bool(rng.integers(2)), transposed=True, key=key)
+
+
+# ---- quantize_block: the primitive ------------------------------------------------------------------------------------
+
+
+def assert_same(got: QuantizedTensor, want: QuantizedTensor, what=""):
+  """Every leaf of the two tensors bit for bit (the same structure, dtypes and shapes)."""
+  assert isinstance(got, QuantizedTensor) and got.mode is want.mode, (what, got.mode, want.mode)
+  g, w = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(g) == len(w), (what, len(g), len(w))
+  for i, (a, b) in enumerate(zip(g, w)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, i, a.dtype, b.dtype, a.shape, b.shape)
+    bad = np.flatnonzero(a.view(np.uint8) != b.view(np.uint8)) if a.dtype.itemsize == 1 else \
+        np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert bad.size == 0, f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {bad.size} of {a.size} differ, first {bad[0]}"
+
+
+def reference(x, mode, dtype=None, *, power_of_two_scales=False, with_transposed=False, block_2d=False,
+              global_amax=None, key=None):
+  if mode is ScalingMode.NVFP4_1X16:
+    return quantize_nvfp4_ref(x, block_2d=block_2d, with_transposed=with_transposed, global_amax=global_amax, key=key)
+  return quantize_block_ref(x, mode, dtype, power_of_two_scales=power_of_two_scales, with_transposed=with_transposed)
+
+
+def special(shape, dtype=jnp.float32, seed=0):
+  """``spread`` values with an all-zero block, an inf and a NaN where the shape has room (rows >= 3, cols >= 40)."""
+  x = np.array(spread(shape, jnp.float32, seed=seed, span=6 if dtype == jnp.float16 else 12))
+  if x.ndim >= 2 and x.shape[-2] >= 3 and x.shape[-1] >= 40:
+    x[..., 0, :] = 0.0
+    x[..., 1, 3] = np.inf
+    x[..., 2, 33] = np.nan
+  return jnp.asarray(x).astype(dtype)
+
+
+# (mode, options) of the primitive's CPU checks: each mode with its copy, power-of-two scales, NVFP4's options.
+PRIMITIVE_CASES = [
+    (ScalingMode.BLOCK_1X128, dict(with_transposed=True, power_of_two_scales=True)),
+    (ScalingMode.BLOCK_128X128, dict(dtype=E5M2, with_transposed=True)),
+    (ScalingMode.MXFP8_1X32, dict(with_transposed=True)),
+    (ScalingMode.NVFP4_1X16, dict(with_transposed=True, key=jax.random.key(5))),
+    (ScalingMode.NVFP4_1X16, dict(with_transposed=True, block_2d=True, global_amax=jnp.float32(8.0))),
+]
+_IDS = ["1x128-pow2", "128x128-e5m2", "mxfp8", "nvfp4-sr", "nvfp4-2d-amax"]
+
+
+@pytest.mark.fast_cases(2)
+@pytest.mark.parametrize("mode,options", PRIMITIVE_CASES, ids=_IDS)
+def test_primitive_equals_the_reference_under_jit_and_vmap(mode, options):
+  x = special((2, 37, 150), jnp.bfloat16, seed=20)
+  assert_same(jax.jit(lambda x: quantize_block(x, mode, **options))(x), reference(x, mode, **options), "jit")
+  stacked = jax.vmap(lambda x: quantize_block(x, mode, **options))(x)
+  assert_same(stacked, jax.vmap(lambda x: reference(x, mode, **options))(x), "vmap")
+  if mode is not ScalingMode.NVFP4_1X16:  # one call over the stack: the same bits as the whole batch at once
+    assert_same(stacked, quantize_block(x, mode, **options), "vmap vs batch")
+
+
+def _mesh():
+  return jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.fast_cases(2)
+@pytest.mark.parametrize("mode,options", PRIMITIVE_CASES, ids=_IDS)
+def test_sharded_runs_per_shard_without_collectives(mode, options):
+  """Under jit with NamedSharding inputs, each shard quantizes its own whole blocks: no collective (NVFP4's computed
+  global amax is the one all-reduce), the outputs sharded as x (the copy's dims swapped), the values unchanged."""
+  mesh = _mesh()
+  x = spread((4, 512, 1024), jnp.bfloat16, seed=21)
+  for spec in (P("a", "b", None), P(None, "a", "b")):
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    f = jax.jit(lambda x: quantize_block(x, mode, **options))
+    q = f(xs)
+    assert_same(q, reference(x, mode, **options), str(spec))
+    for a, want in ((q.data, spec), (q.scale_inv, spec), (q.data_t, P(spec[0], spec[2], spec[1]))):
+      assert a.sharding.is_equivalent_to(NamedSharding(mesh, want), 3), (a.sharding, want)
+    counts = collectives(f.lower(xs).compile().as_text())
+    if mode is ScalingMode.NVFP4_1X16 and "global_amax" not in options:  # the global amax's max-reduction only
+      assert counts and all(kind == "all-reduce" and op == "maximum" for kind, op, _ in counts), counts
+    else:
+      assert not counts, (spec, counts)
+  xs = jax.device_put(x, NamedSharding(mesh, P("a", "b", None)))
+  counts = collectives(jax.jit(lambda x: quantize_block(x, ScalingMode.NVFP4_1X16)).lower(xs).compile().as_text())
+  assert counts and all(kind == "all-reduce" for kind, _, _ in counts), counts
+
+
+def test_a_sharding_that_cuts_blocks_raises():
+  mesh = _mesh()
+  x = jnp.ones((4, 256, 384), jnp.bfloat16)
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "b")))  # 384 / 4 = 96 columns a shard
+  message = r"x's dim 2 \(size 384\) is sharded over mesh axis b into 4 shards, which would cut its BLOCK_1X128 " \
+            r"blocks of 128"
+  with pytest.raises(ValueError, match=message):
+    quantize_block(xs, ScalingMode.BLOCK_1X128)
+  with pytest.raises(Exception, match=message):  # under jit: partition raises it while XLA compiles
+    jax.jit(lambda x: quantize_block(x, ScalingMode.BLOCK_1X128)).lower(xs).compile()
+  quantize_block(xs, ScalingMode.MXFP8_1X32)  # 96 columns are whole 1 x 32 blocks
+  xr = jax.device_put(x, NamedSharding(mesh, P(None, "b", None)))  # 64 rows a shard
+  with pytest.raises(ValueError, match=r"dim 1 \(size 256\).*mesh axis b.*BLOCK_128X128 blocks of 128"):
+    quantize_block(xr, ScalingMode.BLOCK_128X128)
+  rows = NamedSharding(mesh, P(None, ("a", "b"), None))  # 8 shards of rows
+  with pytest.raises(ValueError, match=r"dim 1 \(size 128\).*mesh axis a x b into 8 shards.*MXFP8_1X32 blocks of 32"):
+    quantize_block(jax.device_put(jnp.ones((4, 128, 64)), rows), ScalingMode.MXFP8_1X32, with_transposed=True)
+  quantize_block(jax.device_put(jnp.ones((4, 256, 64)), rows), ScalingMode.MXFP8_1X32, with_transposed=True)
+  quantize_block(xr, ScalingMode.BLOCK_1X128)  # without the copy, rows are not blocked
+
+
+def test_shard_map_quantizes_the_local_block():
+  mesh = _mesh()
+  x = spread((8, 64, 96), jnp.bfloat16, seed=22)
+  f = jax.shard_map(lambda x: quantize_block(x, ScalingMode.MXFP8_1X32, with_transposed=True), mesh=mesh,
+                    in_specs=P("a", "b"), out_specs=P("a", "b"))
+  q = jax.jit(f)(x)
+  local = quantize_block_ref(x[:4, :16], ScalingMode.MXFP8_1X32, with_transposed=True)
+  # The shards' copies (4, 96, 16) sit side by side along the out_specs' dims: device (0, 0)'s is [:4, :96].
+  assert_same(QuantizedTensor(q.data[:4, :16], q.scale_inv[:4, :16], q.data_t[:4, :96], q.scale_inv_t[:4, :96],
+                              mode=q.mode), local)
+
+
+def test_quantize_block_arguments_name_themselves():
+  x = jnp.ones((4, 40), jnp.float32)
+  cases = [
+      (lambda: quantize_block(x, ScalingMode.BLOCK_1X128, block_2d=True), "block_2d applies to NVFP4_1X16 only"),
+      (lambda: quantize_block(x, ScalingMode.MXFP8_1X32, global_amax=1.0), "global_amax applies to NVFP4_1X16"),
+      (lambda: quantize_block(x, ScalingMode.BLOCK_128X128, key=jax.random.key(0)), "key applies to NVFP4_1X16"),
+      (lambda: quantize_block(x, ScalingMode.NVFP4_1X16, power_of_two_scales=True), "power_of_two_scales"),
+      (lambda: quantize_block(x, ScalingMode.NVFP4_1X16, E4M3), "dtype must be float4_e2m1fn"),
+      (lambda: quantize_block(x, ScalingMode.MXFP8_1X32, power_of_two_scales=True), "power_of_two_scales"),
+      (lambda: quantize_block(x, ScalingMode.PER_TENSOR), "mode must be one of"),
+      (lambda: quantize_block(jnp.ones((40,)), ScalingMode.BLOCK_128X128), "x must have rank >= 2"),
+  ]
+  for fn, text in cases:
+    with pytest.raises(ValueError, match=text):
+      fn()
+  with pytest.raises(TypeError, match="global_amax"):
+    quantize_block(x, ScalingMode.NVFP4_1X16, global_amax=jnp.ones((2,)))
+  with pytest.raises(TypeError, match="key"):
+    quantize_block(x, ScalingMode.NVFP4_1X16, key=jnp.ones((2,)))
+
+
+# ---- the CUDA handler, bit for bit the reference as XLA:GPU computes it --------------------------------------------
+
+# Odd shapes (one element, partial blocks both ways, odd rows and columns: E2M1 nibbles straddling rows), leading
+# batch dims, and a few whole tiles.
+GPU_SHAPES = [(1, 1), (129, 300), (2, 37, 40), (3, 130, 200), (257, 33), (2, 256, 384), (5, 1, 16)]
+GPU_DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def _gpu_compare(gpu, mode, options, shapes=GPU_SHAPES, dtypes=GPU_DTYPES, seed=30):
+  """quantize_block of every shape and dtype, with and without the copy, in one program on the GPU, against the
+  references in another; asserts the handler ran once per call."""
+  xs = [jax.device_put(special(s, dt, seed=seed + i), gpu) for i, (s, dt) in enumerate(
+      (s, dt) for s in shapes for dt in dtypes)]
+  calls = [(x, t) for x in xs for t in (False, True) if not (t and x.ndim < 2)]
+
+  def run(fn):
+    return jax.jit(lambda xs: [fn(x, mode, with_transposed=t, **options) for x, t in calls])
+
+  ours = run(quantize_block)
+  hlo = ours.lower(xs).compile().as_text()
+  assert hlo.count('custom_call_target="te_quantize_block_cuda"') == len(calls), "the CUDA handler did not run"
+  for (x, t), got, want in zip(calls, ours(xs), run(reference)(xs)):
+    assert_same(got, want, f"{mode.name} {options} {x.dtype}{list(x.shape)} transposed={t}")
+
+
+FP8_GPU_CASES = [(m, f, p) for m in (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128) for f in (E4M3, E5M2)
+                 for p in (False, True)] + [(ScalingMode.MXFP8_1X32, f, False) for f in (E4M3, E5M2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,fmt,pow2", FP8_GPU_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_gpu_fp8_modes_equal_the_reference(mode, fmt, pow2, gpu):
+  _gpu_compare(gpu, mode, dict(dtype=fmt, power_of_two_scales=pow2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+@pytest.mark.parametrize("extra", ["nearest", "stochastic", "global_amax"])
+def test_gpu_nvfp4_equals_the_reference(block_2d, extra, gpu):
+  options = dict(block_2d=block_2d)
+  if extra == "stochastic":
+    options["key"] = jax.random.key(11)
+  elif extra == "global_amax":
+    options["global_amax"] = jnp.float32(0.5)  # below most tensors' amax: saturating blocks too
+  _gpu_compare(gpu, ScalingMode.NVFP4_1X16, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,options", [(ScalingMode.BLOCK_1X128, {}), (ScalingMode.BLOCK_128X128, {}),
+                                          (ScalingMode.MXFP8_1X32, {}), (ScalingMode.NVFP4_1X16, {}),
+                                          (ScalingMode.NVFP4_1X16, dict(block_2d=True, key=jax.random.key(2)))],
+                         ids=["1x128", "128x128", "mxfp8", "nvfp4", "nvfp4-2d-sr"])
+def test_gpu_large(mode, options, gpu):
+  _gpu_compare(gpu, mode, options, shapes=[(8192, 4096)], dtypes=[jnp.bfloat16], seed=40)
