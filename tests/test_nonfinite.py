@@ -37,7 +37,8 @@ IN_DTYPES = pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np
 PATHS = pytest.mark.parametrize("path", ["cpu", "reference"])
 CPU = jax.devices("cpu")[0]
 # Every recipe the package offers, by name: a new one is tested here the day it is added.
-RECIPES = {name: getattr(te_recipe, name) for name in ("DelayedScaling", "Float8CurrentScaling")}
+RECIPES = {name: getattr(te_recipe, name) for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                                                       "MXFP8BlockScaling", "NVFP4BlockScaling")}
 TARGETS = {"cpu": "_cpu\"", "gpu": "_cuda\""}
 
 
@@ -267,6 +268,7 @@ def test_module_step_with_an_inf_is_not_finite(kind, recipe_name, path, monkeypa
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("kind", ["dense", "layernorm_mlp"])
+@pytest.mark.fast_cases(3)
 def test_functional_with_an_inf_is_not_finite(kind, recipe_name):
   x, bad = _inputs()
   rec = RECIPES[recipe_name]()
