@@ -51,12 +51,12 @@ source scripts/setup_env.sh
 EXACT=(tests/test_norm.py tests/test_rope.py)
 mapfile -t groups < <(python - "${EXACT[@]}" <<'PY'
 import pathlib, sys
-seconds = {"activation": 70, "attention": 60, "attention_cudnn": 50, "norm": 50, "transformer": 90, "rope": 30, "quantize": 60,
-           "gemm": 40, "softmax": 35, "dense": 35, "fused_layers": 30, "flax_dense": 35, "residual": 18,
-           "docs": 15, "quantize_interleaved": 13, "flax_norm": 12, "doctor": 10, "shard_map": 10, "scaling": 7,
-           "sharding": 6, "layering": 6, "harness": 5, "recipe_autocast": 3, "nnx": 80, "properties": 40,
-           "nonfinite": 37, "context_parallel": 42, "examples": 35, "decoder_lm_port": 25, "checkpoint": 40,
-           "train_steps": 30, "compare": 25, "flax_transforms": 20, "attention_masks": 15, "parallel_layers": 30}
+seconds = {"nnx": 140, "block_recipes": 50, "nnx_attention_parity": 65, "transformer": 61, "docs": 61, "quantize": 59,
+           "decoder_lm_port": 40, "gemm_block": 54, "nonfinite": 46, "properties": 45, "attention": 42,
+           "checkpoint": 41, "flax_dense": 38, "context_parallel": 25, "compare": 31, "module_bodies": 31, "dense": 28,
+           "gemm": 27, "quantize_block": 25, "fused_layers": 25, "layering": 24, "train_steps": 24,
+           "nnx_sharding": 22, "parallel_layers": 21, "activation": 19, "softmax": 17, "norm": 16, "residual": 15,
+           "doctor": 15, "attention_cudnn": 14, "rope": 14, "attention_masks": 13, "quantize_interleaved": 11}
 exact = [pathlib.Path(f) for f in sys.argv[1:]]
 files = [f for f in sorted(pathlib.Path("tests").glob("test_*.py")) if f not in exact]
 weight = {f: 0.65 * seconds.get(f.stem[len("test_"):], 10) for f in files}

@@ -153,6 +153,7 @@ def test_multi_head_attention_parity():
 
 
 @pytest.mark.parametrize("variant", ["gpt", "post-ln"])
+@pytest.mark.fast_cases(1)
 def test_transformer_layer_parity(variant):
   kw = dict(hidden_size=64, intermediate_dim=128, num_attention_heads=4, dtype=jnp.bfloat16, backend="unfused")
   if variant == "gpt":
