@@ -3,7 +3,8 @@ and data bit for bit for every mode, format and input dtype, partial and all-zer
 scales, the transposed copies, NVFP4's 16 x 16 blocks, global amax and stochastic rounding, and every bad argument.
 Then ``quantize_block``, the primitive: equal to the references under jit, vmap, sharding (no collectives, whole
 blocks per shard or a ValueError) and shard_map on the CPU, and on a GPU (``@pytest.mark.gpu``) its CUDA handler
-bit for bit equal to the references as XLA:GPU computes them, over every mode, option and odd or large shape.
+bit for bit equal to the references (as XLA:CPU computes them: see the GPU section), over every mode, option and
+odd or large shape.
 
 The oracle works in float64 on the float32 values the definition rounds to (``f32``: a float64 quotient or product of
 float32 operands, rounded once to float32, is the IEEE float32 result), rounds to the element formats with its own
@@ -611,7 +612,7 @@ def reference(x, mode, dtype=None, *, power_of_two_scales=False, with_transposed
 
 def special(shape, dtype=jnp.float32, seed=0):
   """``spread`` values with an all-zero block, an inf and a NaN where the shape has room (rows >= 3, cols >= 40)."""
-  x = np.array(spread(shape, jnp.float32, seed=seed, span=6 if dtype == jnp.float16 else 12))
+  x = np.array(spread(shape, jnp.float32, seed=seed, span=6))
   if x.ndim >= 2 and x.shape[-2] >= 3 and x.shape[-1] >= 40:
     x[..., 0, :] = 0.0
     x[..., 1, 3] = np.inf
@@ -723,7 +724,14 @@ def test_quantize_block_arguments_name_themselves():
     quantize_block(x, ScalingMode.NVFP4_1X16, key=jnp.ones((2,)))
 
 
-# ---- the CUDA handler, bit for bit the reference as XLA:GPU computes it --------------------------------------------
+# ---- the CUDA handler, bit for bit the reference -----------------------------------------------------------------
+#
+# The reference run by XLA:CPU is the definition here (this file's tests above check it against the float64 oracle bit
+# for bit). XLA:GPU's compilation of the same jnp is not: on an H100 (jax 0.11.2) it gave other float32 scales and
+# codes for larger inputs (BLOCK_1X128 on 8192 x 4096 bf16: 65,820 of 262,144 scales and 20,229 data bytes differ
+# from XLA:CPU's; NVFP4: 1.66 M of 33.5 M codes; MXFP8, whose products by powers of two are exact: none), where the
+# handler equalled XLA:CPU's reference on every element of those 8192 x 4096 cases. The inputs keep float32 subnormals
+# out of the computation, which XLA:CPU flushes and the handler keeps.
 
 # Odd shapes (one element, partial blocks both ways, odd rows and columns: E2M1 nibbles straddling rows), leading
 # batch dims, and a few whole tiles.
@@ -733,19 +741,20 @@ GPU_DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 def _gpu_compare(gpu, mode, options, shapes=GPU_SHAPES, dtypes=GPU_DTYPES, seed=30):
   """quantize_block of every shape and dtype, with and without the copy, in one program on the GPU, against the
-  references in another; asserts the handler ran once per call."""
-  xs = [jax.device_put(special(s, dt, seed=seed + i), gpu) for i, (s, dt) in enumerate(
-      (s, dt) for s in shapes for dt in dtypes)]
-  calls = [(x, t) for x in xs for t in (False, True) if not (t and x.ndim < 2)]
+  references in one program on the CPU; asserts the handler ran once per call."""
+  cpu = jax.devices("cpu")[0]
+  inputs = [special(s, dt, seed=seed + i) for i, (s, dt) in enumerate((s, dt) for s in shapes for dt in dtypes)]
+  calls = [(i, t) for i, x in enumerate(inputs) for t in (False, True) if not (t and x.ndim < 2)]
 
   def run(fn):
-    return jax.jit(lambda xs: [fn(x, mode, with_transposed=t, **options) for x, t in calls])
+    return jax.jit(lambda xs: [fn(xs[i], mode, with_transposed=t, **options) for i, t in calls])
 
+  on_gpu = jax.device_put(inputs, gpu)
   ours = run(quantize_block)
-  hlo = ours.lower(xs).compile().as_text()
+  hlo = ours.lower(on_gpu).compile().as_text()
   assert hlo.count('custom_call_target="te_quantize_block_cuda"') == len(calls), "the CUDA handler did not run"
-  for (x, t), got, want in zip(calls, ours(xs), run(reference)(xs)):
-    assert_same(got, want, f"{mode.name} {options} {x.dtype}{list(x.shape)} transposed={t}")
+  for (i, t), got, want in zip(calls, ours(on_gpu), run(reference)(jax.device_put(inputs, cpu))):
+    assert_same(got, want, f"{mode.name} {options} {inputs[i].dtype}{list(inputs[i].shape)} transposed={t}")
 
 
 FP8_GPU_CASES = [(m, f, p) for m in (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128) for f in (E4M3, E5M2)
