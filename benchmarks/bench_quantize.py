@@ -9,7 +9,7 @@ Bytes moved = input bytes + one FP8 byte per element for each FP8 output (+ the 
 traffic of the op, so GB/s over the measured copy bandwidth is the fraction of the memory-bound ceiling reached.
 
 The block-scaled rows (``BlockCase``: ``te_jax.ops.quantize_block.quantize_block`` against its reference under
-``jax.jit``) count x's bytes, the data's (one byte an element, half a byte for E2M1) and the scales', for each copy.
+``jax.jit``; outputs checked bit for bit against the reference run by XLA:CPU) count x's bytes, the data's (one byte an element, half a byte for E2M1) and the scales', for each copy.
 NVFP4 rows take the global amax as given (as a training step that reduced it earlier does), except the one marked
 "amax computed", whose time also holds the XLA reduction of max|x| that reads x once more before the cast (its bytes
 still count x once: the row shows what the second pass costs).
@@ -169,7 +169,11 @@ def bench_block_case(ctx: harness.Context, case: BlockCase, key: jax.Array) -> l
   expected = "te_quantize_block_cuda"
   native = expected in targets or not ctx.gpu  # there is no CPU handler: on a CPU the reference is the path
   te_handler = ", ".join(sorted(name for name in targets if name.startswith("te_"))) or "reference"
-  agree = all(_bitwise_equal(a, b) for a, b in zip(te_fn(x, s), xla_fn(x, s), strict=True))
+  # Agreement with the reference as XLA:CPU computes it, the definition (XLA:GPU's compilation of the same jnp gives
+  # other float32 scales on large inputs; tests/test_quantize_block.py says more).
+  cpu = jax.devices("cpu")[0]
+  want = jax.device_put(xla_fn(*jax.device_put((x, s), cpu)), jax.devices()[0])
+  agree = all(_bitwise_equal(a, b) for a, b in zip(te_fn(x, s), want, strict=True))
   scales = case.mode.scale_shape(shape)
   scale_bytes = math.prod(scales) * case.mode.scale_dtype.itemsize
   data_bytes = x.size // 2 if nvfp4 else x.size
