@@ -287,10 +287,13 @@ def test_block_scaled_dense_runs_native_on_the_gpu(gpu):
   hlo = jax.jit(step).lower(x, w).compile().as_text()
   assert "te_gemm_cuda" in hlo
   y, dx, dw = jax.jit(step)(x, w)
-  qx, qw, qg = (jax.device_get(v) for v in (_reference_cast(r, "x", x), _reference_cast(r, "kernel", w),
-                                             _reference_cast(r, "grad", gy)))
+  # The reference operands as XLA:CPU computes the quantize reference: its float32 divisions are IEEE's, as the
+  # kernels' are (XLA:GPU's compilation of the reference rounds some block scales differently).
+  cpu = jax.devices("cpu")[0]
+  qx, qw, qg = (_reference_cast(r, role, jax.device_put(v, cpu))
+                for role, v in (("x", x), ("kernel", w), ("grad", gy)))
   f64 = lambda q: np.asarray(q.dequantize(jnp.float32), np.float64)  # noqa: E731
-  emu = lambda a, b: np.asarray(_dot(_deq(a), _deq(b)), np.float64)  # noqa: E731
+  emu = lambda a, b: np.asarray(_dot(_deq(a), _deq(b)), np.float64)  # noqa: E731  (on the CPU, with its operands)
   for got, a, b in ((y, qx, qw.transposed()), (dx, qg, qw), (dw, qx.transposed(), qg.transposed())):
     exact = f64(a) @ f64(b).T
     ours = np.asarray(got, np.float64)
