@@ -396,7 +396,8 @@ class NVFP4Quantizer(BlockQuantizer):
     key = None
     if role == "grad" and recipe.stochastic_rounding:
       key = jax.random.fold_in(jax.random.key(_SR_SALT), jax.lax.bitcast_convert_type(global_amax, jnp.uint32))
-    cast = functools.partial(block_ops.quantize_block, mode=ScalingMode.NVFP4_1X16, dtype=block_ops.E2M1, global_amax=global_amax)
+    cast = functools.partial(block_ops.quantize_block, mode=ScalingMode.NVFP4_1X16, dtype=block_ops.E2M1,
+                             global_amax=global_amax)
     if xt is None:
       return cast(x, block_2d=block_2d, key=key)
     if block_2d and x.ndim == 2 and xt.shape == x.shape[::-1]:  # 16 x 16 blocks: the copy is the transposed values
