@@ -294,7 +294,7 @@ class BlockQuantizer(Quantizer):
 
   def _cast(self, role: str, x: jax.Array, dtype, with_transposed: bool, **nvfp4) -> QuantizedTensor:
     return block_ops.quantize_block(x, self.mode_for(role), dtype, power_of_two_scales=self._power_of_two(),
-                          with_transposed=with_transposed, **nvfp4)
+                                    with_transposed=with_transposed, **nvfp4)
 
   def _power_of_two(self) -> bool:
     return self.recipe.power_of_two_scales
