@@ -614,7 +614,7 @@ def quantize_block(x: jax.Array, mode: ScalingMode, dtype=None, *, power_of_two_
   >>> q = quantize_block(jnp.array([[1.0, -3.0], [0.5, 0.25]], jnp.bfloat16), te_jax.ScalingMode.MXFP8_1X32,
   ...                    with_transposed=True)
   >>> q.scale_inv.astype(jnp.float32).tolist(), q.data_t.astype(jnp.float32).tolist()
-  ([[0.0078125], [0.001953125]], [[128.0, 64.0], [-384.0, 32.0]])
+  ([[0.0078125], [0.001953125]], [[256.0, 128.0], [-384.0, 32.0]])
 
   Args:
     x: float32, bfloat16 or float16, rank >= 1 (>= 2 for ``BLOCK_128X128``, ``block_2d`` and ``with_transposed``);
