@@ -134,8 +134,14 @@ class Float8CurrentScaling:
     _check_gemm_params(self)
 
 
+class _BlockScaled:
+  """What the block-scaled recipes share: attention stays in the input precision (no FP8 attention, ``fp8_dpa``)."""
+
+  fp8_dpa = False  # a class attribute, not a field: not an option of these recipes
+
+
 @dataclasses.dataclass(frozen=True)
-class Float8BlockScaling:
+class Float8BlockScaling(_BlockScaled):
   """Block scaling (DeepSeek-V3, arXiv 2412.19437 §3.3): activations and gradients scaled per 1 x 128 tile of a row,
   weights per 128 x 128 block, each scale from its block's own amax. No state, so it works under ``nn.scan``, remat
   and every sharding (a block never straddles a shard: the ops raise where one would).
@@ -167,14 +173,9 @@ class Float8BlockScaling:
     _check_flag("power_of_two_scales", self.power_of_two_scales)
     _check_gemm_params(self)
 
-  @property
-  def fp8_dpa(self) -> bool:
-    """Attention stays in the input precision under block-scaled recipes."""
-    return False
-
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(_BlockScaled):
   """MXFP8 (OCP Microscaling Formats v1.0): every tensor scaled per 1 x 32 elements of a row by a power of two (an
   E8M0 scale), each direction of a tensor (the GEMM operand and its transposed copy) with its own scales. No state.
 
@@ -199,13 +200,9 @@ class MXFP8BlockScaling:
     _check_format(self.fp8_format)
     _check_gemm_params(self)
 
-  @property
-  def fp8_dpa(self) -> bool:
-    return False
-
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling:
+class NVFP4BlockScaling(_BlockScaled):
   """NVFP4 (NVIDIA's recipe, arXiv 2509.25149): E2M1 values, an E4M3 scale per 1 x 16 elements of a row and a float32
   scale per tensor. No state.
 
@@ -242,10 +239,6 @@ class NVFP4BlockScaling:
     if not isinstance(self.hadamard_seed, int) or isinstance(self.hadamard_seed, bool) or self.hadamard_seed < 0:
       raise ValueError(f"hadamard_seed must be an int >= 0, got {self.hadamard_seed!r}")
     _check_gemm_params(self)
-
-  @property
-  def fp8_dpa(self) -> bool:
-    return False
 
 
 Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | NVFP4BlockScaling
