@@ -350,29 +350,30 @@ def _layer_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
   return lines, used
 
 
-def _gemm_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
+def _gemm_row_lines(rows: Sequence[dict], bench: str, impls: Sequence[str], cases: Sequence[str],
+                    per_tensor_share: bool) -> tuple[list[str], list[dict]]:
+  """The GEMM table's lines of ``bench``'s ``cases``: ms, TFLOP/s, vs XLA BF16 (and, with ``per_tensor_share``, the
+  share of the per-tensor FP8 GEMM's rate)."""
   lines, used = [], []
-  cases = list(dict.fromkeys(r["case"] for r in rows if r["bench"] == "gemm" and not r["case"].startswith("QKV")))
-  for case in cases[:1]:
-    for i, r in enumerate(_pick(rows, "gemm", README_GEMM, case)):
+  for case in cases:
+    for i, r in enumerate(_pick(rows, bench, impls, case)):
       tflops = r.get("tflops")
+      share = f" {_pct(100 * r.get('vs_per_tensor_fp8', math.nan))} |" if per_tensor_share else ""
       lines.append(f"| {case if i == 0 else ''} | {r['impl']} | {_ms(r.get('ms'))} | "
                    f"{f'{tflops:,.0f}' if isinstance(tflops, (int, float)) else '-'} | "
-                   f"{_x(r.get('speedup_vs_xla'))} |")
+                   f"{_x(r.get('speedup_vs_xla'))} |{share}")
       used.append(r)
   return lines, used
+
+
+def _gemm_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
+  cases = list(dict.fromkeys(r["case"] for r in rows if r["bench"] == "gemm" and not r["case"].startswith("QKV")))
+  return _gemm_row_lines(rows, "gemm", README_GEMM, cases[:1], per_tensor_share=False)
 
 
 def _block_gemm_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
-  lines, used = [], []
-  for case in dict.fromkeys(r["case"] for r in rows if r["bench"] == "gemm_block"):
-    for i, r in enumerate(_pick(rows, "gemm_block", README_BLOCK_GEMM, case)):
-      tflops = r.get("tflops")
-      lines.append(f"| {case if i == 0 else ''} | {r['impl']} | {_ms(r.get('ms'))} | "
-                   f"{f'{tflops:,.0f}' if isinstance(tflops, (int, float)) else '-'} | "
-                   f"{_x(r.get('speedup_vs_xla'))} | {_pct(100 * r.get('vs_per_tensor_fp8', math.nan))} |")
-      used.append(r)
-  return lines, used
+  cases = list(dict.fromkeys(r["case"] for r in rows if r["bench"] == "gemm_block"))
+  return _gemm_row_lines(rows, "gemm_block", README_BLOCK_GEMM, cases, per_tensor_share=True)
 
 
 def _kernel_lines(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
