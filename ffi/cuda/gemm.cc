@@ -82,6 +82,17 @@ ffi::Error CublasError(cublasStatus_t status, const char* what) {
     if (_te_err.failure()) return _te_err;              \
   } while (0)
 
+// The A and B scale pointers of a matmul descriptor (device pointers, so no host sync; cuBLAS's A is our rhs).
+ffi::Error SetScalePointers(cublasLtMatmulDesc_t desc, const void* a_scale, const void* b_scale) {
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)),
+      "A_SCALE_POINTER");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)),
+      "B_SCALE_POINTER");
+  return ffi::Error::Success();
+}
+
 ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return CUDA_R_32F;
@@ -238,12 +249,7 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
         "B_SCALE_MODE");
   }
   if (p.fp8) {
-    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                                 &a_scale, sizeof(a_scale)),
-                                  "A_SCALE_POINTER");
-    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                                 &b_scale, sizeof(b_scale)),
-                                  "B_SCALE_POINTER");
+    if (auto err = SetScalePointers(plan->desc, a_scale, b_scale); err.failure()) return err;
   }
   if (p.bias) {
     TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -529,12 +535,7 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   if (p.fp8) {
     const void* a_scale = rhs_scale_inv.untyped_data();
     const void* b_scale = lhs_scale_inv.untyped_data();
-    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                                 &a_scale, sizeof(a_scale)),
-                                  "A_SCALE_POINTER");
-    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                                 &b_scale, sizeof(b_scale)),
-                                  "B_SCALE_POINTER");
+    if (auto err = SetScalePointers(plan->desc, a_scale, b_scale); err.failure()) return err;
   }
   if (p.bias) {
     const void* bias_ptr = bias.untyped_data();
