@@ -28,9 +28,9 @@ GEMM (``kernel_scales``):
 - MXFP8 / NVFP4 (VEC32_UE8M0 / VEC16_UE4M3): 128 x 4 tiles, rows padded to 128 and L to 4, each tile 32 x 4 x 4
   (row % 32, row / 32, column), tiles in row-major order; kept as (row tiles, column tiles, 512).
 
-Their cost: the transpose of an 8192 x 8192 operand's 1 x 128 scales (8192 x 64 float32, 2 MiB) is a few
-microseconds against the GEMM's ~0.8 ms; ``benchmarks/bench_gemm.py`` times it (``scale layout`` rows). It is done in
-XLA rather than in the handler because the handler could only do it in scratch memory it has no geometry for.
+Their cost is measured by ``benchmarks/bench_gemm.py`` (its ``scale layout`` rows; ``benchmarks/DECISIONS.md`` says
+what it gave). It is done in XLA rather than in the handler because the handler could only do it in scratch memory it
+has no geometry for.
 
 Accumulation: cuBLASLt's block-scaled Hopper kernels have no fast-accumulation variant (with
 CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1 the heuristic answers CUBLAS_STATUS_NOT_SUPPORTED on the H100, cuBLAS 13; PyTorch's
