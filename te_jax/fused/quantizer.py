@@ -389,10 +389,11 @@ class NVFP4Quantizer(BlockQuantizer):
       raise ValueError(f"NVFP4BlockScaling quantizes to float4_e2m1fn, got dtype {dtype!r}")
     recipe = self.recipe
     block_2d = role == "kernel" and recipe.weight_block_2d
-    if xt is not None and role != "kernel" and recipe.random_hadamard_transform:
-      xt = self._rht(xt)
     finite_amax = lambda v: amax_f32(jnp.where(jnp.isfinite(v), v, 0.0).astype(jnp.float32))  # noqa: E731
-    global_amax = finite_amax(x) if xt is None else jnp.maximum(finite_amax(x), finite_amax(xt))
+    global_amax = finite_amax(x)  # a transposed copy holds the same values, so the same amax
+    if xt is not None and role != "kernel" and recipe.random_hadamard_transform:
+      xt = self._rht(xt)  # values of their own: the larger amax sets the shared global scale
+      global_amax = jnp.maximum(global_amax, finite_amax(xt))
     key = None
     if role == "grad" and recipe.stochastic_rounding:
       key = jax.random.fold_in(jax.random.key(_SR_SALT), jax.lax.bitcast_convert_type(global_amax, jnp.uint32))
