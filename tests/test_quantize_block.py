@@ -13,6 +13,7 @@ XLA:CPU does, as the module's docstring says; amaxes reduce bit patterns and kee
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -600,7 +601,11 @@ def assert_same(got: QuantizedTensor, want: QuantizedTensor, what=""):
     assert a.dtype == b.dtype and a.shape == b.shape, (what, i, a.dtype, b.dtype, a.shape, b.shape)
     bad = np.flatnonzero(a.view(np.uint8) != b.view(np.uint8)) if a.dtype.itemsize == 1 else \
         np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
-    assert bad.size == 0, f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {bad.size} of {a.size} differ, first {bad[0]}"
+    if bad.size:
+      where = [np.unravel_index(j, a.shape) for j in bad[:4]] if a.ndim else [()]
+      pairs = ", ".join(f"{tuple(map(int, w))}: {a[w]!r} vs {b[w]!r}" for w in where)
+      raise AssertionError(f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {bad.size} of {a.size} differ "
+                           f"(got vs want) {pairs}")
 
 
 def reference(x, mode, dtype=None, *, power_of_two_scales=False, with_transposed=False, block_2d=False,
@@ -753,8 +758,27 @@ def _gpu_compare(gpu, mode, options, shapes=GPU_SHAPES, dtypes=GPU_DTYPES, seed=
   ours = run(quantize_block)
   hlo = ours.lower(on_gpu).compile().as_text()
   assert hlo.count('custom_call_target="te_quantize_block_cuda"') == len(calls), "the CUDA handler did not run"
+  failures = []
   for (i, t), got, want in zip(calls, ours(on_gpu), run(reference)(jax.device_put(inputs, cpu))):
-    assert_same(got, want, f"{mode.name} {options} {inputs[i].dtype}{list(inputs[i].shape)} transposed={t}")
+    what = f"{mode.name} {options} {inputs[i].dtype}{list(inputs[i].shape)} transposed={t}"
+    try:
+      assert_same(got, want, what)
+    except AssertionError as e:
+      failures.append(str(e))
+      _dump(what, inputs[i], got, want)
+  assert not failures, "\n".join(failures)
+
+
+def _dump(what, x, got, want):
+  """Saves a mismatch's input and both results under $TE_JAX_DUMP_DIR (if set), for a look off the GPU machine."""
+  out = os.environ.get("TE_JAX_DUMP_DIR")
+  if not out:
+    return
+  os.makedirs(out, exist_ok=True)
+  name = "".join(c if c.isalnum() else "_" for c in what)[:150]
+  leaves = {f"got{j}": np.atleast_1d(np.asarray(v)).view(np.uint8) for j, v in enumerate(jax.tree.leaves(got))}
+  leaves |= {f"want{j}": np.atleast_1d(np.asarray(v)).view(np.uint8) for j, v in enumerate(jax.tree.leaves(want))}
+  np.savez_compressed(os.path.join(out, name + ".npz"), x=np.asarray(x.astype(jnp.float32)), **leaves)
 
 
 FP8_GPU_CASES = [(m, f, p) for m in (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128) for f in (E4M3, E5M2)
