@@ -52,10 +52,12 @@ import bench_layernorm_mlp
 import bench_transformer
 import harness
 import te_jax
+from te_jax import ScalingMode
 from te_jax import recipe as te_recipe
 from te_jax.compare import lm, train
 from te_jax.ops.activation import activation_bwd, activation_fwd
 from te_jax.ops.norm import norm_bwd, norm_fwd
+from te_jax.ops.quantize_block import quantize_block
 
 # Kernel kinds, by kernel name (first match wins: cuDNN's attention kernels also name their architecture).
 KINDS = (
@@ -161,6 +163,13 @@ def acceptance_ops(shrink: int = 1) -> dict[str, tuple[Callable[..., Any], tuple
   ops["layernorm bwd + dres (GPT layer)"] = (
       jax.jit(lambda dz, x, m, r, gm, dres: norm_bwd(dz, x, m, r, gm, dres=dres)),
       (gl, xl, mean, rsigma, jnp.ones((n // 4,), jnp.float32), gl))
+  # The block-scaled casts at bench_quantize's shape (8192, 4096) bf16, with and without the transposed copy.
+  xb = x[:n // 2, :n // 4]
+  for label, mode, t in (("1x128", ScalingMode.BLOCK_1X128, False), ("1x128 +T", ScalingMode.BLOCK_1X128, True),
+                         ("128x128 +T", ScalingMode.BLOCK_128X128, True), ("mxfp8 +T", ScalingMode.MXFP8_1X32, True),
+                         ("nvfp4 +T", ScalingMode.NVFP4_1X16, True)):
+    ops[f"quantize_block {label}"] = (
+        jax.jit(lambda x, mode=mode, t=t: jax.tree.leaves(quantize_block(x, mode, with_transposed=t))), (xb,))
   # The copy ceiling as the benchmarks measure it (a 1 GiB jnp.copy), for kernel-time bandwidths against its own.
   ops["copy 1 GiB"] = (jax.jit(jnp.copy), (jnp.zeros(((1 << 28) // shrink**2,), jnp.float32),))
   return ops
