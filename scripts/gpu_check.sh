@@ -12,7 +12,7 @@
 #                                             # LM_ARGS for train_lm.py, LM_S its limit in seconds; DEMO_ARGS for
 #                                             # python -m te_jax.compare, DEMO_S its limit; ncu, Nsight
 #                                             # Compute counters of profile_layer.py's single ops:
-#                                             # NCU_KERNELS, NCU_SKIP, NCU_SECTIONS)
+#                                             # NCU_KERNELS, NCU_SKIP, NCU_SECTIONS, NCU_ARGS)
 #   GPU_TESTS_S=400 GPU_TESTS="tests/test_norm.py" bash scripts/gpu_check.sh build tests   # limit and files of the GPU tests
 #
 # That machine has no network, and its system python3 already has jax 0.11.2 with the CUDA plugin, flax, optax,
@@ -198,7 +198,7 @@ want ncu && step "ncu (counters of a few te_jax kernels)" 240 ncu.log 80 \
    ${NCU_SECTIONS:---section SpeedOfLight --section Occupancy --section LaunchStats --section InstructionStats \
    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters} \
    --print-details all \
-   python3 benchmarks/profile_layer.py --bench ops --ncu"
+   python3 benchmarks/profile_layer.py --bench ops --ncu ${NCU_ARGS:-}"
 want ab && step "A/B (AB_BASE vs this tree: bits, checkpoints, speed)" "${AB_S:-480}" ab.log 30 ab
 want lm && step "LM (BF16 vs FP8 TransformerLayers)" "${LM_S:-240}" demo.log 16 \
   "python3 examples/train_lm.py ${LM_ARGS:-}"
