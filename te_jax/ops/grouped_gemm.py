@@ -60,7 +60,7 @@ from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode, scale_in
 from te_jax.ops.gemm_block import check_block_operands, emulate, is_block_scaled
 from te_jax.ops.quantize import amax_f32, saturating_cast
 
-__all__ = ["GroupedGemmConfig", "group_amax", "group_ids", "grouped_gemm", "grouped_gemm_ref", "quantize_by_group"]
+__all__ = ["GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm", "grouped_gemm_ref", "quantize_by_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +298,10 @@ def _sharding_rule(config: GroupedGemmConfig, mesh, value_types, result_types):
     extra = {}
   globals_ = [_scale_factors(s, ScalingMode.PER_TENSOR, "", "", True) for s in shapes[5:]]
   operands = [lhs, rhs, "g", *scales, *globals_]
-  own = sorted({f for o in operands for f in o.split() if f[:2] in ("ls", "rs")})
-  return ", ".join(operands) + " -> " + out, {"need_replication_factors": tuple(replicated + own), **extra}
+  order = list(dict.fromkeys(f for o in (*operands, out) for f in o.split()))  # Shardy numbers them so
+  own = [f for f in order if f[:2] in ("ls", "rs")]
+  replicated = sorted(set(replicated + own) & set(order), key=order.index)
+  return ", ".join(operands) + " -> " + out, {"need_replication_factors": tuple(replicated), **extra}
 
 
 _GROUPED_GEMM = define_op(
@@ -319,7 +321,9 @@ _GROUPED_GEMM = define_op(
 # ---- public API --------------------------------------------------------------------------------------------------
 
 
-def _check_group_sizes(group_sizes, rows: int) -> jax.Array:
+def check_group_sizes(group_sizes, rows: int) -> jax.Array:
+  """``group_sizes`` as the int32 (G,) array the op takes; raises unless it is a 1-D integer array of at least one
+  group whose values, where they are concrete (not traced), are >= 0 and sum to at most ``rows``."""
   if not hasattr(group_sizes, "dtype") or not hasattr(group_sizes, "shape"):
     group_sizes = jnp.asarray(group_sizes)
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer) or jnp.ndim(group_sizes) != 1:
@@ -415,7 +419,7 @@ def grouped_gemm(lhs: jax.Array | QuantizedTensor, rhs: jax.Array | QuantizedTen
       raise ValueError(f"grouped_gemm needs lhs (M, K) and rhs (G, N, K) of one K, got lhs {lhs_shape} and rhs "
                        f"{rhs_shape}")
     rows = lhs_shape[0]
-  group_sizes = _check_group_sizes(group_sizes, rows)
+  group_sizes = check_group_sizes(group_sizes, rows)
   groups = group_sizes.shape[0]
   if not ragged_contracting and rhs_shape[0] != groups:
     raise ValueError(f"rhs has {rhs_shape[0]} matrices but group_sizes {groups} groups")
