@@ -5,11 +5,12 @@
 // One 256-thread block per 128 x 128 tile of x (batch, rows, cols). Thread t holds 8 consecutive columns (chunk
 // t % 16) of 8 consecutive rows (8 * (t / 16) ...): 16-byte loads, all in flight before the first use. A 1 x B block
 // of a row is B / 8 consecutive lanes, its amax a few shuffles; a 16 x 16 block is 2 x 2 threads of one warp; a
-// 128 x 128 block the whole tile. The transposed copy of 1 x B blocks quantizes x's columns: the tile's values go to
-// shared memory as float32 (64 KiB), XOR-swizzled so that the row-wise writes (16-byte vectors) and the column-wise
-// reads (one word per lane, lanes 8 rows apart) are free of bank conflicts, and the same per-line code runs on the
-// columns, so that both copies are written with coalesced stores along their own rows. For square blocks the copy is
-// the transposed data: the codes go through shared memory instead.
+// 128 x 128 block the whole tile. The transposed copy of 1 x B blocks quantizes x's columns in B-row blocks: each
+// column's amax over its block from the registers (a shuffle between the two threads of a warp that hold the same
+// columns, then shared memory across warps for B > 16), the codes cast in place with each column's scale. For square
+// blocks the copy's codes are the data's. Either way the codes go through shared memory as bytes (16 KiB, the 8-byte
+// chunks XOR-swizzled by row group so that both phases are free of bank conflicts), and each thread transposes an 8 x 8
+// block of them in registers and writes 8 rows of the copy, coalesced along its rows.
 //
 // Element formats: FP8 codes are one byte each (cvt.rn.satfinite). E2M1 has no conversion instruction before sm_100:
 // it is rounded here by comparison with the midpoints of its grid (ties to even). XLA passes float4_e2m1fn buffers
@@ -26,6 +27,7 @@
 #include <string>
 
 #include "te_jax/cuda_check.h"
+#include "te_jax/fp8_tile.cuh"
 #include "te_jax/launch_utils.h"
 #include "te_jax/quantize_block_view.h"
 #include "te_jax/scaling_mode.h"
@@ -41,7 +43,7 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128;
 constexpr int kLines = 8;    // rows (or columns, for the copy) per thread
 constexpr int kChunks = 16;  // 8-element chunks per tile line
-constexpr size_t kStashBytes = sizeof(float) * kTile * kTile;
+constexpr int kWarps = kThreads / 32;
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 constexpr uint32_t kF32NanBits = 0x7FC00000u;  // jnp.float32(nan)
@@ -150,25 +152,29 @@ __device__ __forceinline__ BlockScale ScaleOf(uint32_t amax_bits, const Params& 
   return s;
 }
 
+// The code of one element of a block (bits: its stochastic rounding's random bits).
+template <int kMode, bool kSR>
+__device__ __forceinline__ uint32_t CodeOf(float x, const BlockScale& s, uint32_t bits, bool e5m2) {
+  const float v = __fmul_rn(x, s.mul);
+  if constexpr (kMode == kModeNv) {
+    uint32_t c;
+    if constexpr (kSR) {
+      c = E2m1Sr(v, bits);
+    } else {
+      c = E2m1Rn(v);
+    }
+    return s.finite ? c : 0u;
+  } else {
+    return s.finite ? Fp8Code(v, e5m2) : Fp8Nan(e5m2);
+  }
+}
+
 // The codes of 8 elements of one block.
 template <int kMode, bool kSR>
 __device__ __forceinline__ void Codes(const float (&f)[8], const BlockScale& s, const uint32_t* bits, bool e5m2,
                                       uint32_t (&codes)[8]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float v = __fmul_rn(f[j], s.mul);
-    if constexpr (kMode == kModeNv) {
-      uint32_t c;
-      if constexpr (kSR) {
-        c = E2m1Sr(v, bits[j]);
-      } else {
-        c = E2m1Rn(v);
-      }
-      codes[j] = s.finite ? c : 0u;
-    } else {
-      codes[j] = s.finite ? Fp8Code(v, e5m2) : Fp8Nan(e5m2);
-    }
-  }
+  for (int j = 0; j < 8; ++j) codes[j] = CodeOf<kMode, kSR>(f[j], s, kSR ? bits[j] : 0u, e5m2);
 }
 
 // ---- writes ---------------------------------------------------------------------------------------------------
@@ -222,35 +228,45 @@ __device__ __forceinline__ void WriteScale(void* scale, int64_t index, uint32_t 
   }
 }
 
-// ---- the shared-memory tile -----------------------------------------------------------------------------------
+// ---- the shared-memory tile of codes --------------------------------------------------------------------------
 
-// Word of tile element (r, c): rows of 128 words, c XOR-ed with a function of r / 8 (bits 0-2 and 4), so that 16
-// lanes writing a row segment each and 32 lanes reading a column (8 rows apart, 2 columns) hit distinct banks.
-__device__ __forceinline__ int Swizzle(int r8) { return (r8 & 7) | ((r8 & 8) << 1); }
-__device__ __forceinline__ int StashIndex(int r, int c) { return r * kTile + (c ^ Swizzle(r >> 3)); }
+// One byte per code (E2M1's too), 8-byte chunks of tile row r at chunk k ^ (r / 8): the writes (a warp's two rows of
+// 16 chunks) and the transposing reads (16 rows 8 apart, one chunk each) hit distinct banks.
+using CodeTile = uint2[kTile][kChunks];
 
-// Stores 8 words of tile row r, columns [8k, 8k + 8), as two 16-byte vectors in the swizzled order.
-__device__ __forceinline__ void StashRow(uint32_t* stash, int r, int k, const uint32_t (&w)[8]) {
-  const int sw = Swizzle(r >> 3);
-  const int lo = sw & 7;
-  uint32_t u[8];
+__device__ __forceinline__ uint2 PackBytes(const uint32_t (&c)[8]) {
+  return make_uint2(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24), c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24));
+}
+
+// Thread (g, k) parks the codes of its 8 rows (8g + i) and 8 columns (8k + j).
+__device__ __forceinline__ void StashCodes(CodeTile& tile, int g, int k, const uint32_t (&codes)[kLines][8]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) u[j] = w[j];
+  for (int i = 0; i < kLines; ++i) tile[8 * g + i][k ^ g] = PackBytes(codes[i]);
+}
+
+// After a barrier: thread (g, k) reads tile rows 8k .. 8k + 7, columns 8g .. 8g + 7, and writes them transposed: 8
+// rows of the copy (x's columns col0 + 8g + j), positions row0 + 8k .. row0 + 8k + 7 of each.
+template <bool kFp4>
+__device__ __forceinline__ void WriteTransposed(const CodeTile& tile, const Params& p, int64_t b, int64_t row0,
+                                                int64_t col0, int g, int k) {
+  uint2 v[8];
 #pragma unroll
-  for (int bit = 1; bit < 8; bit <<= 1) {  // u[pos] = w[pos ^ lo], by a butterfly (no dynamic register indexing)
-    uint32_t t[8];
+  for (int i = 0; i < 8; ++i) v[i] = tile[8 * k + i][g ^ k];
+  const int64_t pos = row0 + 8 * k;
+  if (pos >= p.rows) return;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) t[j] = (lo & bit) ? u[j ^ bit] : u[j];
+  for (int j = 0; j < 8; ++j) {
+    const int64_t line = col0 + 8 * g + j;
+    if (line >= p.cols) break;
+    const uint2 t = TransposedRow(v, j);
+    if (!kFp4 && p.rows % 8 == 0) {
+      *reinterpret_cast<uint2*>(p.data_t + (b * p.cols + line) * p.rows + pos) = t;
+      continue;
+    }
+    uint32_t c[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) u[j] = t[j];
-  }
-  const int group = k ^ ((sw >> 4) << 1);  // the 8-word group the columns land in
-  uint32_t* row = stash + r * kTile + 8 * group;
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int half = s ^ ((group >> 2) & 1);  // alternate halves across lanes: a phase covers all banks
-    const uint4 v = half ? make_uint4(u[4], u[5], u[6], u[7]) : make_uint4(u[0], u[1], u[2], u[3]);
-    *reinterpret_cast<uint4*>(row + 4 * half) = v;
+    for (int e = 0; e < 4; ++e) c[e] = (t.x >> (8 * e)) & 0xFFu, c[e + 4] = (t.y >> (8 * e)) & 0xFFu;
+    WriteCodes<kFp4>(p.data_t, (b * p.cols + line) * p.rows, p.rows, pos, c);
   }
 }
 
@@ -270,8 +286,7 @@ __device__ __forceinline__ void LoadBits(const uint32_t* line, int64_t pos, int6
 
 // ---- the kernel -----------------------------------------------------------------------------------------------
 
-// One line (a row of x, or of the copy) of 8 elements per lane: its 1 x B blocks' amaxes (B / 8 lanes each), scales,
-// codes and writes.
+// One row of x, 8 elements per lane: its 1 x B blocks' amaxes (B / 8 lanes each), scales, codes and writes.
 template <int kMode, bool kSR>
 __device__ __forceinline__ void QuantizeLine(const Params& p, float s_enc, float s_dec, const float (&f)[8],
                                              const uint32_t (&bits)[8], uint8_t* data, void* scale, int64_t line,
@@ -292,10 +307,77 @@ __device__ __forceinline__ void QuantizeLine(const Params& p, float s_enc, float
   }
 }
 
+// The copy of 1 x B blocks (B = kB rows of each of x's columns): thread (g, k)'s 8 columns' amaxes over their blocks,
+// scales (the copy's scale_inv written by the threads holding a block's first rows) and codes, parked in `tile`.
+template <int kMode, bool kSR, typename T>
+__device__ __forceinline__ void QuantizeColumns(const Params& p, float s_enc, float s_dec, const Chunk<T> (&in)[kLines],
+                                                CodeTile& tile, uint32_t (&colmax)[kWarps][kTile], int64_t b,
+                                                int64_t row0, int64_t col0, int g, int k) {
+  constexpr int kB = BlockCols<kMode>();
+  static_assert(kB >= 16 && kB <= kTile, "a column block spans whole pairs of thread rows");
+  const int64_t pos = row0 + 8 * g;
+  uint32_t bits[kSR ? 8 : 1][8] = {};  // the copy's random bits: column j's rows pos .. pos + 7
+  if constexpr (kSR) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = col0 + 8 * k + j;
+      const bool ok = c < p.cols && pos < p.rows;
+      LoadBits(p.bits_t + (b * p.cols + (ok ? c : 0)) * p.rows, pos, p.rows, ok, bits[j]);
+    }
+  }
+  uint32_t m[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m[j] = 0;
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = max(m[j], __float_as_uint(in[i].Get(j)) & kAbsMask);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m[j] = max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));  // rows of g ^ 1
+  const int warp = threadIdx.x / 32;
+  if constexpr (kB > 16) {  // the block's other warps (B / 16 of them, 16 rows each)
+    constexpr int kSpan = kB / 16;
+    if (g % 2 == 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) colmax[warp][8 * k + j] = m[j];
+    }
+    __syncthreads();
+    const int w0 = warp - warp % kSpan;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int w = 0; w < kSpan; ++w) m[j] = max(m[j], colmax[w0 + w][8 * k + j]);
+    }
+  }
+  BlockScale sc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sc[j] = ScaleOf<kMode>(m[j], p, s_enc, s_dec);
+  // The threads of a block's first rows write its scales: the copy's line (x's column) c, block (row0 + 8g) / kB.
+  if ((8 * g) % kB == 0 && pos < p.rows) {
+    const int64_t per_line = CeilDiv(p.rows, kB);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = col0 + 8 * k + j;
+      if (c < p.cols) WriteScale<kMode>(p.scale_t, (b * p.cols + c) * per_line + pos / kB, sc[j].scale);
+    }
+  }
+  uint32_t codes[kLines][8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < kLines; ++i) {
+      codes[i][j] = CodeOf<kMode, kSR>(in[i].Get(j), sc[j], kSR ? bits[kSR ? j : 0][i] : 0u, p.e5m2);
+    }
+  }
+  StashCodes(tile, g, k, codes);
+}
+
 template <typename T, int kMode, bool kTransposed, bool kSR>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params p) {
-  extern __shared__ uint32_t stash[];  // kStashBytes with the copy, else none
-  __shared__ uint32_t scratch[kThreads / 32];
+  __shared__ CodeTile tile;  // the copy's codes (unused without it)
+  __shared__ uint32_t colmax[kWarps][kTile];  // the copy of 1 x 32 and 1 x 128 blocks: per-warp column amaxes
+  __shared__ uint32_t scratch[kWarps];
   __shared__ uint32_t grid2d[kTile / 16][kTile / 16];  // NVFP4 16 x 16: the tile's E4M3 block scales
 
   const int64_t t = blockIdx.x;
@@ -316,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
     const int64_t r = row0 + 8 * g + i;
     in[i].LoadOrZero(x + (r < p.rows ? r : 0) * p.cols, col, p.cols, col_ok && r < p.rows, p.x_vec);
   }
-  uint32_t bits[kLines][8];
+  uint32_t bits[kSR ? kLines : 1][8] = {};  // stochastic rounding's random bits of the 8 rows, in flight with x
   if constexpr (kSR) {
 #pragma unroll
     for (int i = 0; i < kLines; ++i) {
@@ -331,37 +413,16 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
     // ---- 1 x B blocks along x's rows, and along its columns for the copy -------------------------------------
 #pragma unroll
     for (int i = 0; i < kLines; ++i) {
+      const int64_t r = row0 + 8 * g + i;
       float f[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) f[j] = in[i].Get(j);
-      uint32_t none[8] = {};
-      QuantizeLine<kMode, kSR>(p, s_enc, s_dec, f, kSR ? bits[i] : none, p.data, p.scale, row0 + 8 * g + i,
-                               p.rows, p.cols, col, b);
-      if constexpr (kTransposed) {
-        uint32_t w[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = __float_as_uint(f[j]);
-        StashRow(stash, 8 * g + i, k, w);
-      }
+      QuantizeLine<kMode, kSR>(p, s_enc, s_dec, f, bits[kSR ? i : 0], p.data, p.scale, r, p.rows, p.cols, col, b);
     }
     if constexpr (kTransposed) {
+      QuantizeColumns<kMode, kSR>(p, s_enc, s_dec, in, tile, colmax, b, row0, col0, g, k);
       __syncthreads();
-      // Thread (g, k) now holds columns 8g .. 8g + 7 of the tile, rows 8k .. 8k + 7 of each: lines of the copy.
-      const int64_t pos = row0 + 8 * k;
-#pragma unroll 1
-      for (int i = 0; i < kLines; ++i) {
-        const int c = 8 * g + i;
-        float f[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = __uint_as_float(stash[StashIndex(8 * k + j, c)]);
-        uint32_t tb[8] = {};
-        if constexpr (kSR) {
-          const int64_t line = col0 + c;
-          const bool ok = line < p.cols && pos < p.rows;
-          LoadBits(p.bits_t + (b * p.cols + (ok ? line : 0)) * p.rows, pos, p.rows, ok, tb);
-        }
-        QuantizeLine<kMode, kSR>(p, s_enc, s_dec, f, tb, p.data_t, p.scale_t, col0 + c, p.cols, p.rows, pos, b);
-      }
+      WriteTransposed<kMode == kModeNv>(tile, p, b, row0, col0, g, k);
     }
     return;
   }
@@ -378,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
     if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = amax;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, scratch[w]);
+    for (int w = 0; w < kWarps; ++w) amax = max(amax, scratch[w]);
   } else {
     amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));   // the other 8 columns of the block
     amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 16));  // the other 8 rows
@@ -392,34 +453,29 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
     if constexpr (kTransposed) WriteScale<kMode>(p.scale_t, (b * n_cb + tn) * n_rb + tm, s.scale);
   }
   if (kMode == kModeNv && kTransposed && g % 2 == 0 && k % 2 == 0) grid2d[g / 2][k / 2] = s.scale;
+  uint32_t codes[kLines][8];
 #pragma unroll
   for (int i = 0; i < kLines; ++i) {
     const int64_t r = row0 + 8 * g + i;
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = in[i].Get(j);
-    uint32_t none[8] = {};
-    uint32_t codes[8];
-    Codes<kMode, kSR>(f, s, kSR ? bits[i] : none, p.e5m2, codes);
+    Codes<kMode, kSR>(f, s, bits[kSR ? i : 0], p.e5m2, codes[i]);
     if (r < p.rows && col_ok) {
-      WriteCodes<kMode == kModeNv>(p.data, (b * p.rows + r) * p.cols, p.cols, col, codes);
+      WriteCodes<kMode == kModeNv>(p.data, (b * p.rows + r) * p.cols, p.cols, col, codes[i]);
       if (kMode == kModeNv && k % 2 == 0) WriteScale<kMode>(p.scale, (b * p.rows + r) * n_cb + col / 16, s.scale);
     }
-    if constexpr (kTransposed) StashRow(stash, 8 * g + i, k, codes);
   }
   if constexpr (kTransposed) {
+    StashCodes(tile, g, k, codes);
     __syncthreads();
-    const int64_t pos = row0 + 8 * k;
-#pragma unroll 1
-    for (int i = 0; i < kLines; ++i) {
-      const int c = 8 * g + i;
-      const int64_t line = col0 + c;
-      uint32_t codes[8];
+    WriteTransposed<kMode == kModeNv>(tile, p, b, row0, col0, g, k);
+    if (kMode == kModeNv && k % 2 == 0) {  // the copy's 16 x 16 scales: line col0 + 8g + j, block (row0 + 8k) / 16
+      const int64_t pos = row0 + 8 * k;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) codes[j] = stash[StashIndex(8 * k + j, c)];
-      if (line < p.cols && pos < p.rows) {
-        WriteCodes<kMode == kModeNv>(p.data_t, (b * p.cols + line) * p.rows, p.rows, pos, codes);
-        if (kMode == kModeNv && k % 2 == 0) {
+      for (int j = 0; j < 8; ++j) {
+        const int64_t line = col0 + 8 * g + j;
+        if (line < p.cols && pos < p.rows) {
           WriteScale<kMode>(p.scale_t, (b * p.cols + line) * n_rb + pos / 16, grid2d[k / 2][g / 2]);
         }
       }
@@ -429,15 +485,8 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
 
 template <typename T, int kMode, bool kTransposed, bool kSR>
 ffi::Error Launch(cudaStream_t stream, const Params& p) {
-  auto kernel = QuantizeBlockKernel<T, kMode, kTransposed, kSR>;
-  const size_t smem = kTransposed ? kStashBytes : 0;
-  if (kTransposed) {  // the opt-in above 48 KiB of dynamic shared memory (per device: set on every launch)
-    TE_JAX_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-        "quantize_block: shared memory opt-in");
-  }
   const int64_t blocks = p.batch * p.tiles_m * p.tiles_n;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  QuantizeBlockKernel<T, kMode, kTransposed, kSR><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   return LastCudaError("quantize_block kernel launch");
 }
 
