@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax import QuantizedTensor
-from te_jax.ops import activation, gemm, norm, quantize, quantize_interleaved, rope, scale_update, softmax
+from te_jax import QuantizedTensor, ScalingMode
+from te_jax.ops import (activation, gemm, norm, quantize, quantize_block, quantize_interleaved, rope, scale_update,
+                        softmax)
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # Odd sizes (a single row, primes, not multiples of the tiles) beside aligned ones.
@@ -52,6 +53,11 @@ def cases():
     x, g = _x((m, n)), _x((m, n), seed=1)
     yield f"quantize {m}x{n}", lambda x: quantize.quantize(x, s, E4M3), (x,)
     yield f"quantize+T+dbias {m}x{n} e5m2", lambda x: quantize.quantize(x, s, E5M2, transpose=True, dbias=True), (x,)
+    for mode, kw in ((ScalingMode.BLOCK_1X128, {}), (ScalingMode.BLOCK_128X128, dict(dtype=E5M2)),
+                     (ScalingMode.MXFP8_1X32, {}), (ScalingMode.NVFP4_1X16, dict(key=jax.random.key(m))),
+                     (ScalingMode.NVFP4_1X16, dict(block_2d=True))):
+      yield (f"quantize_block {mode.name}{' ' + ','.join(kw) if kw else ''} +T {m}x{n}",
+             lambda x, mode=mode, kw=kw: quantize_block.quantize_block(x, mode, with_transposed=True, **kw), (x,))
     yield (f"quantize_interleaved {m}x{n}",
            lambda a, b: quantize_interleaved.quantize_interleaved([a, b], s, group=n, transpose=True), (x, g))
     for act in (("gelu",), ("silu", "linear")):

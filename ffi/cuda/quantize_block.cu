@@ -238,10 +238,9 @@ __device__ __forceinline__ uint2 PackBytes(const uint32_t (&c)[8]) {
   return make_uint2(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24), c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24));
 }
 
-// Thread (g, k) parks the codes of its 8 rows (8g + i) and 8 columns (8k + j).
-__device__ __forceinline__ void StashCodes(CodeTile& tile, int g, int k, const uint32_t (&codes)[kLines][8]) {
-#pragma unroll
-  for (int i = 0; i < kLines; ++i) tile[8 * g + i][k ^ g] = PackBytes(codes[i]);
+// Thread (g, k) parks the codes of its row 8g + i, columns 8k .. 8k + 7.
+__device__ __forceinline__ void StashCodes(CodeTile& tile, int g, int k, int i, const uint32_t (&codes)[8]) {
+  tile[8 * g + i][k ^ g] = PackBytes(codes);
 }
 
 // After a barrier: thread (g, k) reads tile rows 8k .. 8k + 7, columns 8g .. 8g + 7, and writes them transposed: 8
@@ -362,15 +361,13 @@ __device__ __forceinline__ void QuantizeColumns(const Params& p, float s_enc, fl
       if (c < p.cols) WriteScale<kMode>(p.scale_t, (b * p.cols + c) * per_line + pos / kB, sc[j].scale);
     }
   }
-  uint32_t codes[kLines][8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int i = 0; i < kLines; ++i) {
+    uint32_t codes[8];
 #pragma unroll
-    for (int i = 0; i < kLines; ++i) {
-      codes[i][j] = CodeOf<kMode, kSR>(in[i].Get(j), sc[j], kSR ? bits[kSR ? j : 0][i] : 0u, p.e5m2);
-    }
+    for (int j = 0; j < 8; ++j) codes[j] = CodeOf<kMode, kSR>(in[i].Get(j), sc[j], bits[kSR ? j : 0][i], p.e5m2);
+    StashCodes(tile, g, k, i, codes);
   }
-  StashCodes(tile, g, k, codes);
 }
 
 template <typename T, int kMode, bool kTransposed, bool kSR>
@@ -453,21 +450,21 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params 
     if constexpr (kTransposed) WriteScale<kMode>(p.scale_t, (b * n_cb + tn) * n_rb + tm, s.scale);
   }
   if (kMode == kModeNv && kTransposed && g % 2 == 0 && k % 2 == 0) grid2d[g / 2][k / 2] = s.scale;
-  uint32_t codes[kLines][8];
 #pragma unroll
   for (int i = 0; i < kLines; ++i) {
     const int64_t r = row0 + 8 * g + i;
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = in[i].Get(j);
-    Codes<kMode, kSR>(f, s, bits[kSR ? i : 0], p.e5m2, codes[i]);
+    uint32_t codes[8];
+    Codes<kMode, kSR>(f, s, bits[kSR ? i : 0], p.e5m2, codes);
     if (r < p.rows && col_ok) {
-      WriteCodes<kMode == kModeNv>(p.data, (b * p.rows + r) * p.cols, p.cols, col, codes[i]);
+      WriteCodes<kMode == kModeNv>(p.data, (b * p.rows + r) * p.cols, p.cols, col, codes);
       if (kMode == kModeNv && k % 2 == 0) WriteScale<kMode>(p.scale, (b * p.rows + r) * n_cb + col / 16, s.scale);
     }
+    if constexpr (kTransposed) StashCodes(tile, g, k, i, codes);
   }
   if constexpr (kTransposed) {
-    StashCodes(tile, g, k, codes);
     __syncthreads();
     WriteTransposed<kMode == kModeNv>(tile, p, b, row0, col0, g, k);
     if (kMode == kModeNv && k % 2 == 0) {  // the copy's 16 x 16 scales: line col0 + 8g + j, block (row0 + 8k) / 16
