@@ -19,8 +19,9 @@ papers define the gate (Switch Transformer, arXiv 2101.03961 §2.1; DeepSeek-V3,
 4. ``experts``: the k highest selection scores, in descending order; ties go to the lower expert index (and
    equal group scores to the lower group), as ``lax.top_k`` orders them.
 5. ``weights``: the chosen experts' ``scores`` (without the bias); with ``normalize_topk`` divided by their sum
-   (V3 eq. 13; for softmax scores the same as a softmax over the chosen logits, Mixtral's gate), then times
-   ``scaling_factor`` (V3's routed scaling factor).
+   (V3 eq. 13; for softmax scores the same as a softmax over the chosen logits, Mixtral's gate), in float32 as a
+   multiply by the sum's reciprocal (the sum at least the smallest normal float32, so that sigmoid scores that all
+   underflowed give zeros, not NaN), then times ``scaling_factor`` (V3's routed scaling factor).
 
 The losses take what ``route`` returns and give the unscaled loss: the caller multiplies by its coefficient.
 
@@ -219,7 +220,8 @@ def route_ref(logits: jax.Array, cfg: RouterConfig, expert_bias: jax.Array | Non
   experts = experts.astype(jnp.int32)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if cfg.normalize_topk:
-    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), _TINY)
+    # Times the reciprocal of the sum, as XLA computes a division by a broadcast row value anyway.
+    weights = weights * (1.0 / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), _TINY))
   if cfg.scaling_factor != 1.0:
     weights = weights * jnp.float32(cfg.scaling_factor)
   return Routing(experts, weights, scores)
