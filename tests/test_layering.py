@@ -185,6 +185,8 @@ DOCSTRING_API = {
     },
     "te_jax.nnx": {},
     "te_jax.ops": {
+        "grouped_gemm": "the grouped (ragged) GEMMs of mixture-of-experts layers that te_jax.grouped_dense runs, "
+                        "documented in its docstrings",
         "quantize_block": "the block-scaled quantize references (quantize_block_ref, quantize_nvfp4_ref), which the "
                           "block-scaling recipes and their kernels build on; documented in its docstrings",
     },

@@ -49,7 +49,7 @@ from te_jax._core import scaling
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.fused.linear import (Fp8Config, as_arrays, fp8_dims_aligned, fp8_recipe, instantiate, keep_state,
                                  keeps_state, primal_values, state_as_float32, state_like)
-from te_jax.fused.quantizer import DenseFp8Meta
+from te_jax.fused.quantizer import ROLES, DenseFp8Meta
 from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.grouped_gemm import check_group_sizes, group_amax, group_ids, grouped_gemm, quantize_by_group
 from te_jax.recipe import Recipe
@@ -241,7 +241,7 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
 
 
 def _check_meta(meta: DenseFp8Meta, groups: int) -> None:
-  for name, state in zip(DenseFp8Meta._fields, meta):
+  for name, state in zip(ROLES, meta, strict=True):  # DenseFp8Meta's fields, in order
     h, s = jnp.shape(state.amax_history), jnp.shape(state.scale)
     if len(h) != 2 or h[0] != groups or s != (groups,):
       raise ValueError(f"fp8_meta.{name} must hold one state per group: an amax history ({groups}, L) and a scale "

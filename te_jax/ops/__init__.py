@@ -13,6 +13,8 @@ Modules:
 - ``quantize_interleaved``: the same cast of several arrays' column chunks, interleaved.
 - ``quantize_block``: the block-scaled casts (1 x 128 and 128 x 128 FP8 blocks, MXFP8, NVFP4), references first.
 - ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues.
+- ``grouped_gemm``: the ragged GEMMs of mixture-of-experts layers (one matrix per group of rows, the groups given by
+  traced sizes), high precision, FP8 with per-group scales and block-scaled; reference first.
 - ``norm``: LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward; ``layernorm``.
 - ``activation``: gelu, relu, silu, quick_gelu, squared_relu and their gated forms; ``activation``.
 - ``softmax``: scaled, masked and causal softmax; ``scaled_softmax`` and its masked and causal forms.
@@ -22,6 +24,7 @@ Modules:
 
 from te_jax.ops import activation as activation
 from te_jax.ops import gemm as gemm
+from te_jax.ops import grouped_gemm as grouped_gemm
 from te_jax.ops import norm as norm
 from te_jax.ops import quantize as quantize
 from te_jax.ops import quantize_block as quantize_block
@@ -30,5 +33,5 @@ from te_jax.ops import rope as rope
 from te_jax.ops import scale_update as scale_update
 from te_jax.ops import softmax as softmax
 
-__all__ = ["activation", "gemm", "norm", "quantize", "quantize_block", "quantize_interleaved", "rope", "scale_update",
-           "softmax"]
+__all__ = ["activation", "gemm", "grouped_gemm", "norm", "quantize", "quantize_block", "quantize_interleaved", "rope",
+           "scale_update", "softmax"]
