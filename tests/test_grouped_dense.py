@@ -10,6 +10,7 @@
   under one compilation; high precision against jax.grad of a per-group jnp loop; the arguments' errors.
 """
 
+import dataclasses
 import math
 import re
 
@@ -180,22 +181,34 @@ def test_primitive_is_the_reference_under_jit_and_vmap(ragged_contracting, kind)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(f(lhs, rhs, batched_sizes[1])))
 
 
-def test_sharded_rows_stay_sharded():
-  """Rows over 'data' (and the first form's N over 'model'): the output sharded alike, the same values, no
-  collective; the second form's sharded M ends in one all-reduce, its K and N shard the output."""
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("kind", ["fp8", "hp-f32", "block"])
+def test_sharded_rows_stay_sharded(kind):
+  """Rows over 'data' (and the first form's N over 'model', but not a block-scaled rhs's): the output sharded alike, the
+  same values, no collective; the second form's sharded M ends in one all-reduce, its K and N shard the output
+  (block-scaled operands keep M whole there: their blocks run along it)."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-  x, w, dy = _normal(0, (64, K)), _normal(1, (G, N, K)), _normal(2, (64, N))
-  sizes = jnp.asarray([10, 37, 12], jnp.int32)
-  put = lambda v, *spec: jax.device_put(v, NamedSharding(mesh, P(*spec)))  # noqa: E731
-  for args, spec, form, collectives in (
-      ((put(x, "data", None), put(w, None, "model", None)), P("data", "model"), False, []),
-      ((put(x.T, None, "data"), put(dy.T, "model", "data")), P(None, None, "model"), True, ["all-reduce"])):
+  sizes = jnp.asarray([10, 25, 12], jnp.int32)
+  put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))  # noqa: E731
+  block = kind == "block"
+  cases = [(False, (P("data", None), P(None, None if block else "model", None)), P("data", None if block else "model"),
+            [])]
+  if not block:
+    cases.append((True, (P(None, "data"), P("model", "data")), P(None, None, "model"), ["all-reduce"]))
+  for form, specs, out_spec, collectives in cases:
+    lhs, rhs, _, _ = _operands(kind, form)
+    if isinstance(lhs, QuantizedTensor):  # the scales shard with their rows (block) or stay whole (per group)
+      lhs = dataclasses.replace(lhs, data=put(lhs.data, specs[0]),
+                                scale_inv=put(lhs.scale_inv, P(specs[0][0], None) if block else P()))
+      rhs = dataclasses.replace(rhs, data=put(rhs.data, specs[1]))
+    else:
+      lhs, rhs = put(lhs, specs[0]), put(rhs, specs[1])
     f = jax.jit(lambda a, b, s, form=form: grouped_gemm(a, b, s, dtype=F32, ragged_contracting=form))
-    got = f(*args, sizes)
-    want = f(*(jax.device_put(a, jax.devices()[0]) for a in args), sizes)
-    assert got.sharding.spec == spec, got.sharding
+    got = f(lhs, rhs, sizes)
+    want = f(*jax.device_put((lhs, rhs), jax.devices()[0]), sizes)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), got.ndim), got.sharding
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
-    assert _COLLECTIVE.findall(f.lower(*args, sizes).compile().as_text()) == collectives
+    assert _COLLECTIVE.findall(f.lower(lhs, rhs, sizes).compile().as_text()) == collectives, kind
 
 
 def test_group_amax_is_each_groups_max():

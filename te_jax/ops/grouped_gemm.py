@@ -58,9 +58,10 @@ from te_jax._core.dtypes import FP8_DTYPES, HP_DTYPES
 from te_jax._core.primitive import define_op, full_spec, mesh_axes, output_aval
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode, scale_inv
 from te_jax.ops.gemm_block import check_block_operands, emulate, is_block_scaled
-from te_jax.ops.quantize import amax_f32, saturating_cast
+from te_jax.ops.quantize import saturating_cast
 
-__all__ = ["GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm", "grouped_gemm_ref", "quantize_by_group"]
+__all__ = ["GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm", "grouped_gemm_ref",
+           "quantize_by_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +108,9 @@ def group_amax(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(xf, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
   row = jnp.max(bits.reshape(bits.shape[0], -1), axis=1, initial=jnp.uint32(0))
   ids = group_ids(group_sizes, x.shape[0])
+  # An empty group's max is the identity of an unsigned max, 0: the bits of +0.0.
   per_group = jax.ops.segment_max(row, ids, num_segments=group_sizes.shape[0], indices_are_sorted=True)
-  return jax.lax.bitcast_convert_type(jnp.maximum(per_group, jnp.uint32(0)), jnp.float32)
+  return jax.lax.bitcast_convert_type(per_group, jnp.float32)
 
 
 def _row_scales(scales: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
