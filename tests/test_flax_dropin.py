@@ -47,6 +47,44 @@ def test_unaligned_head_under_fp8_runs_in_high_precision_and_keeps_its_state():
   assert not np.array_equal(after.params["params"]["kernel"], v["params"]["kernel"])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: te_flax.DenseGeneral(features=(2, 8), unstack_axis=-2),
+    lambda: te_flax.LayerNormDenseGeneral(features=(2, 24), unstack_axis=-2),
+    lambda: te_flax.LayerNormDenseGeneral(features=4),
+    lambda: te_flax.LayerNormMLP(intermediate_dim=20, activation_type=("silu", "linear")),
+], ids=["dense-2x8", "ln-dense-2x24", "ln-dense-4", "ln-mlp-20"])
+def test_gemms_fp8_cannot_take_run_in_high_precision(make):
+  """A layer whose GEMMs FP8 cannot take (a size not a multiple of 16: the whole width, or each part's of a projection
+  handed out in parts, which the forward runs as a batch of GEMMs) computes under delayed scaling exactly what it
+  computes without FP8, gradients included, and hands its state back unchanged."""
+  x = jnp.ones((2, 16, 32), jnp.float32) * jnp.linspace(-1, 1, 32)
+  module = make()
+  loss = lambda v: sum(jnp.sum(o ** 2) for o in jax.tree.leaves(module.apply(v, x)))  # noqa: E731
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    v = module.init(jax.random.key(1), x)
+    got, grads = jax.value_and_grad(loss)(v)
+  want, want_grad = jax.value_and_grad(loss)({"params": v["params"]})
+  np.testing.assert_array_equal(got, want)
+  jax.tree.map(np.testing.assert_array_equal, grads["params"], want_grad["params"])
+  jax.tree.map(np.testing.assert_array_equal, grads[FP8], v[FP8])
+
+
+@pytest.mark.parametrize("head_dim,fuse", [(8, True), (24, True), (40, False)])
+def test_multi_query_attention_with_unaligned_kv_parts_trains_under_fp8(head_dim, fuse):
+  """MQA whose key and value parts are each ``head_dim`` wide (8 mod 16) while together they are a multiple of 16:
+  the kv projection runs in high precision, the rest in FP8; the step's loss is FP8's distance from BF16's."""
+  x = jnp.ones((2, 16, 32), jnp.float32) * jnp.linspace(-1, 1, 32)
+  module = te_flax.MultiHeadAttention(head_dim=head_dim, num_attention_heads=4, num_gqa_groups=1,
+                                      fuse_qkv_params=fuse)
+  loss = lambda v: jnp.sum(module.apply(v, x, x)[0] ** 2)  # noqa: E731
+  with te_jax.autocast(enabled=True, recipe=RECIPE):
+    v = module.init(jax.random.key(1), x, x)
+    got, grads = jax.value_and_grad(loss)(v)
+  want = loss({"params": v["params"]})
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  np.testing.assert_allclose(got, want, rtol=0.1)  # E4M3's 2**-4 relative rounding, through two GEMMs
+
+
 @pytest.mark.parametrize("module", ["DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP"])
 def test_logically_partitioned_initializers(module):
   """Initializers that name their axes (nn.with_logical_partitioning, as partitioned Flax models write them) keep

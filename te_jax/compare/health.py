@@ -57,6 +57,7 @@ from te_jax._core.autocast import resolve_recipe
 from te_jax._core.scaling import ScaleState
 from te_jax.fused.dense import normalize_axes
 from te_jax.fused.linear import fp8_dims_aligned, state_as_float32
+from te_jax.modules.dense import unstack_of
 from te_jax.recipe import DelayedScaling
 
 __all__ = [
@@ -201,8 +202,10 @@ def _gemm_output(module: nn.Module, args, kwargs):
     if x is None or module.batch_dims or module.dot_general is not None or module.dot_general_cls is not None:
       return None
     x = jnp.asarray(x)
-    k = _size(x.shape[a] for a in normalize_axes(module.axis, x.ndim, "inputs"))
-    if not fp8_dims_aligned(k, _size(_features(module.features))):
+    axes = normalize_axes(module.axis, x.ndim, "inputs")
+    features = _features(module.features)
+    unstack = unstack_of(module.unstack_axis, features, x.ndim - len(axes) + len(features))
+    if not fp8_dims_aligned(_size(x.shape[a] for a in axes), _size(features), unstack):
       return None
     return "", jnp.dtype(module.dtype or jnp.result_type(x.dtype, module.param_dtype)), False
   if isinstance(module, te_flax.Fp8DotGeneral):
@@ -214,7 +217,9 @@ def _gemm_output(module: nn.Module, args, kwargs):
     return "", jnp.dtype(lhs.dtype), False  # the output may be cast to preferred_element_type after the GEMM
   if isinstance(module, te_flax.LayerNormDenseGeneral):
     x = _input(args, kwargs, "inputs")
-    if x is None or not fp8_dims_aligned(x.shape[-1], _size(_features(module.features))):
+    features = _features(module.features)
+    if x is None or not fp8_dims_aligned(x.shape[-1], _size(features),
+                                         unstack_of(module.unstack_axis, features, x.ndim - 1 + len(features))):
       return None
     extra = module.return_layernorm_output or bool(kwargs.get("return_input", False))
     return "", jnp.dtype(module.dtype or jnp.result_type(x.dtype, module.param_dtype)), extra

@@ -32,7 +32,7 @@ from te_jax.fused.linear import (Fp8Config, LinearResiduals, Unstack, as_arrays,
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.recipe import Recipe
 
-__all__ = ["dense", "normalize_axes"]
+__all__ = ["dense", "high_precision_dense", "normalize_axes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,21 @@ def normalize_axes(axes: int | Sequence[int], ndim: int, name: str) -> tuple[int
   if len(set(out)) != len(out):
     raise ValueError(f"{name} axes repeat: {axes}")
   return tuple(out)
+
+
+def high_precision_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                         axes: tuple[int, ...] = (-1,), unstack_axis: int | None = None,
+                         residual: jax.Array | None = None, precision=None) -> jax.Array | tuple[jax.Array, ...]:
+  """``dense`` without FP8, whatever the autocast: a ``dot_general`` in ``x``'s dtype contracting ``x``'s ``axes``
+  (normalized) with ``kernel``'s leading dims, plus ``bias`` and ``residual``; unstacked along ``unstack_axis``. The
+  path of a GEMM an FP8 layer cannot run in FP8 (its caller keeps the state)."""
+  axes = normalize_axes(axes, x.ndim, "x")
+  dims = ((axes, tuple(range(len(axes)))), ((), ()))
+  y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision)
+  y = y if bias is None else y + bias.astype(y.dtype)
+  if residual is not None:
+    y = y + residual.astype(y.dtype)
+  return y if unstack_axis is None else tuple(jnp.unstack(y, axis=unstack_axis))
 
 
 def dense(
@@ -174,15 +189,11 @@ def dense(
   check_residual(residual, tuple(x.shape[a] for a in range(x.ndim) if a not in axes) + tuple(features))
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   k, n = math.prod(kernel.shape[:n_contract]), math.prod(features)
-  if recipe is None or not fp8_dims_aligned(k, n):
+  if recipe is None or not fp8_dims_aligned(k, n, unstack):
     if keeps_state(recipe):  # a GEMM FP8 cannot take: its state is kept
       x = keep_state(x, fp8_meta)
-    dims = ((axes, tuple(range(n_contract))), ((), ()))
-    y = jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision)
-    y = y if bias is None else y + bias.astype(y.dtype)
-    if residual is not None:
-      y = y + residual.astype(y.dtype)
-    return y if unstack is None else tuple(jnp.unstack(y, axis=unstack_axis))
+    return high_precision_dense(x, kernel, bias, axes=axes, unstack_axis=unstack_axis, residual=residual,
+                                precision=precision)
   # Contracting dims last, then fold into 2-D: (M, K) @ (K, N).
   batch_axes = tuple(a for a in range(x.ndim) if a not in axes)
   if axes != tuple(range(x.ndim - n_contract, x.ndim)):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.dense import dense
+from te_jax.fused.dense import high_precision_dense
 from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays, fp8_dims_aligned,
                                  fp8_recipe, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
                                  linear_fwd, norm_to_fp8, pad_rows, primal_values, quantize_grad, state_as_float32,
@@ -168,10 +168,10 @@ def layernorm_dense(
     raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   n = math.prod(features)
-  if recipe is None or not fp8_dims_aligned(h, n):  # high precision; a state kept where FP8 cannot take the dims
+  if recipe is None or not fp8_dims_aligned(h, n, unstack):  # high precision; a state kept where FP8 cannot take the dims
     x_in = keep_state(x, fp8_meta) if keeps_state(recipe) else x
     z = norm.plain(x_in, gamma, beta)
-    y = dense(z, kernel, bias, unstack_axis=unstack_axis, recipe=None)
+    y = high_precision_dense(z, kernel, bias, unstack_axis=unstack_axis)
     return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
   x2d, pad = pad_rows(x.reshape(-1, h))
   fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)

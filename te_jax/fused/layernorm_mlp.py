@@ -20,7 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.manual_axes import to_common_varying
-from te_jax.fused.dense import dense
+from te_jax.fused.dense import high_precision_dense
 from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual, fp8_dims_aligned,
                                  fp8_recipe, instantiate, keep_state, keeps_state, linear_bwd, linear_fwd,
                                  norm_to_fp8, pad_rows, primal_values, residual_rows, state_as_float32, state_like)
@@ -294,10 +294,10 @@ def layernorm_mlp(
   if recipe is None or not fp8_dims_aligned(h_dim, f_dim):  # high precision; a state kept where FP8 cannot take it
     x_in = keep_state(x, (fp8_meta_1, fp8_meta_2)) if keeps_state(recipe) else x
     z = norm.plain(x_in, gamma, beta)
-    h = dense(z, k1, b1, recipe=None)
+    h = high_precision_dense(z, k1, b1)
     if gated:
       h = split_parts(h, -1, 2, split_axes)
-    return dense(activation(h, act), kernel_2, bias_2, residual=residual, recipe=None)
+    return high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   stateful = keeps_state(recipe)

@@ -84,8 +84,10 @@ def _keep_state_bwd(state, g):
 keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
 
 
-def fp8_dims_aligned(*dims: int) -> bool:
-  """Whether an FP8 GEMM can take these dims (multiples of ``FP8_ALIGN``)."""
+def fp8_dims_aligned(k: int, n: int, unstack: "Unstack | None" = None) -> bool:
+  """Whether the FP8 GEMMs of a (K, N) layer can take its dims (multiples of ``FP8_ALIGN``): K and N, and with
+  ``unstack`` each part's width too, since the forward GEMM writes the parts as a batch of (M, N / parts) outputs."""
+  dims = (k, n) if unstack is None or unstack.parts == 1 else (k, n, n // unstack.parts)
   return all(d % FP8_ALIGN == 0 for d in dims)
 
 
