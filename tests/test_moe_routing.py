@@ -18,16 +18,18 @@ import math
 
 import jax
 import jax.numpy as jnp
-import jax.test_util
 import ml_dtypes
 import numpy as np
 import pytest
 
+import te_jax
 from conftest import F32_U
 from te_jax.fused.moe_permute import (PermuteConfig, PermutePlan, expert_capacity, permute, permute_ref, unpermute,
                                       unpermute_ref)
 from te_jax.fused.moe_router import (RouterConfig, load_balancing_loss, route, tokens_per_expert, update_expert_bias,
                                      z_loss)
+from te_jax.ops.quantize import quantize
+from te_jax.ops.quantize_block import quantize_block_ref
 
 TINY = np.float32(np.finfo(np.float32).tiny)
 
@@ -268,7 +270,7 @@ def test_loss_gradients():
   for score in ("softmax", "sigmoid"):
     r = route_j(logits, 2, score=score)
     ex = np.asarray(r.experts)
-    ours = jax.jit(jax.grad(lambda s: load_balancing_loss(s, ex, per_sequence=True)))(r.scores)
+    ours = jax.jit(jax.grad(lambda s, ex=ex: load_balancing_loss(s, ex, per_sequence=True)))(r.scores)
     assert_within_rule(ours, np_lb_grad(r.scores, ex, np.float32), np_lb_grad(r.scores, ex, np.float64), score)
 
   def z_grad(u, dtype):
@@ -522,6 +524,45 @@ def test_capacity_and_rows():
   assert plan.config == cfg and rows.shape == (384, 4) and group_sizes.tolist() == [128, 0, 0]
   assert float(rows.sum()) == 48.0  # 12 rows of ones, the rest padding
   np.testing.assert_array_equal(np.asarray(jax.jit(permute_ref)(x, plan)), np.asarray(rows))
+
+
+@pytest.mark.fast_cases(2)
+@pytest.mark.parametrize("mode", ["PER_TENSOR", "BLOCK_1X128", "MXFP8_1X32", "NVFP4_1X16"])
+def test_permute_quantized_tokens(mode):
+  """An FP8 (or NVFP4) token tensor: its data rows and row scales move together, so the permuted tensor dequantizes
+  to the permuted dequantized tokens, bit for bit; padding rows have zero data and scales 1."""
+  mode = te_jax.ScalingMode[mode]
+  x = jnp.asarray(np.random.default_rng(15).standard_normal((2, 5, 160)), jnp.bfloat16)
+  experts = routed(16, (2, 5), 2, 4)[1]
+  if mode is te_jax.ScalingMode.PER_TENSOR:
+    q = jax.jit(lambda v: quantize(v, jnp.float32(16.0)).out)(x)
+  else:
+    q = jax.jit(quantize_block_ref, static_argnums=1)(x, mode)
+  rq, group_sizes, plan = permute_j(q, experts, 4, capacity_factor=0.75, align=4)
+  assert isinstance(rq, te_jax.QuantizedTensor) and rq.mode is mode and rq.data.dtype == q.data.dtype
+  assignment = np.asarray(plan.assignment)
+  pad = assignment == plan.config.num_assignments
+  token = np.minimum(assignment // 2, 9)
+  data = np.asarray(q.data.astype(jnp.float32)).reshape(10, 160)[token]
+  np.testing.assert_array_equal(np.asarray(rq.data.astype(jnp.float32)), np.where(pad[:, None], 0, data))
+  if mode.block is not None:
+    scales = np.asarray(q.scale_inv.astype(jnp.float32)).reshape(10, -1)[token]
+    np.testing.assert_array_equal(np.asarray(rq.scale_inv.astype(jnp.float32)), np.where(pad[:, None], 1, scales))
+  rows = permute_j(q.dequantize(jnp.float32), experts, 4, capacity_factor=0.75, align=4)[0]
+  np.testing.assert_array_equal(np.asarray(rq.dequantize(jnp.float32)), np.asarray(rows))
+  assert group_sizes.tolist() == [expert_capacity(10, 2, 4, 0.75, align=4)] * 4 == [4] * 4
+
+
+def test_permute_quantized_rejects_what_rows_cannot_carry():
+  data = np.zeros((4, 128), ml_dtypes.float8_e4m3fn)
+  experts = np.zeros((4, 1), np.int32)
+  blocks = te_jax.QuantizedTensor(data, np.ones((1, 1), np.float32), mode=te_jax.ScalingMode.BLOCK_128X128)
+  with pytest.raises(ValueError, match=r"BLOCK_128X128, whose blocks span rows"):
+    permute(blocks, experts, 2)
+  with_t = te_jax.QuantizedTensor(data, np.ones((4, 1), np.float32), data.T, np.ones((128, 1), np.float32),
+                                  mode=te_jax.ScalingMode.BLOCK_1X128)
+  with pytest.raises(ValueError, match=r"without its transposed copy"):
+    permute(with_t, experts, 2)
 
 
 # ---- bad arguments -----------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ padding rows included. Every shape is static (known from the shapes and options 
   no block straddles two experts. Dropless, the groups then take at most ``T * k + min(T * k, E) * (align - 1)``
   rows; the rows past ``sum(group_sizes)`` belong to no group.
 
+FP8 tokens: ``x`` may be a ``te_jax.QuantizedTensor`` whose scales cover rows one by one (per tensor, or 1 x B
+blocks along H: ``BLOCK_1X128``, MXFP8, NVFP4), without a transposed copy: its data rows and scale rows are permuted
+alike (a padding row: zero data, scale 1), the order DeepSeek-V3 uses (§3.3: activations are cast to FP8 before they
+are dispatched to the experts), so each token is cast once rather than once per choice, and the rows move in one
+byte (or half a byte) each. That path is a gather of FP8 values with no gradient: the op that cast them carries it.
+
 Padding rows (in a group or past every group) are zeros, and whatever a GEMM writes in them, ``unpermute`` never
 reads them and gives them a zero gradient. ``unpermute(y, plan, weights)`` is token t's ``sum_j weights[t, j] *
 y[row of (t, j)]``, accumulated in float32 in the order j = 0, 1, ... (dropped choices skipped), rounded to ``y``'s
@@ -61,6 +67,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from te_jax._core.quantized_tensor import QuantizedTensor
 
 __all__ = ["PermuteConfig", "PermutePlan", "expert_capacity", "permute", "permute_plan", "permute_ref", "unpermute",
            "unpermute_ref"]
@@ -183,11 +191,20 @@ def permute_plan(experts: jax.Array, cfg: PermuteConfig) -> tuple[PermutePlan, j
   return plan, group_sizes
 
 
-def permute_ref(x: jax.Array, plan: PermutePlan) -> jax.Array:
-  """``(rows, H)``: row r is the token row of its assignment, zeros for a padding row."""
+def permute_ref(x: jax.Array | QuantizedTensor, plan: PermutePlan) -> jax.Array | QuantizedTensor:
+  """``(rows, H)``: row r is the token row of its assignment, zeros for a padding row (for a ``QuantizedTensor``:
+  its data and row scales so, a padding row's scales 1)."""
   cfg = plan.config
-  tokens = x.reshape(cfg.num_tokens, x.shape[-1])
-  return jnp.take(tokens, plan.assignment // cfg.k, axis=0, mode="fill", fill_value=0)
+  token = plan.assignment // cfg.k
+  if not isinstance(x, QuantizedTensor):
+    return jnp.take(x.reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
+  data = jnp.take(x.data.reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
+  scales = x.scale_inv
+  if x.mode.block is not None:
+    scales = jnp.take(scales.reshape(cfg.num_tokens, scales.shape[-1]), token, axis=0, mode="clip")
+    pad = (plan.assignment == cfg.num_assignments)[:, None]
+    scales = jnp.where(pad, jnp.ones((), scales.dtype), scales)
+  return dataclasses.replace(x, data=data, scale_inv=scales)
 
 
 def _choice_rows(y: jax.Array, row_of: jax.Array, cfg: PermuteConfig) -> jax.Array:
@@ -276,8 +293,20 @@ def _check_experts(experts: jax.Array, num_experts: int):
                      "pass the num_experts the router chose from")
 
 
-def permute(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity_factor: float | None = None,
-            align: int = 1) -> tuple[jax.Array, jax.Array, PermutePlan]:
+def _check_quantized(q: QuantizedTensor):
+  if q.data_t is not None:
+    raise ValueError("permute: a QuantizedTensor x must come without its transposed copy (whose blocks run along the "
+                     "tokens, which permute reorders): quantize it without one, or call x.without_transposed()")
+  if q.mode.block is not None and q.mode.block[0] > 1:
+    raise ValueError(f"permute: a QuantizedTensor x must be scaled per tensor or per row blocks, got {q.mode.name}, "
+                     "whose blocks span rows (tokens): quantize the tokens with a 1 x B mode")
+  if q.mode.block is not None and q.scale_inv.shape[:-1] != q.shape[:-1]:
+    raise ValueError(f"permute: x's scales {q.scale_inv.shape} do not cover its rows {q.shape[:-1]} one by one")
+
+
+def permute(x: jax.Array | QuantizedTensor, experts: jax.Array, num_experts: int, *,
+            capacity_factor: float | None = None, align: int = 1
+            ) -> tuple[jax.Array | QuantizedTensor, jax.Array, PermutePlan]:
   """The rows of each token's chosen experts, sorted by expert (the layout is in the module's docstring).
 
   >>> import jax.numpy as jnp
@@ -286,22 +315,28 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity_fact
   ((16, 4), [12, 0], 40)
 
   Args:
-    x: ``(..., H)`` the tokens, a float dtype (FP8 data too).
+    x: ``(..., H)`` the tokens, a float array or a ``QuantizedTensor`` (per-tensor or 1 x B scales, no transposed
+      copy).
     experts: ``(..., k)`` integer, each token's experts (``route``'s ``experts``), the same leading dims as ``x``.
     num_experts: E, the number of groups.
     capacity_factor: None (dropless) or the factor of ``expert_capacity``: each expert keeps at most that many rows.
     align: each group's row count is a multiple of this (128 under block-scaled FP8 recipes).
 
   Returns:
-    ``(rows, group_sizes, plan)``: ``(plan.config.rows, H)`` in ``x``'s dtype, ``(E,)`` int32, what ``unpermute``
-    needs.
+    ``(rows, group_sizes, plan)``: ``(plan.config.rows, H)`` in ``x``'s dtype (a ``QuantizedTensor`` for one),
+    ``(E,)`` int32, what ``unpermute`` needs.
   """
-  x, experts = jnp.asarray(x), jnp.asarray(experts)
+  quantized = isinstance(x, QuantizedTensor)
+  if quantized:
+    _check_quantized(x)
+  else:
+    x = jnp.asarray(x)
+  experts = jnp.asarray(experts)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"permute: x must be a floating-point array, got {jnp.dtype(x.dtype).name}")
   if not jnp.issubdtype(experts.dtype, jnp.integer):
     raise TypeError(f"permute: experts must be an integer array (route's experts), got {jnp.dtype(experts.dtype).name}")
-  if x.ndim < 2 or experts.ndim != x.ndim or experts.shape[:-1] != x.shape[:-1]:
+  if len(x.shape) < 2 or experts.ndim != len(x.shape) or experts.shape[:-1] != tuple(x.shape[:-1]):
     raise ValueError(f"permute: x (..., H) and experts (..., k) must share their leading (token) dims, got x "
                      f"{x.shape} and experts {experts.shape}")
   if not _is_int(num_experts) or num_experts < 1:
@@ -317,6 +352,8 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity_fact
     capacity = expert_capacity(math.prod(token_shape), k, num_experts, capacity_factor, align)
   cfg = PermuteConfig(token_shape=token_shape, k=k, num_experts=int(num_experts), capacity=capacity, align=int(align))
   plan, group_sizes = permute_plan(experts, cfg)
+  if quantized:
+    return permute_ref(x, plan), group_sizes, plan
   rows = _permute(cfg, x, plan.row_of, plan.assignment, plan.tokens_per_expert)
   return rows, group_sizes, plan
 
