@@ -24,6 +24,7 @@ import pytest
 
 import te_jax
 from conftest import F32_U
+from te_jax.fused.grouped_dense import grouped_dense
 from te_jax.fused.moe_permute import (PermuteConfig, PermutePlan, expert_capacity, permute, permute_ref, unpermute,
                                       unpermute_ref)
 from te_jax.fused.moe_router import (RouterConfig, load_balancing_loss, route, tokens_per_expert, update_expert_bias,
@@ -396,13 +397,20 @@ def dense_moe(x, experts, w, kernels, keep):
 
 
 def sorted_moe(x, experts, w, kernels, capacity_factor, align):
+  """The MoE layer on the permuted rows, each row's expert found from the group sizes, its GEMM row by row."""
   e = kernels.shape[0]
-  rows, group_sizes, plan = permute_j(x, experts, e, capacity_factor=capacity_factor, align=align)
+  rows, group_sizes, plan = permute(x, experts, e, capacity_factor=capacity_factor, align=align)
   bounds = jnp.cumsum(group_sizes)
   row_expert = jnp.searchsorted(bounds, jnp.arange(rows.shape[0]), side="right")  # past the groups: e (no kernel)
   per_row = jnp.take(kernels, row_expert, axis=0, mode="fill", fill_value=0)
   y = jnp.einsum("rh,rhn->rn", rows, per_row, precision=jax.lax.Precision.HIGHEST)
-  return unpermute_j(y, plan, w), plan
+  return unpermute(y, plan, w), plan
+
+
+def grouped_moe(x, experts, w, kernels, capacity_factor, align):
+  """The same layer on te_jax's grouped GEMM: what permute's rows and group sizes feed directly."""
+  rows, group_sizes, plan = permute(x, experts, kernels.shape[0], capacity_factor=capacity_factor, align=align)
+  return unpermute(grouped_dense(rows, kernels, group_sizes), plan, w), plan
 
 
 def np_moe_grads(x, experts, w, kernels, keep, c):
@@ -419,14 +427,18 @@ def np_moe_grads(x, experts, w, kernels, keep, c):
   return dx, dw, dk
 
 
-@pytest.mark.fast_cases(1)
-@pytest.mark.parametrize("capacity_factor,align", [(1.0, 2), (None, 1), (None, 4), (0.6, 1)])
-def test_gradients_match_the_dense_moe(capacity_factor, align):
+@pytest.mark.fast_cases(2)
+@pytest.mark.parametrize("capacity_factor,align,experts_gemm", [
+    (1.0, 2, sorted_moe), (None, 1, sorted_moe), (None, 4, sorted_moe), (0.6, 1, sorted_moe),
+    (None, 1, grouped_moe), (0.6, 4, grouped_moe)], ids=lambda v: getattr(v, "__name__", None))
+def test_gradients_match_the_dense_moe(capacity_factor, align, experts_gemm):
+  """A whole MoE layer (permute, one GEMM per expert, unpermute; the GEMM by rows here or te_jax's grouped_dense)
+  against the layer written densely: forward and the gradients of x, the combine weights and the kernels."""
   t, k, e, h, n = 10, 2, 4, 5, 3
   x, experts, w = routed(3, (t,), k, e, hidden=h)
   kernels = np.random.default_rng(4).standard_normal((e, h, n)).astype(np.float32)
   c = np.random.default_rng(5).standard_normal((t, n)).astype(np.float32)
-  ours_out, plan = sorted_moe(x, experts, w, kernels, capacity_factor, align)
+  ours_out, plan = jax.jit(experts_gemm, static_argnums=(4, 5))(x, experts, w, kernels, capacity_factor, align)
   keep = (~np.asarray(plan.dropped)).astype(np.float32)
   x64, w64, k64 = x.astype(np.float64), (w * keep).astype(np.float64), kernels.astype(np.float64)
   out64 = np.stack([sum(w64[i, j] * (x64[i] @ k64[experts[i, j]]) for j in range(k)) for i in range(t)])
@@ -435,7 +447,7 @@ def test_gradients_match_the_dense_moe(capacity_factor, align):
   def loss(fn):
     return lambda x_, w_, k_: jnp.sum(c * fn(x_, w_, k_))
 
-  ours = jax.jit(jax.grad(loss(lambda *a: sorted_moe(a[0], experts, a[1], a[2], capacity_factor, align)[0]),
+  ours = jax.jit(jax.grad(loss(lambda *a: experts_gemm(a[0], experts, a[1], a[2], capacity_factor, align)[0]),
                           argnums=(0, 1, 2)))(x, w, kernels)
   dense = jax.jit(jax.grad(loss(lambda *a: dense_moe(a[0], experts, a[1], a[2], keep)), argnums=(0, 1, 2)))(
       x, w, kernels)

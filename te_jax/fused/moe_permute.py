@@ -17,10 +17,13 @@ padding rows included. Every shape is static (known from the shapes and options 
   kept ones are padding), so the result reshapes to ``(E, capacity, H)``: a batched GEMM, or a fixed-size all-to-all
   of expert parallelism.
 - ``align``: each group's row count is rounded up to a multiple of ``align`` with padding rows. Block-scaled FP8
-  recipes need it: the weight gradient of a grouped GEMM contracts each expert's rows, and the transposed copy of its
-  input is quantized in 1 x 128 blocks along those rows (DeepSeek-V3, arXiv 2412.19437 §3.3), so with ``align=128``
-  no block straddles two experts. Dropless, the groups then take at most ``T * k + min(T * k, E) * (align - 1)``
-  rows; the rows past ``sum(group_sizes)`` belong to no group.
+  GEMMs need aligned groups: the weight gradient contracts each expert's rows, and its operands are quantized in
+  1 x B blocks along those rows (1 x 128: DeepSeek-V3, arXiv 2412.19437 §3.3), so with ``align=128`` no block
+  straddles two experts. ``te_jax.fused.grouped_dense`` aligns the groups itself (a scatter and a gather of the rows,
+  into the same buffer size as here); ``align`` places the rows at their aligned offsets in the permutation's own
+  gather instead, for a consumer that takes aligned groups as they come. Dropless, the groups then take at most
+  ``T * k + min(T * k, E) * (align - 1)`` rows (rounded down to a multiple of ``align``); the rows past
+  ``sum(group_sizes)`` belong to no group.
 
 FP8 tokens: ``x`` may be a ``te_jax.QuantizedTensor`` whose scales cover rows one by one (per tensor, or 1 x B
 blocks along H: ``BLOCK_1X128``, MXFP8, NVFP4), without a transposed copy: its data rows and scale rows are permuted
@@ -320,7 +323,7 @@ def permute(x: jax.Array | QuantizedTensor, experts: jax.Array, num_experts: int
     experts: ``(..., k)`` integer, each token's experts (``route``'s ``experts``), the same leading dims as ``x``.
     num_experts: E, the number of groups.
     capacity_factor: None (dropless) or the factor of ``expert_capacity``: each expert keeps at most that many rows.
-    align: each group's row count is a multiple of this (128 under block-scaled FP8 recipes).
+    align: each group's row count is a multiple of this (1: none; 128 for 1 x 128 FP8 blocks along the tokens).
 
   Returns:
     ``(rows, group_sizes, plan)``: ``(plan.config.rows, H)`` in ``x``'s dtype (a ``QuantizedTensor`` for one),
