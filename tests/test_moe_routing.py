@@ -129,10 +129,10 @@ def np_lb_loss(scores, experts, per_sequence, dtype):
 # ---- routing -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.fast_cases(3)
+@pytest.mark.fast_cases(2)
 @pytest.mark.parametrize("score,k,shape", [("softmax", 1, (7, 5)), ("softmax", 2, (2, 6, 8)),
                                            ("sigmoid", 2, (9, 16)), ("softmax", 8, (5, 8)),
-                                           ("sigmoid", 4, (3, 4, 32)), ("softmax", 3, (1, 3))])
+                                           ("softmax", 3, (1, 3)), ("sigmoid", 4, (3, 4, 32))])
 def test_topk_choice_and_weights(score, k, shape):
   logits = rng_logits(k, shape, dtype=ml_dtypes.bfloat16)
   for normalize in (False, True):
@@ -367,8 +367,8 @@ def weighted_sum_bound(out, y_rows, w, out_dtype):
   assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound), np.max(np.abs(out - exact) - bound)
 
 
-@pytest.mark.fast_cases(2)
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("capacity_factor,align", [(None, 1), (None, 8), (0.75, 1)])
 def test_round_trip(dtype, capacity_factor, align):
   # k = 1 with weight 1: the tokens back, bit for bit (the dropped ones as zeros).
