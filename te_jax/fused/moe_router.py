@@ -4,7 +4,7 @@ keep the experts balanced.
 Everything here is plain jnp in float32 and is differentiated by JAX itself: the expert choice is a ``lax.top_k``
 whose indices carry no gradient, and the combine weights are the chosen experts' scores (gathered, then optionally
 normalized and scaled), so the gradient reaches the router logits through the chosen experts' scores alone, as the
-papers define the gate (Switch Transformer, arXiv 2101.03961 §2.1; DeepSeek-V3, arXiv 2412.19437 eq. 12-16).
+papers define the gate (Switch Transformer, arXiv 2101.03961 §2.1; DeepSeek-V3, arXiv 2412.19437 §2.1.2).
 
 ``route`` in order, for each token's row of logits ``u`` (E experts):
 
@@ -12,14 +12,14 @@ papers define the gate (Switch Transformer, arXiv 2101.03961 §2.1; DeepSeek-V3,
 2. ``selection = scores + expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing bias, §2.1.2: used to choose
    the experts, never in the combine weights), or ``scores`` without a bias.
 3. Group-limited routing (``num_groups`` G, ``topk_groups`` M; DeepSeek-V2's device-limited routing, arXiv
-   2405.04434 §2.2.3, and V3's node-limited routing, §2.1.2): the experts are G consecutive groups of E / G; a group's
+   2405.04434 §2.2.2, and V3's node-limited routing, §2.1.2): the experts are G consecutive groups of E / G; a group's
    score is the sum of its ``group_topk`` highest selection scores (V3: the highest K / M, where each of M nodes holds
    the top experts; V2: its single highest, ``group_topk=1``); the M best groups stay, the other groups' experts are
    set to -inf.
 4. ``experts``: the k highest selection scores, in descending order; ties go to the lower expert index (and
    equal group scores to the lower group), as ``lax.top_k`` orders them.
 5. ``weights``: the chosen experts' ``scores`` (without the bias); with ``normalize_topk`` divided by their sum
-   (V3 eq. 13; for softmax scores the same as a softmax over the chosen logits, Mixtral's gate), in float32 as a
+   (V3 §2.1.2; for softmax scores the same as a softmax over the chosen logits, Mixtral's gate), in float32 as a
    multiply by the sum's reciprocal (the sum at least the smallest normal float32, so that sigmoid scores that all
    underflowed give zeros, not NaN), then times ``scaling_factor`` (V3's routed scaling factor).
 
@@ -256,9 +256,9 @@ def load_balancing_loss(scores: jax.Array, experts: jax.Array, *, per_sequence: 
   share of choices and of score).
 
   ``f_i`` is the share of the ``T * k`` choices that went to expert i (Switch Transformer, arXiv 2101.03961 eq. 4-6,
-  whose k = 1; DeepSeek-V2's expert-level balance loss, arXiv 2405.04434 eq. 23-25, for k > 1: ``count_i / (T k)``)
+  whose k = 1; DeepSeek-V2's expert-level balance loss, arXiv 2405.04434 §2.2.3, for k > 1: ``count_i / (T k)``)
   and carries no gradient; ``P_i`` is the mean over the T tokens of expert i's score normalized over the experts
-  (``s / sum_j s_j``: DeepSeek-V3 eq. 19 for sigmoid scores; for softmax scores the normalization changes only the
+  (``s / sum_j s_j``: DeepSeek-V3's, §2.1.2, for sigmoid scores; for softmax scores the normalization changes only the
   last bits), through which the gradient flows.
 
   >>> import jax.numpy as jnp
@@ -268,9 +268,10 @@ def load_balancing_loss(scores: jax.Array, experts: jax.Array, *, per_sequence: 
   Args:
     scores: ``(..., T, E)`` the scores ``route`` returns.
     experts: ``(..., T, k)`` the experts ``route`` chose.
-    per_sequence: DeepSeek-V3's sequence-wise balance loss (eq. 17-20): ``f`` and ``P`` over each sequence (the
-      second-to-last dim, T) on its own, the loss averaged over the sequences (the leading dims); otherwise over
-      every token at once.
+    per_sequence: DeepSeek-V3's complementary sequence-wise balance loss (§2.1.2): ``f`` and ``P`` over each
+      sequence (the second-to-last dim, T) on its own, the loss averaged over the sequences (the leading dims);
+      otherwise over every token at once. ``f`` counts the experts given (the choice ``route`` made, its bias
+      included).
   """
   scores, experts = jnp.asarray(scores), jnp.asarray(experts)
   _check_routing("load_balancing_loss", scores, experts)
