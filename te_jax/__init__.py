@@ -26,8 +26,16 @@ from te_jax.fused.context_parallel import from_zigzag as from_zigzag
 from te_jax.fused.context_parallel import to_zigzag as to_zigzag
 from te_jax.fused.context_parallel import zigzag_order as zigzag_order
 from te_jax.fused.dense import dense as dense
+from te_jax.fused.grouped_dense import grouped_dense as grouped_dense
 from te_jax.fused.layernorm_dense import layernorm_dense as layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp as layernorm_mlp
+from te_jax.fused.moe_permute import expert_capacity as expert_capacity
+from te_jax.fused.moe_permute import permute as permute
+from te_jax.fused.moe_permute import unpermute as unpermute
+from te_jax.fused.moe_router import load_balancing_loss as load_balancing_loss
+from te_jax.fused.moe_router import route as route
+from te_jax.fused.moe_router import update_expert_bias as update_expert_bias
+from te_jax.fused.moe_router import z_loss as z_loss
 from te_jax.fused.quantizer import DenseFp8Meta as DenseFp8Meta
 from te_jax.ops.activation import activation as activation
 from te_jax.ops.norm import layernorm as layernorm
@@ -38,10 +46,12 @@ from te_jax.ops.softmax import scaled_softmax as scaled_softmax
 from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope", "attention_backend", "autocast",
-    "context_parallel_attention", "context_parallel_backend", "dense", "dot_product_attention", "from_zigzag",
-    "layernorm", "layernorm_dense", "layernorm_mlp", "make_attention_mask", "ops", "recipe", "rope_frequencies",
-    "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax", "to_zigzag", "zigzag_order",
+    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
+    "attention_backend", "autocast", "context_parallel_attention", "context_parallel_backend", "dense",
+    "dot_product_attention", "expert_capacity", "from_zigzag", "grouped_dense", "layernorm", "layernorm_dense",
+    "layernorm_mlp", "load_balancing_loss", "make_attention_mask", "ops", "permute", "recipe", "rope_frequencies",
+    "route", "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax", "to_zigzag",
+    "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
 ]
 
 __version__ = "0.1.0"
