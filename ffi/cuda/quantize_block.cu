@@ -53,6 +53,13 @@ constexpr int kMode128 = static_cast<int>(ScalingMode::kBlock128x128);
 constexpr int kModeMx = static_cast<int>(ScalingMode::kMxfp8_1x32);
 constexpr int kModeNv = static_cast<int>(ScalingMode::kNvfp4_1x16);
 
+// Resident blocks per SM the kernel is built for: 3 (at most 80 registers a thread) where a 16-bit input's cast without
+// the copy fits in them unspilled, else 2.
+template <typename T, bool kTransposed, bool kSR>
+constexpr int BlocksPerSm() {
+  return sizeof(T) == 2 && !kTransposed && !kSR ? 3 : 2;
+}
+
 template <int kMode>
 constexpr int BlockCols() {
   return static_cast<int>(scale_block(static_cast<ScalingMode>(kMode)).cols);
@@ -77,10 +84,12 @@ struct Params {
 
 // ---- element formats ------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t Fp8Code(float v, bool e5m2) {
-  const float top = e5m2 ? 57344.0f : 448.0f;
-  v = fminf(fmaxf(v, -top), top);
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+// The FP8 codes of two finite products (saturating to +-max, as the reference's clip then cast), a in the low byte: one
+// conversion instruction for the pair.
+__device__ __forceinline__ uint32_t Fp8Pair(float a, float b, bool e5m2) {
+  const float2 v = make_float2(a, b);
+  return e5m2 ? __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E5M2)
+              : __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
 }
 
 // The positive NaN jnp writes for each format (ml_dtypes' conversion of float32 NaN).
@@ -152,20 +161,23 @@ __device__ __forceinline__ BlockScale ScaleOf(uint32_t amax_bits, const Params& 
   return s;
 }
 
-// The code of one element of a block (bits: its stochastic rounding's random bits).
+// The codes of two elements, each of its own block (s0, s1: the same one along a row; bits: their stochastic
+// rounding's random bits).
 template <int kMode, bool kSR>
-__device__ __forceinline__ uint32_t CodeOf(float x, const BlockScale& s, uint32_t bits, bool e5m2) {
-  const float v = __fmul_rn(x, s.mul);
+__device__ __forceinline__ void CodePair(float x0, float x1, const BlockScale& s0, const BlockScale& s1, uint32_t b0,
+                                         uint32_t b1, bool e5m2, uint32_t& c0, uint32_t& c1) {
+  const float v0 = __fmul_rn(x0, s0.mul), v1 = __fmul_rn(x1, s1.mul);
   if constexpr (kMode == kModeNv) {
-    uint32_t c;
     if constexpr (kSR) {
-      c = E2m1Sr(v, bits);
+      c0 = E2m1Sr(v0, b0), c1 = E2m1Sr(v1, b1);
     } else {
-      c = E2m1Rn(v);
+      c0 = E2m1Rn(v0), c1 = E2m1Rn(v1);
     }
-    return s.finite ? c : 0u;
+    c0 = s0.finite ? c0 : 0u, c1 = s1.finite ? c1 : 0u;
   } else {
-    return s.finite ? Fp8Code(v, e5m2) : Fp8Nan(e5m2);
+    const uint32_t pair = Fp8Pair(v0, v1, e5m2);
+    c0 = s0.finite ? pair & 0xFFu : Fp8Nan(e5m2);
+    c1 = s1.finite ? (pair >> 8) & 0xFFu : Fp8Nan(e5m2);
   }
 }
 
@@ -174,7 +186,10 @@ template <int kMode, bool kSR>
 __device__ __forceinline__ void Codes(const float (&f)[8], const BlockScale& s, const uint32_t* bits, bool e5m2,
                                       uint32_t (&codes)[8]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) codes[j] = CodeOf<kMode, kSR>(f[j], s, kSR ? bits[j] : 0u, e5m2);
+  for (int j = 0; j < 8; j += 2) {
+    CodePair<kMode, kSR>(f[j], f[j + 1], s, s, kSR ? bits[j] : 0u, kSR ? bits[j + 1] : 0u, e5m2, codes[j],
+                         codes[j + 1]);
+  }
 }
 
 // ---- writes ---------------------------------------------------------------------------------------------------
@@ -365,13 +380,16 @@ __device__ __forceinline__ void QuantizeColumns(const Params& p, float s_enc, fl
   for (int i = 0; i < kLines; ++i) {
     uint32_t codes[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) codes[j] = CodeOf<kMode, kSR>(in[i].Get(j), sc[j], bits[kSR ? j : 0][i], p.e5m2);
+    for (int j = 0; j < 8; j += 2) {
+      CodePair<kMode, kSR>(in[i].Get(j), in[i].Get(j + 1), sc[j], sc[j + 1], bits[kSR ? j : 0][i],
+                           bits[kSR ? j + 1 : 0][i], p.e5m2, codes[j], codes[j + 1]);
+    }
     StashCodes(tile, g, k, i, codes);
   }
 }
 
 template <typename T, int kMode, bool kTransposed, bool kSR>
-__global__ void __launch_bounds__(kThreads, 2) QuantizeBlockKernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, BlocksPerSm<T, kTransposed, kSR>()) QuantizeBlockKernel(const Params p) {
   __shared__ CodeTile tile;  // the copy's codes (unused without it)
   __shared__ uint32_t colmax[kWarps][kTile];  // the copy of 1 x 32 and 1 x 128 blocks: per-warp column amaxes
   __shared__ uint32_t scratch[kWarps];
