@@ -27,23 +27,25 @@ from te_jax.recipe import Recipe
 __all__ = ["accumulate_gradients", "calibrate", "fp8_state", "split_fp8_state"]
 
 
-def fp8_state(module: nn.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
+def fp8_state(module: nn.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",), *,
+              groups: int | None = None):
   """The state of each GEMM of ``module`` (one per prefix) under ``recipe``, declared at init: ``(x, metas)``.
 
   Variables: ``{prefix}{name}`` for each of the variables the recipe's quantizer declares
   (``Quantizer.state_variables``; under ``DelayedScaling``, ``{prefix}{x,kernel,grad}_amax_history``, float32 of
-  ``amax_history_len``, and ``{prefix}{x,kernel,grad}_scale``, float32 scalars). Under a recipe without state
-  (current scaling, or FP8 off) the metas are None, and a state the variables hold anyway is tied to the input ``x``,
-  so the step hands it back unchanged as its gradient instead of a zero that ``TrainState.apply_gradients`` would
-  write over it.
+  ``amax_history_len``, and ``{prefix}{x,kernel,grad}_scale``, float32 scalars); with ``groups``, one state per
+  group of a grouped GEMM (``te_jax.grouped_dense``'s experts), each variable with a leading ``(groups,)`` dim.
+  Under a recipe without state (current scaling, or FP8 off) the metas are None, and a state the variables hold
+  anyway is tied to the input ``x``, so the step hands it back unchanged as its gradient instead of a zero that
+  ``TrainState.apply_gradients`` would write over it.
   """
   if not keeps_state(recipe):
     return _keep_state(module, x, prefixes), (None,) * len(prefixes)
   quantizer = quantizer_for(recipe)
-  return x, tuple(_meta(module, recipe, quantizer, prefix) for prefix in prefixes)
+  return x, tuple(_meta(module, recipe, quantizer, prefix, groups) for prefix in prefixes)
 
 
-def _meta(module: nn.Module, recipe: Recipe, quantizer: Quantizer, prefix: str):
+def _meta(module: nn.Module, recipe: Recipe, quantizer: Quantizer, prefix: str, groups: int | None):
   declared = quantizer.state_variables
   present = [module.has_variable(FP8_COLLECTION, prefix + var.name) for var in declared]
   if not all(present) and not (module.is_initializing() or module.is_mutable_collection(FP8_COLLECTION)):
@@ -56,7 +58,8 @@ def _meta(module: nn.Module, recipe: Recipe, quantizer: Quantizer, prefix: str):
         "Float8CurrentScaling or autocast(enabled=False).")
   values = []
   for var in declared:
-    value = module.variable(FP8_COLLECTION, prefix + var.name, var.init, var.shape, var.dtype).value
+    shape = var.shape if groups is None else (groups, *var.shape)
+    value = module.variable(FP8_COLLECTION, prefix + var.name, var.init, shape, var.dtype).value
     if differentiated_from_outside(value):
       raise ValueError(
           f"{_where(module)}: this layer's FP8 state is shared by the iterations of a loop or "
@@ -64,8 +67,9 @@ def _meta(module: nn.Module, recipe: Recipe, quantizer: Quantizer, prefix: str):
           f"{FP8_COLLECTION!r}), and autodiff would add their state updates (summed amaxes and scales). Give each "
           f"iteration its own state: list te_jax.FP8_COLLECTION in variable_axes ({{te_jax.FP8_COLLECTION: 0}}), "
           "as for per-layer params; under nn.vmap over examples, apply the module to the whole batch instead.")
-    if value.shape != var.shape:
-      raise ValueError(f"{_where(module)}: {var.wrong_shape(prefix + var.name, value.shape)}")
+    if value.shape != shape:
+      per_group = "" if groups is None else f" for each of {groups} groups, {shape} in all"
+      raise ValueError(f"{_where(module)}: {var.wrong_shape(prefix + var.name, value.shape)}{per_group}")
     values.append(_VIEWS[var.combine](module, value))
   return quantizer.state_meta(values)
 

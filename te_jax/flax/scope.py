@@ -55,11 +55,12 @@ class LinenScope(Scope):
       init_fn = init
     return self.module.param(name, logical(init_fn, tuple(axes)), tuple(shape), dtype)
 
-  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
-    del recipe, prefixes  # linen creates the FP8 state at the call, in fp8_state
+  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",), *,
+                        groups: int | None = None) -> None:
+    del recipe, prefixes, groups  # linen creates the FP8 state at the call, in fp8_state
 
-  def fp8_state(self, recipe, x, prefixes=("",)):
-    return fp8_state(self.module, recipe, x, prefixes)
+  def fp8_state(self, recipe, x, prefixes=("",), *, groups=None):
+    return fp8_state(self.module, recipe, x, prefixes, groups=groups)
 
   def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
     del name, rate, rng_name  # linen creates the dropout at the call

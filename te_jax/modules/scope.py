@@ -47,15 +47,18 @@ class Scope(abc.ABC):
     at once raise)."""
 
   @abc.abstractmethod
-  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
+  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",), *,
+                        groups: int | None = None) -> None:
     """Where the framework creates variables ahead of the call (NNX): the FP8 state of each GEMM (one per prefix)
-    that ``recipe`` keeps. A no-op where the call creates them (linen)."""
+    that ``recipe`` keeps; with ``groups``, one state per group of a grouped GEMM (``te_jax.grouped_dense``'s
+    experts): each variable with a leading ``(groups,)`` dim. A no-op where the call creates them (linen)."""
 
   @abc.abstractmethod
-  def fp8_state(self, recipe: Recipe | None, x: jax.Array, prefixes: tuple[str, ...] = ("",)
-                ) -> tuple[jax.Array, tuple[DenseFp8Meta | None, ...]]:
+  def fp8_state(self, recipe: Recipe | None, x: jax.Array, prefixes: tuple[str, ...] = ("",), *,
+                groups: int | None = None) -> tuple[jax.Array, tuple[DenseFp8Meta | None, ...]]:
     """``(x, metas)``: the FP8 state of each GEMM (one per prefix) for the fused ops, None where ``recipe`` keeps
-    none; a state the variables hold anyway is tied to ``x``, so the step hands it back unchanged."""
+    none (with ``groups``, as ``declare_fp8_state`` declares it); a state the variables hold anyway is tied to
+    ``x``, so the step hands it back unchanged."""
 
   @abc.abstractmethod
   def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:

@@ -40,26 +40,30 @@ class Fp8State(nnx.Variable):
   """
 
 
-def declare_fp8_state(module: nnx.Module, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
+def declare_fp8_state(module: nnx.Module, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",), *,
+                      groups: int | None = None) -> None:
   """At construction: the ``Fp8State`` variables of each GEMM of ``module`` (one per prefix) that the recipe (the
   module's own, else autocast's) keeps, named as the linen modules' collection entries: ``{prefix}{name}`` for each
   variable its quantizer declares (``Quantizer.state_variables``; under ``DelayedScaling``,
   ``{prefix}{x,kernel,grad}_amax_history`` of ``amax_history_len`` and ``{prefix}{x,kernel,grad}_scale``, scalars);
-  none under a recipe without state."""
+  with ``groups``, one state per group of a grouped GEMM (a leading ``(groups,)`` dim); none under a recipe without
+  state."""
   recipe = resolve_recipe(recipe)
   if not keeps_state(recipe):
     return
   declared = quantizer_for(recipe).state_variables
+  lead = () if groups is None else (groups,)
   for prefix in prefixes:
     for var in declared:
-      setattr(module, prefix + var.name, Fp8State(var.init(var.shape, var.dtype)))
+      setattr(module, prefix + var.name, Fp8State(var.init((*lead, *var.shape), var.dtype)))
 
 
-def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",)):
+def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str, ...] = ("",), *,
+              groups: int | None = None):
   """At call time: ``(x, metas)``, the state of each GEMM of ``module`` for the fused ops (as ``te_jax.flax``'s
-  layers hand it over). Under a recipe without state (current scaling, FP8 off) the metas are None, and a state the
-  module holds anyway (each ``Fp8State`` under one of the prefixes) is tied to ``x`` (``keep_state``), so the step
-  hands it back unchanged."""
+  layers hand it over; with ``groups``, as ``declare_fp8_state`` declares it). Under a recipe without state
+  (current scaling, FP8 off) the metas are None, and a state the module holds anyway (each ``Fp8State`` under one of
+  the prefixes) is tied to ``x`` (``keep_state``), so the step hands it back unchanged."""
   if not keeps_state(recipe):
     views = [_view(module, name, var) for prefix in prefixes for name, var in vars(module).items()
              if isinstance(var, Fp8State) and name.startswith(prefix)]
@@ -75,8 +79,10 @@ def fp8_metas(module: nnx.Module, recipe: Recipe | None, x, prefixes: tuple[str,
           f"recipe={type(recipe).__name__}()), or give the module recipe={type(recipe).__name__}(). To run without "
           "that state, use Float8CurrentScaling or autocast(enabled=False).")
     for name, var, v in held:  # its trailing dims (leading ones are a stack's, StateVariable.shape)
-      if v.shape[len(v.shape) - len(var.shape):] != var.shape:
-        raise ValueError(f"{type(module).__name__}: {var.wrong_shape(name, v.shape)}")
+      shape = var.shape if groups is None else (groups, *var.shape)
+      if v.shape[len(v.shape) - len(shape):] != shape:
+        per_group = "" if groups is None else f" for each of {groups} groups, {shape} in all"
+        raise ValueError(f"{type(module).__name__}: {var.wrong_shape(name, v.shape)}{per_group}")
     metas.append(quantizer.state_meta([_handed_over(module, name, v, var.combine) for name, var, v in held]))
   return x, tuple(metas)
 

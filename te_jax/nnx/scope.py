@@ -64,12 +64,13 @@ class NnxScope(Scope):
                        f"{shape}: the layer was built for other sizes (its constructor's in_features, ...)")
     return value
 
-  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",)) -> None:
+  def declare_fp8_state(self, recipe: Recipe | None, prefixes: tuple[str, ...] = ("",), *,
+                        groups: int | None = None) -> None:
     if self.building:
-      declare_fp8_state(self.module, recipe, prefixes)
+      declare_fp8_state(self.module, recipe, prefixes, groups=groups)
 
-  def fp8_state(self, recipe, x, prefixes=("",)):
-    return fp8_metas(self.module, recipe, x, prefixes)
+  def fp8_state(self, recipe, x, prefixes=("",), *, groups=None):
+    return fp8_metas(self.module, recipe, x, prefixes, groups=groups)
 
   def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
     if self.building:
