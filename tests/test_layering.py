@@ -183,8 +183,12 @@ DOCSTRING_API = {
     "te_jax.flax": {
         "convert_like": "a checkpoint conversion applied to the optimizer state's parameter-shaped subtrees "
                         "(convert_train_state's building block, for a state of one's own)",
+        "MoEBlock": "the mixture-of-experts MLP; its docstring shows the train step with its losses and expert bias",
     },
-    "te_jax.nnx": {},
+    "te_jax.nnx": {
+        "AuxLoss": "the variables of MoEBlock's auxiliary losses, which a train step sums into its loss",
+        "MoEBlock": "the mixture-of-experts MLP; its docstring shows the train step with its losses and expert bias",
+    },
     "te_jax.ops": {
         "grouped_gemm": "the grouped (ragged) GEMMs of mixture-of-experts layers that te_jax.grouped_dense runs, "
                         "documented in its docstrings",

@@ -17,6 +17,7 @@ from te_jax.flax.fp8_state import calibrate as calibrate
 from te_jax.flax.fp8_state import split_fp8_state as split_fp8_state
 from te_jax.flax.layernorm_dense import LayerNormDenseGeneral as LayerNormDenseGeneral
 from te_jax.flax.layernorm_mlp import LayerNormMLP as LayerNormMLP
+from te_jax.flax.moe import MoEBlock as MoEBlock
 from te_jax.flax.normalization import LayerNorm as LayerNorm
 from te_jax.flax.params import LOGICAL_AXES as LOGICAL_AXES
 from te_jax.flax.sharding import logical_axis_rules as logical_axis_rules
@@ -24,7 +25,7 @@ from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
     "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
-    "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
-    "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state", "flax_block_to_te",
-    "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
+    "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
+    "TransformerLayer", "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state",
+    "flax_block_to_te", "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
 ]

@@ -16,10 +16,12 @@ from te_jax.nnx.fp8_state import value_and_grad as value_and_grad
 from te_jax.nnx.layernorm import LayerNorm as LayerNorm
 from te_jax.nnx.layernorm import LayerNormDenseGeneral as LayerNormDenseGeneral
 from te_jax.nnx.layernorm import LayerNormMLP as LayerNormMLP
+from te_jax.nnx.moe import AuxLoss as AuxLoss
+from te_jax.nnx.moe import MoEBlock as MoEBlock
 from te_jax.nnx.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
-    "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm", "LayerNormDenseGeneral",
-    "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "calibrate", "from_linen",
-    "grad", "to_linen", "update_fp8_state", "value_and_grad",
+    "AuxLoss", "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm",
+    "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
+    "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen", "update_fp8_state", "value_and_grad",
 ]
