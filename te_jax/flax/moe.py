@@ -173,4 +173,6 @@ class MoEBlock(nn.Module):
                        "argument")
     given = (self.deterministic, deterministic)
     mode = None if given == (None, None) else bool(nn.merge_param("deterministic", *given))
+    if mode is None and self.is_initializing():
+      mode = True  # init neither updates the bias nor sows
     return moe_block(LinenScope(self), LinenMoEState(self), options_of(self, MoEBlockOptions), inputs, mode)
