@@ -294,11 +294,12 @@ def test_block_scaled_dense_runs_native_on_the_gpu(gpu):
                 for role, v in (("x", x), ("kernel", w), ("grad", gy)))
   f64 = lambda q: np.asarray(q.dequantize(jnp.float32), np.float64)  # noqa: E731
   emu = lambda a, b: np.asarray(_dot(_deq(a), _deq(b)), np.float64)  # noqa: E731  (on the CPU, with its operands)
-  for got, a, b in ((y, qx, qw.transposed()), (dx, qg, qw), (dw, qx.transposed(), qg.transposed())):
+  for name, got, a, b in (("forward", y, qx, qw.transposed()), ("dgrad", dx, qg, qw),
+                           ("wgrad", dw, qx.transposed(), qg.transposed())):
     exact = f64(a) @ f64(b).T
     ours = np.asarray(got, np.float64)
     same_math = emu(a, b)
     if got.dtype == BF16:  # rounded to the output dtype, as the layer's output is
       same_math = np.asarray(jnp.asarray(same_math, jnp.float32).astype(BF16), np.float64)
     err, ref_err = np.max(np.abs(ours - exact)), np.max(np.abs(same_math - exact))
-    assert err <= 2 * ref_err + 1e-6, (err, ref_err)
+    assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)

@@ -67,8 +67,8 @@ constexpr int BlockCols() {
 
 struct Params {
   const void* x;
-  const float* s_enc;     // NVFP4: 448 * 6 / global amax
-  const float* s_dec;     // NVFP4: 1 / s_enc
+  const float* amax;      // NVFP4: the global amax (s_enc = 448 * 6 / amax, s_dec = 1 / s_enc)
+  float* s_dec_out;       // NVFP4: s_dec, written by the first block
   const uint32_t* bits;   // stochastic rounding's bits of x, or null
   const uint32_t* bits_t; // ... of the copy (1 x 16 blocks), or null
   uint8_t* data;
@@ -92,8 +92,8 @@ __device__ __forceinline__ uint32_t Fp8Pair(float a, float b, bool e5m2) {
               : __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
 }
 
-// The positive NaN jnp writes for each format (ml_dtypes' conversion of float32 NaN).
-__device__ __forceinline__ uint32_t Fp8Nan(bool e5m2) { return e5m2 ? 0x7Eu : 0x7Fu; }
+// The FP8 NaN of the reference (0x7F in both formats: E4M3 S.1111.111, E5M2 S.11111.11).
+__device__ __forceinline__ uint32_t Fp8Nan(bool) { return 0x7Fu; }
 
 __device__ __forceinline__ float E4m3Value(uint32_t code) {
   __nv_fp8_e4m3 f;
@@ -121,6 +121,17 @@ __device__ __forceinline__ uint32_t E2m1Sr(float v, uint32_t bits) {
 }
 
 // ---- per-block scales -----------------------------------------------------------------------------------------
+
+// NVFP4's global scale from the tensor's amax: s_enc = compute_scale(amax, 1, 448 * 6) (the quotient where it is a
+// positive finite float32 and amax a positive finite one, else 1), s_dec = 1 / s_enc; IEEE division and reciprocal, as
+// the reference's on XLA:CPU (each block computes them: one division, instead of XLA:GPU's of the same jnp, which can
+// differ in the last bits).
+__device__ __forceinline__ void GlobalScale(float amax, float& s_enc, float& s_dec) {
+  const float q = __fdiv_rn(448.0f * 6.0f, amax);
+  const bool ok = amax > 0.0f && amax <= kF32Max && q <= kF32Max && q > 0.0f;
+  s_enc = ok ? q : 1.0f;
+  s_dec = __frcp_rn(s_enc);
+}
 
 struct BlockScale {
   float mul;       // what the block's elements are multiplied by before their cast
@@ -405,7 +416,10 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<T, kTransposed, kSR>()) 
   const bool col_ok = col < p.cols;
   const T* x = static_cast<const T*>(p.x) + b * p.rows * p.cols;
   float s_enc = 0.0f, s_dec = 0.0f;
-  if constexpr (kMode == kModeNv) s_enc = *p.s_enc, s_dec = *p.s_dec;
+  if constexpr (kMode == kModeNv) {
+    GlobalScale(*p.amax, s_enc, s_dec);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *p.s_dec_out = s_dec;
+  }
 
   Chunk<T> in[kLines];
 #pragma unroll
@@ -498,6 +512,12 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<T, kTransposed, kSR>()) 
   }
 }
 
+__global__ void GlobalScaleKernel(const float* amax, float* s_dec) {
+  float s_enc, d;
+  GlobalScale(*amax, s_enc, d);
+  *s_dec = d;
+}
+
 template <typename T, int kMode, bool kTransposed, bool kSR>
 ffi::Error Launch(cudaStream_t stream, const Params& p) {
   const int64_t blocks = p.batch * p.tiles_m * p.tiles_n;
@@ -533,10 +553,11 @@ int64_t ScaleCount(int64_t mode, bool block_2d, const QuantizeBlockView& v) {
   return v.batch * v.rows * CeilDiv(v.cols, block);
 }
 
-ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_enc, ffi::AnyBuffer s_dec,
-                             ffi::AnyBuffer bits, ffi::AnyBuffer bits_t, ffi::Result<ffi::AnyBuffer> data,
+ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax, ffi::AnyBuffer bits,
+                             ffi::AnyBuffer bits_t, ffi::Result<ffi::AnyBuffer> data,
                              ffi::Result<ffi::AnyBuffer> scale, ffi::Result<ffi::AnyBuffer> data_t,
-                             ffi::Result<ffi::AnyBuffer> scale_t, int64_t mode, bool power_of_two, bool block_2d) {
+                             ffi::Result<ffi::AnyBuffer> scale_t, ffi::Result<ffi::AnyBuffer> s_dec, int64_t mode,
+                             bool power_of_two, bool block_2d) {
   if (mode != kMode1x128 && mode != kMode128 && mode != kModeMx && mode != kModeNv) {
     return ffi::Error::InvalidArgument("quantize_block: mode must be BLOCK_1X128, BLOCK_128X128, MXFP8_1X32 or "
                                        "NVFP4_1X16, got " + std::to_string(mode));
@@ -566,9 +587,10 @@ ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
       (transposed && static_cast<int64_t>(scale_t->element_count()) != ScaleCount(mode, block_2d, vt))) {
     return ffi::Error::InvalidArgument("quantize_block: scale_inv (and scale_inv_t) must have the mode's scale shape");
   }
-  if (nvfp4 && (s_enc.element_count() != 1 || s_dec.element_count() != 1 ||
-                s_enc.element_type() != ffi::DataType::F32 || s_dec.element_type() != ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("quantize_block: NVFP4 takes s_enc and s_dec as float32 scalars");
+  if (nvfp4 && (amax.element_count() != 1 || s_dec->element_count() != 1 ||
+                amax.element_type() != ffi::DataType::F32 || s_dec->element_type() != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("quantize_block: NVFP4 takes the global amax and returns s_dec as float32 "
+                                       "scalars");
   }
   if (sr && (!nvfp4 || static_cast<int64_t>(bits.element_count()) != n || bits.element_type() != ffi::DataType::U32 ||
              (transposed && !block_2d) != (bits_t.element_count() > 0) ||
@@ -576,12 +598,19 @@ ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
     return ffi::Error::InvalidArgument("quantize_block: stochastic rounding (NVFP4) takes uint32 bits of x's size, "
                                        "and of the copy's for 1 x 16 blocks with the copy");
   }
-  if (n == 0) return ffi::Error::Success();
+  if (n == 0) {  // no blocks: NVFP4's s_dec still comes out (of the amax given, or 0: 1)
+    if (nvfp4) {
+      GlobalScaleKernel<<<1, 1, 0, stream>>>(static_cast<const float*>(amax.untyped_data()),
+                                             static_cast<float*>(s_dec->untyped_data()));
+      return LastCudaError("quantize_block global scale launch");
+    }
+    return ffi::Error::Success();
+  }
 
   Params p{};
   p.x = x.untyped_data();
-  p.s_enc = nvfp4 ? static_cast<const float*>(s_enc.untyped_data()) : nullptr;
-  p.s_dec = nvfp4 ? static_cast<const float*>(s_dec.untyped_data()) : nullptr;
+  p.amax = nvfp4 ? static_cast<const float*>(amax.untyped_data()) : nullptr;
+  p.s_dec_out = nvfp4 ? static_cast<float*>(s_dec->untyped_data()) : nullptr;
   p.bits = sr ? static_cast<const uint32_t*>(bits.untyped_data()) : nullptr;
   p.bits_t = sr && bits_t.element_count() > 0 ? static_cast<const uint32_t*>(bits_t.untyped_data()) : nullptr;
   p.data = static_cast<uint8_t*>(data->untyped_data());
@@ -613,14 +642,14 @@ ffi::Error QuantizeBlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeBlockCudaHandler, QuantizeBlockCuda,
                               BindWithStream()
                                   .Arg<ffi::AnyBuffer>()  // x: f32/bf16/f16, rank >= 1
-                                  .Arg<ffi::AnyBuffer>()  // s_enc: NVFP4's f32 global scale, or empty
-                                  .Arg<ffi::AnyBuffer>()  // s_dec: its reciprocal, or empty
+                                  .Arg<ffi::AnyBuffer>()  // amax: NVFP4's f32 global amax, or empty
                                   .Arg<ffi::AnyBuffer>()  // bits: u32 per element of x (stochastic rounding), or empty
                                   .Arg<ffi::AnyBuffer>()  // bits_t: u32 per element of the copy, or empty
                                   .Ret<ffi::AnyBuffer>()  // data: FP8 / E2M1 (packed), x's shape
                                   .Ret<ffi::AnyBuffer>()  // scale_inv: the mode's scale shape and dtype
                                   .Ret<ffi::AnyBuffer>()  // data_t: the transposed copy, or empty
                                   .Ret<ffi::AnyBuffer>()  // scale_inv_t: its scales, or empty
+                                  .Ret<ffi::AnyBuffer>()  // s_dec: NVFP4's f32 1 / s_enc, or empty
                                   .Attr<int64_t>("mode")        // te_jax::ScalingMode's number
                                   .Attr<bool>("power_of_two")   // BLOCK_*: power-of-two scales
                                   .Attr<bool>("block_2d"),      // NVFP4: 16 x 16 blocks

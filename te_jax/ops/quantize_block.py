@@ -95,8 +95,8 @@ from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode, scale_in
 from te_jax._core.scaling import compute_scale, fp8_max
 from te_jax.ops.quantize import amax_f32, check_input, every_axis_divides, saturating_cast
 
-__all__ = ["BLOCK_MODES", "E2M1", "QuantizeBlockConfig", "block_amax", "check_whole_blocks", "nvfp4_global_scale",
-           "quantize_block", "quantize_block_ref", "quantize_nvfp4_ref"]
+__all__ = ["BLOCK_MODES", "E2M1", "QuantizeBlockConfig", "block_amax", "check_whole_blocks", "nvfp4_global_amax",
+           "nvfp4_global_scale", "quantize_block", "quantize_block_ref", "quantize_nvfp4_ref"]
 
 #: The block-scaled modes ``quantize_block_ref`` writes.
 BLOCK_MODES = (ScalingMode.BLOCK_1X128, ScalingMode.BLOCK_128X128, ScalingMode.MXFP8_1X32, ScalingMode.NVFP4_1X16)
@@ -148,7 +148,10 @@ def _floor_pow2(scale: jax.Array) -> jax.Array:
 
 
 def _nan_where_not(finite: jax.Array, data: jax.Array) -> jax.Array:
-  return jnp.where(finite, data, jnp.asarray(jnp.nan, data.dtype))
+  """``data`` where ``finite``, else the FP8 NaN 0x7F (E4M3 S.1111.111, E5M2 S.11111.11): built from its bits, since a
+  float32 NaN converted to E5M2 gives 0x7E through ml_dtypes and 0x7F through XLA."""
+  nan = jax.lax.bitcast_convert_type(jnp.uint8(0x7F), data.dtype)
+  return jnp.where(finite, data, nan)
 
 
 def _fp8_block(xf: jax.Array, block: tuple[int, int], dtype, power_of_two: bool):
@@ -333,16 +336,22 @@ def quantize_nvfp4_ref(x: jax.Array, *, block_2d: bool = False, with_transposed:
   x = check_input(x)
   global_amax, key = _check_nvfp4_args(x, block_2d, with_transposed, global_amax, key)
   xf = x.astype(jnp.float32)
-  s_enc, s_dec = nvfp4_global_scale(xf, global_amax)
+  s_enc, s_dec = nvfp4_global_scale(nvfp4_global_amax(xf, global_amax))
   bits, bits_t = _nvfp4_bits(key, xf.shape, with_transposed and not block_2d)
   data, inv, data_t, inv_t = _nvfp4_outputs(xf, s_enc, s_dec, bits, bits_t, block_2d, with_transposed)
   return QuantizedTensor(data, inv, data_t, inv_t, global_scale_inv=s_dec, mode=ScalingMode.NVFP4_1X16)
 
 
-def nvfp4_global_scale(xf: jax.Array, global_amax: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """NVFP4's ``(s_enc, s_dec)``: ``448 * 6 / amax`` (``compute_scale``, previous scale 1) and its reciprocal, from
-  ``global_amax`` or else from ``max|x|`` over x's finite elements (an XLA reduction, ahead of the cast)."""
-  amax = amax_f32(jnp.where(jnp.isfinite(xf), xf, 0.0)) if global_amax is None else global_amax
+def nvfp4_global_amax(xf: jax.Array, global_amax: jax.Array | None) -> jax.Array:
+  """The amax of NVFP4's global scale: ``global_amax``, or else ``max|x|`` over x's finite elements (an XLA
+  reduction ahead of the cast: exact on every backend)."""
+  return amax_f32(jnp.where(jnp.isfinite(xf), xf, 0.0)) if global_amax is None else global_amax
+
+
+def nvfp4_global_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """NVFP4's ``(s_enc, s_dec)`` from the global amax: ``448 * 6 / amax`` (``compute_scale``, previous scale 1) and its
+  reciprocal. The kernel computes them itself from ``amax`` (IEEE division, as XLA:CPU's; XLA:GPU's float32 division
+  of the same jnp can differ in the last bits)."""
   s_enc = compute_scale(amax, jnp.float32(1.0), _E4M3_MAX * _E2M1_MAX)
   return s_enc, scale_inv(s_enc)
 
@@ -406,8 +415,8 @@ class QuantizeBlockConfig:
     power_of_two_scales: BLOCK_* scales rounded down to powers of two.
     with_transposed: also the transposed copy (``data_t``, ``scale_inv_t``).
     block_2d: NVFP4's 16 x 16 blocks.
-    stochastic: NVFP4's stochastic rounding: the operands after ``(x, s_enc, s_dec)`` are the random bits of x (and
-      of the transposed copy of 1 x 16 blocks).
+    stochastic: NVFP4's stochastic rounding: the operands after ``(x, amax)`` are the random bits of x (and of the
+      transposed copy of 1 x 16 blocks).
   """
 
   mode: ScalingMode
@@ -437,14 +446,15 @@ class QuantizeBlockConfig:
 
 def _block_ref(x, *extra, config: QuantizeBlockConfig):
   """The primitive's definition: ``quantize_block_ref`` / ``quantize_nvfp4_ref`` after their argument checks, with
-  NVFP4's global scale and random bits as operands."""
+  NVFP4's global amax and random bits as operands, and its global scale's reciprocal (``s_dec``) the last result."""
   xf = x.astype(jnp.float32)
   if not config.nvfp4:
     outs = _fp8_outputs(xf, config.mode, config.out_dtype, config.power_of_two_scales, config.with_transposed)
   else:
-    s_enc, s_dec, *bits = extra
+    amax, *bits = extra
     bits = bits + [None] * (2 - len(bits))
-    outs = _nvfp4_outputs(xf, s_enc, s_dec, bits[0], bits[1], config.block_2d, config.with_transposed)
+    s_enc, s_dec = nvfp4_global_scale(amax)
+    outs = (*_nvfp4_outputs(xf, s_enc, s_dec, bits[0], bits[1], config.block_2d, config.with_transposed), s_dec)
   return [o for o in outs if o is not None]
 
 
@@ -455,22 +465,26 @@ def _abstract_eval(x, *extra, config: QuantizeBlockConfig):
   if config.with_transposed:
     t = (*x.shape[:-2], x.shape[-1], x.shape[-2])
     outs += [output_aval(x, t, config.out_dtype), output_aval(x, mode.scale_shape(t), mode.scale_dtype)]
+  if config.nvfp4:
+    outs.append(output_aval(x, (), jnp.float32))
   return outs
 
 
-# The CUDA handler's operands after x: s_enc, s_dec (float32 scalars), bits, bits_t (uint32); those a call lacks are
-# empty. Its results: data, scale_inv, data_t, scale_inv_t, the copy's empty without it.
-_EMPTY_OPERANDS = (np.zeros((0,), np.float32), np.zeros((0,), np.float32), np.zeros((0,), np.uint32),
-                   np.zeros((0,), np.uint32))
+# The CUDA handler's operands after x: amax (NVFP4's float32 scalar), bits, bits_t (uint32); those a call lacks are
+# empty. Its results: data, scale_inv, data_t, scale_inv_t, s_dec (NVFP4's float32 scalar), those a call lacks empty.
+_EMPTY_OPERANDS = (np.zeros((0,), np.float32), np.zeros((0,), np.uint32), np.zeros((0,), np.uint32))
 
 
 def _native_signature(platform: str, config: QuantizeBlockConfig, avals_in, avals_out) -> NativeSignature:
   del platform
-  results = list(avals_out)
-  if not config.with_transposed:
-    empty = jax.core.ShapedArray((0,), config.out_dtype)
-    results += [empty, jax.core.ShapedArray((0,), config.mode.scale_dtype)]
-  keep = list(range(len(avals_out)))
+  empty = lambda dtype: jax.core.ShapedArray((0,), dtype)  # noqa: E731
+  results = list(avals_out[:2])
+  if config.with_transposed:
+    results += list(avals_out[2:4])
+  else:
+    results += [empty(config.out_dtype), empty(config.mode.scale_dtype)]
+  results.append(avals_out[-1] if config.nvfp4 else empty(jnp.float32))
+  keep = [0, 1] + [2, 3] * config.with_transposed + [4] * config.nvfp4
   return NativeSignature(extra_operands=_EMPTY_OPERANDS[len(avals_in) - 1:], result_avals=results, keep=keep)
 
 
@@ -506,7 +520,8 @@ def _partition(config: QuantizeBlockConfig, mesh, arg_shapes, result_shape):
   check_whole_blocks(config, mesh, x.shape, spec)
   same, swapped = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*_swap_spec(spec)))
   outs = [same, same] + ([swapped, swapped] if config.with_transposed else [])
-  args = [same] + [NamedSharding(mesh, P())] * (2 if config.nvfp4 else 0)
+  outs += [NamedSharding(mesh, P())] * config.nvfp4
+  args = [same] + [NamedSharding(mesh, P())] * config.nvfp4
   args += [same] * config.stochastic + [swapped] * config.transposed_bits
 
   def lower_fn(*operands):
@@ -550,10 +565,11 @@ def _sharding_rule(config: QuantizeBlockConfig, mesh, value_types, result_types)
     scale[nd - 2:nd - 1] = x[nd - 2:nd - 1]
     scale_t[nd - 1] = x[nd - 1]
   x_s, t_s = " ".join(x), " ".join(_swap_spec(tuple(x)))
-  operands = [x_s] + ["", ""] * config.nvfp4 + [x_s] * config.stochastic + [t_s] * config.transposed_bits
+  operands = [x_s] + [""] * config.nvfp4 + [x_s] * config.stochastic + [t_s] * config.transposed_bits
   results = [x_s, " ".join(scale)]
   if config.with_transposed:
     results += [t_s, " ".join(_swap_spec(tuple(scale_t)))]
+  results += [""] * config.nvfp4
   # Shardy takes the sizes of the factors that appear only inside compound dims.
   whole = {dim for mapping in operands + results for dim in mapping.split(" ") if not dim.startswith("(")}
   sizes = {f: n for f, n in sizes.items() if f not in whole}
@@ -571,20 +587,20 @@ def _visible_sharding(x) -> NamedSharding | None:
 
 def _batcher(args, dims, *, config: QuantizeBlockConfig):
   """vmap: a leading dim is a batch dim of every mode, so x's batch dim moves to the front and one call quantizes
-  the stack; NVFP4 with a global scale per element (computed from each element's amax) runs once per element."""
-  if config.nvfp4 and (dims[1] is not None or dims[2] is not None):
+  the stack; NVFP4 with a global amax per element (each element's own) runs once per element."""
+  if config.nvfp4 and dims[1] is not None:
     return sequential_batcher(_OP)(args, dims, config=config)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   moved = []
   for i, (a, d) in enumerate(zip(args, dims)):
-    if config.nvfp4 and i in (1, 2):
+    if config.nvfp4 and i == 1:
       moved.append(a)
     elif d is None:
       moved.append(jnp.broadcast_to(a, (size, *a.shape)))
     else:
       moved.append(jnp.moveaxis(a, d, 0))
   outs = _OP.bind(*moved, config=config)
-  return list(outs), [0] * len(outs)
+  return list(outs), [0] * (len(outs) - config.nvfp4) + [None] * config.nvfp4
 
 
 _OP = define_op(
@@ -653,10 +669,10 @@ def quantize_block(x: jax.Array, mode: ScalingMode, dtype=None, *, power_of_two_
   if visible is not None:  # where x's sharding is known here; under jax.jit, partition checks it
     check_whole_blocks(config, visible.mesh, x.shape, full_spec(visible, x.ndim))
   operands = [x]
-  s_dec = None
   if config.nvfp4:
-    s_enc, s_dec = nvfp4_global_scale(x.astype(jnp.float32), global_amax)
     bits = _nvfp4_bits(key, x.shape, config.transposed_bits)
-    operands += [s_enc, s_dec, *(b for b in bits if b is not None)]
-  outs = list(_OP.bind(*operands, config=config)) + [None, None]
+    operands += [nvfp4_global_amax(x.astype(jnp.float32), global_amax), *(b for b in bits if b is not None)]
+  outs = list(_OP.bind(*operands, config=config))
+  s_dec = outs.pop() if config.nvfp4 else None
+  outs += [None, None]
   return QuantizedTensor(outs[0], outs[1], outs[2], outs[3], global_scale_inv=s_dec, mode=mode)
