@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax._core import scaling
+from te_jax._core.manual_axes import varying_axes
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.fused.linear import (Fp8Config, as_arrays, fp8_dims_aligned, fp8_recipe, instantiate, keep_state,
                                  keeps_state, primal_values, state_as_float32, state_like)
@@ -54,7 +55,8 @@ from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.grouped_gemm import check_group_sizes, group_amax, group_ids, grouped_gemm, quantize_by_group
 from te_jax.recipe import Recipe
 
-__all__ = ["grouped_dense", "grouped_fp8_meta", "token_align"]
+__all__ = ["GroupedConfig", "GroupedResiduals", "QuantizedRows", "check_grouped_meta", "grouped_config", "grouped_dense",
+           "grouped_dense_bwd", "grouped_dense_fwd", "grouped_fp8_meta", "token_align"]
 
 
 def grouped_fp8_meta(groups: int, history_len: int) -> DenseFp8Meta:
@@ -82,12 +84,26 @@ def token_align(fp8: Fp8Config | None) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-  fp8: Fp8Config | None  # None: high precision
-  align: int  # each group's rows start at a multiple of it in the GEMMs' layout
+class GroupedConfig:
+  """The static parameters of one ``grouped_dense`` (``grouped_config`` builds it).
+
+  Attributes:
+    fp8: the FP8 GEMMs' config; None: high precision.
+    align: each group's rows start at a multiple of it in the GEMMs' layout (``token_align``).
+    out_dtype: the compute dtype (x's): the output's and the input gradient's.
+    kernel_dtype: the kernel gradient's dtype.
+    bias_dtype: the bias gradient's dtype; None: no bias.
+    group_axes: inside ``jax.shard_map``, the manual mesh axes the groups are sharded over (expert parallelism: each
+      device holds other experts): current scaling's per-group and per-kernel amaxes are max-reduced over the other
+      axes their values vary over, never over these, which hold other groups.
+  """
+
+  fp8: Fp8Config | None
+  align: int
   out_dtype: jnp.dtype
   kernel_dtype: jnp.dtype
   bias_dtype: jnp.dtype | None
+  group_axes: frozenset[str] = frozenset()
 
   def padded_rows(self, rows: int, groups: int) -> int:
     """The rows of the group-aligned layout: enough for any group sizes summing to at most ``rows``."""
@@ -115,7 +131,7 @@ class _Layout(NamedTuple):
     return jnp.take(y, self.positions, axis=0, mode="fill", fill_value=0)
 
 
-def _layout(cfg: _Config, group_sizes: jax.Array, rows: int) -> _Layout:
+def _layout(cfg: GroupedConfig, group_sizes: jax.Array, rows: int) -> _Layout:
   groups = group_sizes.shape[0]
   if cfg.align == 1:
     return _Layout(None, group_sizes, rows)
@@ -131,7 +147,27 @@ def _layout(cfg: _Config, group_sizes: jax.Array, rows: int) -> _Layout:
   return _Layout(positions, jnp.where(valid, padded, -1), padded_rows)
 
 
-class _Residuals(NamedTuple):
+class QuantizedRows(NamedTuple):
+  """Rows (M, K) that arrive already cast by the recipe's quantizer for their role (``"x"`` in the forward pass,
+  ``"grad"`` in the backward), such as tokens received in FP8 from another device
+  (``te_jax.fused.expert_parallel``), in place of their high-precision values.
+
+  Attributes:
+    q: a ``QuantizedTensor`` (M, K) without a transposed copy. Per-tensor recipes: ``scale_inv`` (G,), each group's
+      rows cast with the scale ``grouped_dense`` would give them (the group's state under delayed scaling, the
+      scale of the group's amax under current scaling). Block-scaled recipes: 1 x B row scales (``BLOCK_1X128``,
+      ``MXFP8_1X32``; NVFP4's per-tensor global scale cannot be split by rows).
+    amax: per-tensor recipes, (G,) float32, each group's ``max|x|`` before the cast (what delayed scaling records);
+      None for block-scaled ones.
+  """
+
+  q: QuantizedTensor
+  amax: jax.Array | None
+
+
+class GroupedResiduals(NamedTuple):
+  """What ``grouped_dense_fwd`` keeps for ``grouped_dense_bwd``."""
+
   x_t: QuantizedTensor | jax.Array  # the transposed input (K, rows of the layout), FP8 or x's dtype
   w: QuantizedTensor | jax.Array  # the kernels (G, K, N), FP8 or x's dtype
   group_sizes: jax.Array
@@ -147,30 +183,60 @@ def _saved(t):
   return t
 
 
-def _quantize_rows(fp8: Fp8Config, role: str, state, x: jax.Array, sizes: jax.Array, dtype):
+def _quantize_rows(cfg: GroupedConfig, role: str, state, x: jax.Array | QuantizedRows, sizes: jax.Array, dtype):
   """``x`` (rows of the layout, features), its rows grouped by ``sizes``, quantized with its transposed copy; and
   each group's amax for per-tensor recipes (None for block-scaled ones, which keep no state).
 
   Per tensor, each group's scale is the quantizer's scale of a tensor holding that group's rows: a per-tensor
   quantizer reads a tensor only through its amax (max|x|), so the group's amax, as a tensor of one element, stands
   for its rows (current scaling: the scale from it; delayed scaling: the state's scale, or in a calibration pass the
-  scale from it)."""
-  quantizer = fp8.quantizer
+  scale from it).
+
+  Rows that arrive quantized (``QuantizedRows``, laid out) keep their codes; their transposed copy is the same bytes
+  transposed per tensor, and for 1 x B blocks (which run along the tokens in the copy) the cast of their dequantized
+  values."""
+  quantizer = fp8.quantizer if (fp8 := cfg.fp8) else None
+  if isinstance(x, QuantizedRows):
+    q = x.q
+    if q.mode is ScalingMode.PER_TENSOR:
+      return dataclasses.replace(q, data_t=q.data.T, scale_inv_t=q.scale_inv), x.amax
+    copy = quantizer.quantize(role, None, q.dequantize(cfg.out_dtype).T, dtype).out
+    return dataclasses.replace(q, data_t=copy.data, scale_inv_t=copy.scale_inv), None
   if quantizer.mode_for(role) is ScalingMode.PER_TENSOR:
     amax = group_amax(x, sizes)
-    scale = jax.vmap(lambda s, a: quantizer.scale(s, a.reshape(1), dtype))(state, amax)
+    axes = varying_axes(amax) - cfg.group_axes if cfg.group_axes else None
+    scale = jax.vmap(lambda s, a: quantizer.scale(s, a.reshape(1), dtype, axes))(state, amax)
     return quantize_by_group(x, scale, sizes, dtype, transpose=True), amax
   return quantizer.quantize(role, None, x, dtype, transpose=True, transpose_batch_dims=0).out, None
 
 
-def _quantize_kernels(fp8: Fp8Config, state, kernel: jax.Array):
+def _quantize_kernels(cfg: GroupedConfig, state, kernel: jax.Array):
   """Each expert's (K, N) kernel quantized on its own by the recipe's quantizer, with its transposed copy (N, K)."""
+  fp8 = cfg.fp8
+  axes = fp8.kernel_axes
+  if cfg.group_axes:
+    axes = (varying_axes(kernel) if axes is None else axes) - cfg.group_axes
 
   def one(s, w):
-    out = fp8.quantizer.quantize("kernel", s, w, fp8.fwd_dtype, shard_axes=fp8.kernel_axes, transpose=True)
+    out = fp8.quantizer.quantize("kernel", s, w, fp8.fwd_dtype, shard_axes=axes, transpose=True)
     return out.out, out.amax
 
   return jax.vmap(one)(state, kernel)
+
+
+def _scatter_rows(layout: _Layout, x: jax.Array | QuantizedRows) -> jax.Array | QuantizedRows:
+  """``x`` in the group-aligned layout; quantized rows with their row scales (the padding rows: zeros, scale 1)."""
+  if not isinstance(x, QuantizedRows):
+    return layout.scatter(x)
+  q = x.q
+  if layout.positions is None:
+    return x
+  data = layout.scatter(q.data)
+  if q.mode.block is None:
+    return x._replace(q=dataclasses.replace(q, data=data))
+  scales = jnp.ones((layout.rows, q.scale_inv.shape[1]), q.scale_inv.dtype).at[layout.positions].set(
+      q.scale_inv, mode="drop")
+  return x._replace(q=dataclasses.replace(q, data=data, scale_inv=scales))
 
 
 def _bias_rows(bias: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -180,39 +246,54 @@ def _bias_rows(bias: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grouped(cfg: _Config, x, kernel, bias, group_sizes, meta):
-  return _forward(cfg, x, kernel, bias, group_sizes, meta)[0]
+def _grouped(cfg: GroupedConfig, x, kernel, bias, group_sizes, meta):
+  return grouped_dense_fwd(cfg, x, kernel, bias, group_sizes, meta)[0]
 
 
-def _grouped_fwd(cfg: _Config, *primals):
-  return _forward(cfg, *primal_values(primals, trained=(1,), states=(4,)))
+def _grouped_fwd(cfg: GroupedConfig, *primals):
+  return grouped_dense_fwd(cfg, *primal_values(primals, trained=(1,), states=(4,)))
 
 
-def _forward(cfg: _Config, x, kernel, bias, group_sizes, meta_in):
-  rows = x.shape[0]
+def grouped_dense_fwd(cfg: GroupedConfig, x: jax.Array | QuantizedRows, kernel: jax.Array, bias: jax.Array | None,
+                      group_sizes: jax.Array, meta_in: DenseFp8Meta | None
+                      ) -> tuple[jax.Array, GroupedResiduals]:
+  """The forward pass of ``grouped_dense`` (its arguments checked, ``cfg`` from ``grouped_config``): the output and
+  what ``grouped_dense_bwd`` needs, for a fused op that runs the grouped GEMM inside its own ``custom_vjp``. Under
+  FP8, ``x`` may arrive quantized (``QuantizedRows``)."""
+  rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.shape[0]
   fp8 = cfg.fp8
   layout = _layout(cfg, group_sizes, rows)
   if fp8 is None:
     w = kernel.astype(x.dtype)
     y = grouped_gemm(x, jnp.swapaxes(w, 1, 2), group_sizes, dtype=jnp.float32)
-    res = _Residuals(x.T, w, group_sizes, None, None, meta_in)
+    res = GroupedResiduals(x.T, w, group_sizes, None, None, meta_in)
   else:
     meta = state_as_float32(meta_in)
-    qx, amax_x = _quantize_rows(fp8, "x", meta and meta.x, layout.scatter(x), layout.sizes, fp8.fwd_dtype)
-    qw, amax_w = _quantize_kernels(fp8, meta and meta.kernel, kernel)
+    qx, amax_x = _quantize_rows(cfg, "x", meta and meta.x, _scatter_rows(layout, x), layout.sizes, fp8.fwd_dtype)
+    qw, amax_w = _quantize_kernels(cfg, meta and meta.kernel, kernel)
     y = layout.gather(grouped_gemm(qx.without_transposed(), qw.transposed(), layout.sizes, dtype=jnp.float32,
                                    fast_accum=not fp8.recipe.fp8_gemm_fprop.use_split_accumulator))
-    res = _Residuals(_saved(qx.transposed()), _saved(qw), group_sizes, amax_x, amax_w, meta_in)
+    res = GroupedResiduals(_saved(qx.transposed()), _saved(qw), group_sizes, amax_x, amax_w, meta_in)
   if bias is not None:  # added in float32 to the float32 product, rounded to the output dtype first (as dense's)
     y = y + _bias_rows(bias.astype(cfg.out_dtype), group_sizes, rows)
   return y.astype(cfg.out_dtype), res
 
 
-def _grouped_bwd(cfg: _Config, r: _Residuals, g):
-  g = instantiate(g)
-  rows, groups = g.shape[0], r.group_sizes.shape[0]
+def _grouped_bwd(cfg: GroupedConfig, r: GroupedResiduals, g):
+  dx, dw, dbias, new_meta = grouped_dense_bwd(cfg, r, instantiate(g))
+  return dx, dw, dbias, None, new_meta
+
+
+def grouped_dense_bwd(cfg: GroupedConfig, r: GroupedResiduals, g: jax.Array | QuantizedRows):
+  """The backward pass of ``grouped_dense`` for the output gradient ``g``: ``(dx, dkernel, dbias, new_meta)``
+  (``dbias`` None without a bias, ``new_meta`` the updated delayed-scaling state, else None). Under FP8, ``g`` may
+  arrive quantized (``QuantizedRows``, without a bias: its gradient would need the high-precision values)."""
+  quantized = isinstance(g, QuantizedRows)
+  rows, groups = (g.q if quantized else g).shape[0], r.group_sizes.shape[0]
   fp8 = cfg.fp8
   dbias = None
+  if quantized and (fp8 is None or cfg.bias_dtype is not None):
+    raise ValueError("grouped_dense_bwd: a quantized output gradient needs FP8 GEMMs and no bias")
   if cfg.bias_dtype is not None:
     ids = group_ids(r.group_sizes, rows)
     dbias = jax.ops.segment_sum(g.astype(jnp.float32), ids, num_segments=groups,
@@ -220,11 +301,12 @@ def _grouped_bwd(cfg: _Config, r: _Residuals, g):
   if fp8 is None:
     dx = grouped_gemm(g, r.w, r.group_sizes, dtype=cfg.out_dtype)
     dw = grouped_gemm(r.x_t, g.T, r.group_sizes, ragged_contracting=True, dtype=cfg.kernel_dtype)
-    return dx, dw, dbias, None, r.meta
+    return dx, dw, dbias, r.meta
   layout = _layout(cfg, r.group_sizes, rows)
   meta = state_as_float32(r.meta)
   recipe = fp8.recipe
-  qg, amax_g = _quantize_rows(fp8, "grad", meta and meta.grad, layout.scatter(g), layout.sizes, fp8.bwd_dtype)
+  qg, amax_g = _quantize_rows(cfg, "grad", meta and meta.grad, _scatter_rows(layout, g), layout.sizes,
+                              fp8.bwd_dtype)
   dx = layout.gather(grouped_gemm(qg.without_transposed(), r.w, layout.sizes, dtype=cfg.out_dtype,
                                   fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator))
   dw = grouped_gemm(r.x_t, qg.transposed(), layout.sizes, ragged_contracting=True, dtype=cfg.kernel_dtype,
@@ -234,18 +316,30 @@ def _grouped_bwd(cfg: _Config, r: _Residuals, g):
     items = [(jax.tree.map(lambda v, i=i: v[i], meta), r.amax_x[i], r.amax_w[i], amax_g[i]) for i in range(groups)]
     new = fp8.quantizer.update(items)
     new_meta = state_like(jax.tree.map(lambda *vs: jnp.stack(vs), *new), r.meta)
-  return dx, dw, dbias, None, new_meta
+  return dx, dw, dbias, new_meta
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
 
 
-def _check_meta(meta: DenseFp8Meta, groups: int) -> None:
-  for name, state in zip(ROLES, meta, strict=True):  # DenseFp8Meta's fields, in order
+def check_grouped_meta(meta: DenseFp8Meta, groups: int, name: str = "fp8_meta") -> None:
+  """Raises unless ``meta`` (the caller's argument ``name``) holds one delayed-scaling state per group."""
+  for role, state in zip(ROLES, meta, strict=True):  # DenseFp8Meta's fields, in order
     h, s = jnp.shape(state.amax_history), jnp.shape(state.scale)
     if len(h) != 2 or h[0] != groups or s != (groups,):
-      raise ValueError(f"fp8_meta.{name} must hold one state per group: an amax history ({groups}, L) and a scale "
+      raise ValueError(f"{name}.{role} must hold one state per group: an amax history ({groups}, L) and a scale "
                        f"({groups},), got {list(h)} and {list(s)}; create it with grouped_fp8_meta({groups}, L)")
+
+
+def grouped_config(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, recipe: Recipe | None, *,
+                   group_axes: frozenset[str] = frozenset()) -> GroupedConfig:
+  """The config of the grouped GEMM of ``x`` (M, K) and ``kernel`` (G, K, N) (with ``bias``) under ``recipe`` (as
+  ``fp8_recipe`` resolved it; None: high precision): FP8 GEMMs where there is a recipe and they take K and N."""
+  fp8 = None
+  if recipe is not None and fp8_dims_aligned(kernel.shape[1], kernel.shape[2]):
+    fp8 = Fp8Config.of(recipe, x, kernel, bias)
+  return GroupedConfig(fp8, token_align(fp8), jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
+                       None if bias is None else jnp.dtype(bias.dtype), frozenset(group_axes))
 
 
 def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias: jax.Array | None = None, *,
@@ -283,7 +377,7 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias:
     raise ValueError(f"kernel must be (G, K, N) with K = x's {x.shape[1]}, got shape {kernel.shape}")
   if not jnp.issubdtype(kernel.dtype, jnp.floating):
     raise TypeError(f"kernel must be a float array, got {kernel.dtype}")
-  groups, k, n = kernel.shape
+  groups, _, n = kernel.shape
   group_sizes = check_group_sizes(group_sizes, x.shape[0])
   if tuple(group_sizes.shape) != (groups,):
     raise ValueError(f"group_sizes must be ({groups},), one size per matrix of kernel, got "
@@ -292,13 +386,9 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias:
     raise ValueError(f"bias must be ({groups}, {n}), one row per group, got {bias.shape}")
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   if keeps_state(recipe):
-    _check_meta(fp8_meta, groups)
-  fp8 = None
-  if recipe is not None and fp8_dims_aligned(k, n):
-    fp8 = Fp8Config.of(recipe, x, kernel, bias)
-  elif keeps_state(recipe):  # a GEMM FP8 cannot take: its state is kept
+    check_grouped_meta(fp8_meta, groups)
+  cfg = grouped_config(x, kernel, bias, recipe)
+  if cfg.fp8 is None and keeps_state(recipe):  # a GEMM FP8 cannot take: its state is kept
     x = keep_state(x, fp8_meta)
-  cfg = _Config(fp8, token_align(fp8), jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
-                None if bias is None else jnp.dtype(bias.dtype))
-  meta = fp8_meta if fp8 is not None and keeps_state(recipe) else None
+  meta = fp8_meta if cfg.fp8 is not None and keeps_state(recipe) else None
   return _grouped(cfg, x, kernel, bias, group_sizes, meta)

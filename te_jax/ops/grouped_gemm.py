@@ -187,7 +187,8 @@ def grouped_gemm_ref(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *globa
       g, bg = gb
       return jnp.where((ids == g)[:, None], _dot(a, bg), out), None
 
-    out, _ = jax.lax.scan(step, jnp.zeros((rows, rhs.shape[1]), jnp.float32), (groups, b))
+    init = jnp.zeros_like(a, shape=(rows, rhs.shape[1]), dtype=jnp.float32)  # inside shard_map: varying as a is
+    out, _ = jax.lax.scan(step, init, (groups, b))
   out = jnp.where(_valid(group_sizes, rows), out, jnp.float32(jnp.nan))
   return [out.astype(config.out_dtype)]
 

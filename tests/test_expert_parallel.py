@@ -1,0 +1,287 @@
+"""``te_jax.fused.expert_parallel.expert_parallel_moe`` on 8 CPU devices (forced in conftest.py): the experts sharded
+over a mesh axis (EP), alone and with data parallelism (DP) and tensor parallelism of each expert's hidden dim (TP),
+against the same layers on one device.
+
+The one-device computation is made of te_jax's own pieces: ``permute`` of each device's tokens on their own (the
+capacity counted per device, as the expert-parallel layer counts it), one ``grouped_dense`` of every expert over all
+of its rows (the devices' rows in device order), the activation, the second ``grouped_dense``, ``unpermute``. Under
+1 x 128 block scaling the tokens and the output gradient are cast and dequantized first, where the expert-parallel
+layer casts them before its all-to-alls (so that the weight gradient's transposed copy is cast from the same values).
+
+Each case runs three SGD steps in a jitted train step (the loss a sum of the outputs times a target, so that the
+gradients are O(1) and FP8 casts them with the initial scales of 1) and compares every step's outputs, gradients
+(kernels and router logits) and delayed-scaling states. The compiled step's collectives are counted and, in the
+program right after SPMD partitioning, the all-to-alls' operand dtypes are checked (XLA:CPU later moves FP8
+collectives as f16).
+"""
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import random_normal, rel_error
+from test_parallel_layers import partitioned_hlo
+from te_jax.fused.expert_parallel import expert_parallel_moe
+from te_jax.fused.grouped_dense import grouped_dense, grouped_fp8_meta
+from te_jax.fused.moe_permute import permute, unpermute
+from te_jax.fused.moe_router import route
+from te_jax.fused.quantizer import quantizer_for
+from te_jax.ops.activation import activation
+from te_jax.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+E, K, H, T, CF = 8, 2, 32, 16, 1.0  # experts, choices per token, hidden, tokens per device, capacity factor
+STEPS, LR = 3, 0.01
+RECIPES = {"none": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
+           "block": Float8BlockScaling()}
+# mesh name: (shape, axis names, the tokens' axes, the tensor axis)
+MESHES = {"ep8": ((8,), ("ep",), ("ep",), None),
+          "ep4xdp2": ((2, 4), ("dp", "ep"), ("dp", "ep"), None),
+          "ep2xdp2xtp2": ((2, 2, 2), ("dp", "ep", "tp"), ("dp", "ep"), "tp")}
+
+
+def _mesh(name):
+  shape, names, _, _ = MESHES[name]
+  return Mesh(np.array(jax.devices("cpu")[:8]).reshape(shape), names)
+
+
+def _hidden(recipe):
+  """F, the experts' hidden dim: 1 x 128 blocks along it must not straddle two tensor shards, so 128 per shard."""
+  return 256 if isinstance(recipe, Float8BlockScaling) else 64
+
+
+# ---- the layer on the mesh and on one device ----------------------------------------------------------------------
+
+
+def _ep_layer(mesh_name, recipe, act):
+  _, _, token_axes, tp = MESHES[mesh_name]
+  mesh = _mesh(mesh_name)
+  tokens = P(token_axes)
+  wi_spec = P("ep", None, None, tp) if len(act) == 2 else P("ep", None, tp)
+
+  def body(x, logits, wi, wo, wi_meta, wo_meta):
+    return expert_parallel_moe(x, route(logits, K), wi, wo, axis="ep", capacity_factor=CF, activation_type=act,
+                               tensor_axis=tp, wi_fp8_meta=wi_meta, wo_fp8_meta=wo_meta, recipe=recipe)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, wi_spec, P("ep", tp), P("ep"), P("ep")),
+                       out_specs=tokens)
+
+
+def _fake_cast(recipe, role, v):
+  q = quantizer_for(recipe)
+  dtype = q.fwd_dtype if role == "x" else q.bwd_dtype
+  return q.quantize(role, None, v, dtype).out.dequantize(v.dtype)
+
+
+def _one_device_layer(shards, recipe, act):
+  """The same layers on one device, over ``shards`` devices' tokens (see the module docstring)."""
+  block = isinstance(recipe, Float8BlockScaling)
+
+  @jax.custom_vjp
+  def x_cast(x):  # under block scaling: the tokens as the expert-parallel layer sends them; their gradient as it is
+    return _fake_cast(recipe, "x", x)
+
+  x_cast.defvjp(lambda x: (x_cast(x), None), lambda _, g: (g,))
+
+  @jax.custom_vjp
+  def grad_cast(y):  # and the output gradient as it sends it
+    return y
+
+  grad_cast.defvjp(lambda y: (y, None), lambda _, g: (_fake_cast(recipe, "grad", g),))
+
+  def layer(x, logits, wi, wo, wi_meta, wo_meta):
+    r = route(logits, K)
+    xs, experts, weights = (a.reshape(shards, -1, a.shape[-1]) for a in (x, r.experts, r.weights))
+    parts = [permute(xs[s], experts[s], E, capacity_factor=CF) for s in range(shards)]
+    c = parts[0][2].config.capacity
+    rows = jnp.stack([p[0] for p in parts]).reshape(shards, E, c, H).transpose(1, 0, 2, 3).reshape(-1, H)
+    if block:
+      rows = x_cast(rows)
+    sizes = jnp.full((E,), shards * c, jnp.int32)
+    h = grouped_dense(rows, wi.reshape(E, H, -1), sizes, fp8_meta=wi_meta, recipe=recipe)
+    a = activation(h.reshape(h.shape[0], 2, -1) if len(act) == 2 else h, act)
+    y = grouped_dense(a, wo, sizes, fp8_meta=wo_meta, recipe=recipe)
+    if block:
+      y = grad_cast(y)
+    ys = y.reshape(E, shards, c, H).transpose(1, 0, 2, 3).reshape(shards, E * c, H)
+    return jnp.concatenate([unpermute(ys[s], parts[s][2], weights[s]) for s in range(shards)])
+
+  return layer
+
+
+def _train_step(layer):
+  """``step(params, metas, x, logits, target) -> (params, metas, results)``: SGD on the kernels, the delayed-scaling
+  states overwritten by their updates; the results are the output, the loss and the gradients (kernels, tokens,
+  router logits)."""
+
+  def step(params, metas, x, logits, target):
+    def loss(params, metas, x, logits):
+      out = layer(x, logits, params["wi"], params["wo"], metas["wi"], metas["wo"])
+      return jnp.sum(out * target), out
+
+    (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(params, metas, x, logits)
+    g, new_metas, gx, g_logits = grads
+    params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+    return params, new_metas, dict(out=out, loss=value, grads=g, x=gx, logits=g_logits)
+
+  return step
+
+
+def _inputs(mesh_name, recipe, act):
+  shards = 8 if MESHES[mesh_name][3] is None else 4
+  f = _hidden(recipe)
+  n = 2 if len(act) == 2 else 1
+  x = random_normal(1, (shards * T, H))
+  logits = random_normal(2, (shards * T, E))
+  target = random_normal(3, (shards * T, H))
+  wi = random_normal(4, (E, H, n, f) if n == 2 else (E, H, f)) / np.sqrt(H)
+  wo = random_normal(5, (E, f, H)) / np.sqrt(f)
+  stateful = isinstance(recipe, DelayedScaling)
+  meta = grouped_fp8_meta(E, recipe.amax_history_len) if stateful else None
+  return shards, {"wi": wi, "wo": wo}, {"wi": meta, "wo": meta}, x, logits, target
+
+
+def run_case(mesh_name, recipe_name, act=("gelu",), dump_dir=None):
+  """(the mesh's steps, the one device's steps, the compiled mesh step's HLO, its HLO right after SPMD partitioning
+  (with ``dump_dir``, else None))."""
+  recipe = RECIPES[recipe_name]
+  shards, params, metas, x, logits, target = _inputs(mesh_name, recipe, act)
+  results = {}
+  one = jax.jit(_train_step(_one_device_layer(shards, recipe, act)))
+  mesh_step = jax.jit(_train_step(_ep_layer(mesh_name, recipe, act)))
+  for name, step in (("one", one), ("mesh", mesh_step)):
+    p, m, out = params, metas, []
+    for _ in range(STEPS):
+      p, m, res = step(p, m, x, logits, target)
+      out.append(dict(params=p, metas=m, **res))
+    results[name] = out
+  lowered = mesh_step.lower(params, metas, x, logits, target)
+  if dump_dir is None:
+    return results["mesh"], results["one"], lowered.compile().as_text(), None
+  hlo, spmd = partitioned_hlo(lowered, dump_dir)
+  return results["mesh"], results["one"], hlo, spmd
+
+_PARTITIONED = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
+                          r"\(.*?replica_groups=\S+ \{([^}]*)\}")
+
+
+def _partitioned_collectives(spmd: str) -> collections.Counter:
+  """The collectives of the program right after SPMD partitioning (one instruction each, in their own dtypes):
+  (kind, reduction or "", dtype, mesh axes) -> count."""
+  out = collections.Counter()
+  for line in spmd.splitlines():
+    m = _PARTITIONED.search(line)
+    if not m:
+      continue
+    dtype, _, kind, axes = m.groups()
+    op = ""
+    if kind == "all-reduce":
+      name = re.search(r"to_apply=%([\w.\-]+)", line).group(1)
+      body = re.search(rf"^%{re.escape(name)} \(.*?\n(.*?)^\}}", spmd, re.S | re.M).group(1)
+      op = re.search(r"ROOT \S+ = \S+ ([\w-]+)\(", body).group(1)
+    out[(kind, op, dtype, axes.replace("'", ""))] += 1
+  return out
+
+
+def _expected(mesh_name, recipe_name) -> collections.Counter:
+  """The collectives the layout calls for, in the partitioned program (see ``test_sharded_steps_match_one_device``)."""
+  _, names, token_axes, tp = MESHES[mesh_name]
+  recipe = RECIPES[recipe_name]
+  axes = lambda *a: ",".join(n for n in names if n in a)  # noqa: E731 - mesh order
+  c = collections.Counter()
+  c["all-reduce", "add", "f32", axes(*token_axes)] += 1  # the loss
+  if recipe is None:
+    c["all-to-all", "", "f32", "ep"] += 4  # dispatch, combine, and their transposes
+  else:
+    q = quantizer_for(recipe)
+    c["all-to-all", "", jnp.dtype(q.fwd_dtype).name.replace("float8_", "f8"), "ep"] += 1  # the tokens
+    c["all-to-all", "", jnp.dtype(q.bwd_dtype).name.replace("float8_", "f8"), "ep"] += 1  # the output gradient
+    c["all-to-all", "", "f32", "ep"] += 2  # the combine and the input gradient, in their dtype
+    if isinstance(recipe, Float8BlockScaling):
+      c["all-to-all", "", "f32", "ep"] += 2  # the tokens' and the gradient's 1 x 128 scale rows
+  if "dp" in names:
+    c["all-reduce", "add", "f32", "dp"] += 2  # each kernel's gradient, over the data shards
+  if tp:
+    c["all-reduce", "add", "f32", "tp"] += 2  # the second GEMM's partial sums; the tokens' gradient's
+  if isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    c["all-reduce", "maximum", "f32", axes(*token_axes, tp)] += 1  # each expert's amax of the sent tokens (the rows
+    # vary over the tensor axis once cast like the kernels)
+    c["all-reduce", "maximum", "f32", axes(*token_axes)] += 1  # ... and of the sent output gradient
+    inner = axes("dp", tp)  # where an expert's other tensors (the activation, its gradient) are split
+    if isinstance(recipe, DelayedScaling):
+      c["all-gather", "", "f32", "ep"] += 2  # every expert's x and gradient scales, for the senders
+      if inner:
+        c["all-reduce", "maximum", "f32", inner] += 2  # each GEMM's state update: its amaxes of the whole tensors
+    else:
+      if inner:
+        c["all-reduce", "maximum", "f32", inner] += 2  # the activation's and its gradient's per-expert amaxes
+      if tp:
+        c["all-reduce", "maximum", "f32", "tp"] += 2  # each expert's kernels' amaxes
+  return c
+
+
+def _check_collectives(mesh_name, recipe_name, hlo, spmd):
+  got = _partitioned_collectives(spmd)
+  assert got == _expected(mesh_name, recipe_name), sorted(got.items())
+  gathers = [m.groups()[:2] for m in _PARTITIONED.finditer(spmd) if m.group(3) == "all-gather"]
+  assert all(g == ("f32", str(E)) for g in gathers), gathers  # only the experts' scales: no tokens gathered
+  compiled = re.findall(r"^\s*%\S+ = .*? (all-to-all|all-gather|all-reduce)(?:-start)?\(", hlo, re.M)
+  assert compiled.count("all-to-all") == 4 + 2 * isinstance(RECIPES[recipe_name], Float8BlockScaling), compiled
+  assert compiled.count("all-gather") == len(gathers), compiled
+
+
+# Sharded against one device, leaf by leaf. Bitwise where the math is the same: at the first step, every output,
+# input gradient and router-logit gradient (each row's dot products over the whole K, in the same order) without the
+# tensor axis, and every FP8 state (maxes of those bitwise-equal tensors). Elsewhere only float32 summation orders
+# differ: the weight gradients contract over the tokens in other blocks (the one-device GEMM's rows hold every
+# device's, the data shards' partial sums are all-reduced), and the tensor axis adds the second GEMM's partial sums
+# across its shards; observed <= 5e-7 relative at the first step. From the second step the kernels carry those
+# differences; where one lands next to an FP8 rounding boundary an element rounds to the neighbouring FP8 value (1/8
+# of itself in E4M3, 1/4 in E5M2), which moves a tensor of thousands of elements by ~1e-3 in norm, as
+# tests/test_parallel_layers.py finds. A per-device scale, a wrong expert's scale or a dropped collective moves whole
+# tensors (>= 1e-2).
+LEAF_RTOL = 1e-3
+
+
+def _check_steps(got, want, mesh_name):
+  tp = MESHES[mesh_name][3] is not None
+  for i, (a, b) in enumerate(zip(got, want, strict=True)):
+    for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+      name = f"step {i}{jax.tree_util.keystr(path)}"
+      u, v = np.asarray(u), np.asarray(v)
+      assert u.shape == v.shape and u.dtype == v.dtype, name
+      first = path[0].key
+      if i == 0 and (first == "metas" or (not tp and first in ("out", "x", "logits"))):
+        np.testing.assert_array_equal(u, v, err_msg=name)
+      else:
+        assert rel_error(u, v) <= LEAF_RTOL, (name, rel_error(u, v))
+  if got[0]["metas"]["wi"] is not None:  # every history rolled at each step: the state is live
+    histories = [np.asarray(m.amax_history) for m in (*got[-1]["metas"]["wi"], *got[-1]["metas"]["wo"])]
+    assert all(np.count_nonzero(h[:, :STEPS]) == h[:, :STEPS].size for h in histories)
+
+
+def _cases():
+  for mesh_name in MESHES:
+    for recipe_name in RECIPES:
+      yield pytest.param(mesh_name, recipe_name, id=f"{mesh_name}-{recipe_name}")
+
+
+@pytest.mark.parametrize("mesh_name,recipe_name", list(_cases()))
+@pytest.mark.fast_cases(2)
+def test_sharded_steps_match_one_device(mesh_name, recipe_name, tmp_path):
+  """EP=8, EP=4 x DP=2 and EP=2 x DP=2 x TP=2 against one device, under no recipe and the three FP8 recipes whose
+  tokens travel by rows; the partitioned program's collectives are exactly the layout's: four all-to-alls over the
+  expert axis (the tokens in E4M3 and the output gradient in the recipe's gradient format, the combine and the input
+  gradient in float32, 1 x 128 scale rows beside their data), the kernels' gradients summed over the data axis, the
+  tensor axis's two partial sums, per-tensor scaling's per-expert amaxes (the senders' over every token shard,
+  the experts' other tensors' over the data and tensor axes) and delayed scaling's scales gathered for the senders;
+  no token is all-gathered."""
+  got, want, hlo, spmd = run_case(mesh_name, recipe_name, dump_dir=tmp_path)
+  _check_collectives(mesh_name, recipe_name, hlo, spmd)
+  _check_steps(got, want, mesh_name)
