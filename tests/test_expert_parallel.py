@@ -27,14 +27,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import random_normal, rel_error
-from test_parallel_layers import partitioned_hlo
 from te_jax.fused.expert_parallel import expert_parallel_moe
 from te_jax.fused.grouped_dense import grouped_dense, grouped_fp8_meta
 from te_jax.fused.moe_permute import permute, unpermute
 from te_jax.fused.moe_router import route
 from te_jax.fused.quantizer import quantizer_for
 from te_jax.ops.activation import activation
-from te_jax.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from te_jax.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, NVFP4BlockScaling
 
 E, K, H, T, CF = 8, 2, 32, 16, 1.0  # experts, choices per token, hidden, tokens per device, capacity factor
 STEPS, LR = 3, 0.01
@@ -59,14 +58,15 @@ def _hidden(recipe):
 # ---- the layer on the mesh and on one device ----------------------------------------------------------------------
 
 
-def _ep_layer(mesh_name, recipe, act):
+def _ep_layer(mesh_name, recipe, act, capacity_factor=CF):
   _, _, token_axes, tp = MESHES[mesh_name]
   mesh = _mesh(mesh_name)
   tokens = P(token_axes)
   wi_spec = P("ep", None, None, tp) if len(act) == 2 else P("ep", None, tp)
 
   def body(x, logits, wi, wo, wi_meta, wo_meta):
-    return expert_parallel_moe(x, route(logits, K), wi, wo, axis="ep", capacity_factor=CF, activation_type=act,
+    return expert_parallel_moe(x, route(logits, K), wi, wo, axis="ep", capacity_factor=capacity_factor,
+                               activation_type=act,
                                tensor_axis=tp, wi_fp8_meta=wi_meta, wo_fp8_meta=wo_meta, recipe=recipe)
 
   return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, wi_spec, P("ep", tp), P("ep"), P("ep")),
@@ -147,25 +147,25 @@ def _inputs(mesh_name, recipe, act):
   return shards, {"wi": wi, "wo": wo}, {"wi": meta, "wo": meta}, x, logits, target
 
 
-def run_case(mesh_name, recipe_name, act=("gelu",), dump_dir=None):
-  """(the mesh's steps, the one device's steps, the compiled mesh step's HLO, its HLO right after SPMD partitioning
-  (with ``dump_dir``, else None))."""
+def run_case(mesh_name, recipe_name, dump_dir, act=("gelu",)):
+  """(the mesh's steps, the one device's steps, the compiled mesh step's HLO, its HLO right after SPMD
+  partitioning, which keeps the collectives' dtypes: XLA:CPU later moves FP8 collectives as f16)."""
   recipe = RECIPES[recipe_name]
   shards, params, metas, x, logits, target = _inputs(mesh_name, recipe, act)
-  results = {}
   one = jax.jit(_train_step(_one_device_layer(shards, recipe, act)))
-  mesh_step = jax.jit(_train_step(_ep_layer(mesh_name, recipe, act)))
+  lowered = jax.jit(_train_step(_ep_layer(mesh_name, recipe, act))).lower(params, metas, x, logits, target)
+  mesh_step = lowered.compile(compiler_options={"xla_dump_to": str(dump_dir),
+                                                "xla_dump_hlo_pass_re": "spmd-partitioning"})
+  (spmd,) = [f.read_text() for f in dump_dir.iterdir()
+             if f.name.endswith(".after_spmd-partitioning.before_control-dep-rewriter.txt")]
+  results = {}
   for name, step in (("one", one), ("mesh", mesh_step)):
     p, m, out = params, metas, []
     for _ in range(STEPS):
       p, m, res = step(p, m, x, logits, target)
       out.append(dict(params=p, metas=m, **res))
     results[name] = out
-  lowered = mesh_step.lower(params, metas, x, logits, target)
-  if dump_dir is None:
-    return results["mesh"], results["one"], lowered.compile().as_text(), None
-  hlo, spmd = partitioned_hlo(lowered, dump_dir)
-  return results["mesh"], results["one"], hlo, spmd
+  return results["mesh"], results["one"], mesh_step.as_text(), spmd
 
 _PARTITIONED = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
                           r"\(.*?replica_groups=\S+ \{([^}]*)\}")
@@ -282,6 +282,85 @@ def test_sharded_steps_match_one_device(mesh_name, recipe_name, tmp_path):
   tensor axis's two partial sums, per-tensor scaling's per-expert amaxes (the senders' over every token shard,
   the experts' other tensors' over the data and tensor axes) and delayed scaling's scales gathered for the senders;
   no token is all-gathered."""
-  got, want, hlo, spmd = run_case(mesh_name, recipe_name, dump_dir=tmp_path)
+  got, want, hlo, spmd = run_case(mesh_name, recipe_name, tmp_path)
   _check_collectives(mesh_name, recipe_name, hlo, spmd)
   _check_steps(got, want, mesh_name)
+
+
+@pytest.mark.slow  # another 8-device train step
+def test_gated_experts_match_one_device(tmp_path):
+  """SwiGLU experts (wi (E, H, 2, F), the hidden dim sharded over the tensor axis with both halves in each shard)
+  under delayed scaling on EP=2 x DP=2 x TP=2."""
+  got, want, hlo, spmd = run_case("ep2xdp2xtp2", "delayed", tmp_path, act=("silu", "linear"))
+  _check_collectives("ep2xdp2xtp2", "delayed", hlo, spmd)
+  _check_steps(got, want, "ep2xdp2xtp2")
+
+
+def test_capacity_overflow_drops_as_permute():
+  """Routing that overloads two experts: each device drops exactly the choices ``permute`` drops on its own tokens
+  with the same capacity (by token order), a token whose choices all overflowed gets zeros, and the others get what
+  they get without any dropping (the same rows' dot products: bitwise)."""
+  mesh_name = "ep4xdp2"
+  shards, params, _, x, logits, _ = _inputs(mesh_name, None, ("gelu",))
+  logits = logits.at[:, :2].add(4.0)  # experts 0 and 1 first for almost every token
+  layer = jax.jit(_ep_layer(mesh_name, None, ("gelu",)))
+  out = np.asarray(layer(x, logits, params["wi"], params["wo"], None, None))
+  want = np.asarray(jax.jit(_one_device_layer(shards, None, ("gelu",)))(x, logits, params["wi"], params["wo"], None,
+                                                                        None))
+  np.testing.assert_array_equal(out, want)
+  r = route(logits, K)
+  dropped = np.concatenate([np.asarray(permute(xs, es, E, capacity_factor=CF)[2].dropped) for xs, es in
+                            zip(x.reshape(shards, T, H), r.experts.reshape(shards, T, K))])
+  assert dropped.sum() >= shards * T // 2, dropped.sum()  # the test overflows
+  all_dropped, none_dropped = dropped.all(axis=1), ~dropped.any(axis=1)
+  assert all_dropped.any() and none_dropped.any()
+  np.testing.assert_array_equal(out[all_dropped], 0.0)
+  dropless = jax.jit(_ep_layer(mesh_name, None, ("gelu",), capacity_factor=E / K))  # every device's every choice
+  full = np.asarray(dropless(x, logits, params["wi"], params["wo"], None, None))
+  np.testing.assert_array_equal(out[none_dropped], full[none_dropped])
+  assert not np.array_equal(out[~none_dropped], full[~none_dropped])
+
+
+def _traced(mesh_name="ep8", **kwargs):
+  """Traces one call on the mesh (no compile) with ``kwargs`` replacing the arguments."""
+  mesh = _mesh(mesh_name)
+  args = dict(wi=jnp.ones((E, H, 64)), wo=jnp.ones((E, 64, H)), axis="ep", capacity_factor=CF)
+  args.update(kwargs)
+  wi, wo = args.pop("wi"), args.pop("wo")
+  routing = args.pop("routing", None)
+
+  def body(x, logits, wi, wo):
+    return expert_parallel_moe(x, route(logits, K) if routing is None else routing, wi, wo, **args)
+
+  spec = P("ep")
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+  return jax.eval_shape(fn, jnp.ones((8 * T, H)), jnp.zeros((8 * T, E)), wi, wo)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(axis="expert"), ValueError, r"axis='expert' must name the expert mesh axis"),
+    (dict(tensor_axis="tp"), ValueError, r"tensor_axis='tp' must name"),
+    (dict(tensor_axis="ep"), ValueError, "tensor_axis and axis must differ"),
+    (dict(wi=jnp.ones((E, H + 1, 64))), ValueError, r"wi must be \(E / P, H, F\) with H = x's 32"),
+    (dict(activation_type=("silu", "linear")), ValueError, r"wi must be \(E / P, H, 2, F\)"),
+    (dict(wo=jnp.ones((E, 64, H + 1))), ValueError, r"wo must be \(E / P, F, H\) = \(1, 64, 32\)"),
+    (dict(capacity_factor=None), ValueError, "capacity_factor must be a float > 0"),
+    (dict(capacity_factor=0.0), ValueError, "capacity_factor must be a finite Python float > 0"),
+    (dict(routing=(0, 1)), TypeError, "routing must be the Routing route returned"),
+    (dict(recipe=DelayedScaling()), ValueError, "DelayedScaling needs wi_fp8_meta"),
+    (dict(recipe=DelayedScaling(amax_history_len=4), wi_fp8_meta=grouped_fp8_meta(2, 4),
+          wo_fp8_meta=grouped_fp8_meta(2, 4)), ValueError, r"wi_fp8_meta.x must hold one state per group"),
+    (dict(recipe=Float8CurrentScaling(), wi=jnp.ones((E, H, 40)), wo=jnp.ones((E, 40, H))), ValueError,
+     "needs H=32 and F=40 to be multiples of 16"),
+    (dict(recipe=NVFP4BlockScaling()), ValueError, "NVFP4BlockScaling casts the tokens as NVFP4_1X16"),
+])
+def test_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _traced(**kwargs)
+
+
+def test_outside_shard_map():
+  x = jnp.ones((T, H))
+  with pytest.raises(ValueError, match="call it inside jax.shard_map over a mesh with that axis"):
+    expert_parallel_moe(x, route(jnp.zeros((T, E)), K), jnp.ones((1, H, 64)), jnp.ones((1, 64, H)), axis="ep",
+                        capacity_factor=CF)

@@ -232,7 +232,8 @@ def expert_parallel_moe(x: jax.Array, routing: Routing, wi: jax.Array, wo: jax.A
                         recipe: Recipe | None = None) -> jax.Array:
   """The routed experts' FFN, ``sum_j weights[t, j] * wo[e_j] . act(wi[e_j] . x[t])``, with the experts sharded over
   the mesh axis ``axis`` and the tokens sent to them and back by all-to-alls (see the module docstring). Call it
-  inside ``jax.shard_map``: every argument is this device's.
+  inside ``jax.shard_map`` under ``jax.jit`` (jax 0.11.2 runs a ``custom_vjp`` with symbolic zeros, as this one and
+  ``grouped_dense`` are, inside ``shard_map`` only when jitted): every argument is this device's.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -241,7 +242,7 @@ def expert_parallel_moe(x: jax.Array, routing: Routing, wi: jax.Array, wo: jax.A
   >>> mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
   >>> def layer(x, logits, wi, wo):  # per device: 4 tokens, 2 of the 4 experts
   ...   return expert_parallel_moe(x, route(logits, 2), wi, wo, axis="expert", capacity_factor=2.0)
-  >>> moe = jax.shard_map(layer, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+  >>> moe = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
   >>> x, logits = jnp.ones((8, 16)), jnp.zeros((8, 4))
   >>> moe(x, logits, jnp.ones((4, 16, 32)) / 16, jnp.ones((4, 32, 16)) / 32).shape
   (8, 16)
