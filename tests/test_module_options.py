@@ -64,6 +64,9 @@ CONVENTIONS = {
     ("TransformerLayer", (), ("decode",)):
         "NNX takes decode at construction, as nnx.MultiHeadAttention does (and the call may override it); linen takes "
         "it per call",
+    ("MoEBlock", (), ("in_features",)):
+        "NNX creates the router, the experts' kernels and the norm in the constructor; linen reads the hidden size off "
+        "the input",
 }
 
 # (module, option; None for the whole module): (the side that lacks it, what it is).

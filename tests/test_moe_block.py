@@ -142,7 +142,8 @@ def test_matches_the_dense_moe(config):
 
   @jax.jit
   def ours(variables, x):
-    y, vjp = jax.vjp(lambda p, x: model.apply({**variables, "params": p}, x), variables["params"], x)
+    y, vjp = jax.vjp(lambda p, x: model.apply({**variables, "params": p}, x, deterministic=True),
+                     variables["params"], x)
     return y, vjp(c)
 
   y, (dp, dx) = ours(variables, x)

@@ -40,7 +40,7 @@ class LinenMoEState(MoEState):
     if self.module.is_initializing():
       return
     if not self.module.is_mutable_collection(EXPERT_BIAS_COLLECTION):
-      raise ValueError(f"MoEBlock {LinenScope(self.module).where} updates its expert bias in training "
+      raise ValueError(f"{LinenScope(self.module).where}: the MoE block updates its expert bias in training "
                        f"(deterministic=False): apply with mutable=[{EXPERT_BIAS_COLLECTION!r}] and keep the "
                        "returned variables for the next step (or pass deterministic=True to evaluate)")
     self.module.put_variable(EXPERT_BIAS_COLLECTION, "expert_bias", value)
@@ -49,9 +49,9 @@ class LinenMoEState(MoEState):
     if self.module.is_initializing():
       return
     if not self.module.sow(AUX_LOSS_COLLECTION, name, value) and training:
-      raise ValueError(f"MoEBlock {LinenScope(self.module).where} reports {name} in training (deterministic=False): "
-                       f"apply with mutable=[{AUX_LOSS_COLLECTION!r}] and add the sum of that collection's leaves to "
-                       "the loss (or set its coefficient to 0)")
+      raise ValueError(f"{LinenScope(self.module).where}: the MoE block reports {name} in training "
+                       f"(deterministic=False): apply with mutable=[{AUX_LOSS_COLLECTION!r}] and add the sum of that "
+                       "collection's leaves to the loss (or set its coefficient to 0)")
 
 
 @builds(MoEBlockOptions)

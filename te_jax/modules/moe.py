@@ -65,7 +65,8 @@ _NORMS = (None, "layernorm", "rmsnorm")
 
 
 def _is_float(v) -> bool:
-  return isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
+  number = isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, (bool, np.bool_))
+  return number and math.isfinite(v)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,8 +269,8 @@ def moe_block(scope: Scope, state: MoEState, o: MoEBlockOptions, inputs: jax.Arr
   if deterministic is None and o.needs_mode:
     doing = " and ".join(([f"reports {', '.join(o.aux_losses)}"] if o.aux_losses else []) +
                          (["updates its expert bias"] if o.updates_expert_bias else []))
-    raise ValueError(f"MoEBlock {scope.where} {doing} in training: pass deterministic=False (training) or True "
-                     "(evaluation), to the call or to the module")
+    raise ValueError(f"{scope.where}: the MoE block {doing} in training: pass deterministic=False (training) or "
+                     "True (evaluation), to the call or to the module")
   training = deterministic is False
   hidden, e, f = inputs.shape[-1], o.num_experts, o.intermediate_dim
   p = moe_block_params(scope, state, o, hidden)
