@@ -10,6 +10,15 @@ Each op is a pair of primitives, the pattern of jax's own cuDNN ops and of Trans
   inputs the handler runs shard-local and the op adds its own collectives (amax max-reduced, sums psum-reduced)
   instead of XLA all-gathering the inputs. Its vmap rule is the op's.
 
+On a mesh with Explicit axes (``jax.make_mesh``'s default) every value's type carries its sharding, and each
+primitive must say its outputs' (jax's "sharding in types"). The op's ``partition`` callback already says it: from
+the operands' shardings it picks the ones the handler runs on and the outputs' they give. So the abstract evaluation
+calls it with the operands' types (and the output sharding a caller asks for, ``wanted_sharding``) and types the
+outputs with its answer; ``Op.bind`` then pins each output to its type, so that the partitioner lays it out as the
+type says. Nothing of a shard-local computation (the partition's ``lower_fn``, the reference lowering) may carry
+Explicit types: it is traced and lowered with the mesh's axes read as Auto, as the partition callback sees them
+anyway, since XLA has no implementation of the sharding annotations Explicit types would add there.
+
 Static parameters travel as one frozen, hashable config dataclass in the primitive parameter ``config``.
 """
 
@@ -24,9 +33,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.interpreters import batching, mlir
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
 from te_jax._core.dtypes import HALF_DTYPES as _HALF
+from te_jax._core.explicit import explicit_mesh
 from te_jax._core.jax_compat import apply_primitive, require_devices_during_lowering
 from te_jax._core.manual_axes import to_common_varying
 
@@ -66,8 +78,13 @@ class Op:
 
   def bind(self, *args, config) -> list[jax.Array]:
     """Inside ``shard_map`` the operands are first cast to vary over the same manual axes, as jax's own ops do, so
-    that each result's type says it varies over every axis any operand does."""
-    return self.outer.bind(*to_common_varying(*args), config=config)
+    that each result's type says it varies over every axis any operand does. With Explicit axes each result is
+    pinned to the sharding its type says (``jax.sharding.reshard`` to it: a constraint, no data movement where the
+    partition already lays it out so)."""
+    outs = self.outer.bind(*to_common_varying(*args), config=config)
+    if explicit_mesh(*outs) is None:
+      return outs
+    return [jax.sharding.reshard(o, jax.typeof(o).sharding) for o in outs]
 
 
 def define_op(
@@ -81,6 +98,7 @@ def define_op(
     partition: Callable[..., Any],
     sharding_rule: Callable[..., str],
     batcher: Callable[..., Any] | None = None,
+    wanted_sharding: Callable[[Any], Sequence[Any] | None] | None = None,
 ) -> Op:
   """Creates and registers the inner and outer primitives of an op.
 
@@ -96,31 +114,36 @@ def define_op(
       result_shape)``; its ``lower_fn`` must bind ``Op.inner``.
     sharding_rule: ``(config, mesh, value_types, result_types) -> Shardy rule string``.
     batcher: the vmap rule of the outer primitive; defaults to ``sequential_batcher``.
+    wanted_sharding: ``config -> [PartitionSpec | None per result] | None``: the output shardings a caller asked
+      for (``gemm``'s ``out_sharding``), which ``partition`` sees as the results' when it types them under
+      Explicit axes; by default none (each result replicated, so ``partition`` keeps what the operands give).
   """
+  typed_eval = _typed_abstract_eval(abstract_eval, partition, wanted_sharding)
   inner = Primitive(f"te_{name}")
   inner.multiple_results = True
   inner.def_impl(apply_primitive(inner))
-  inner.def_abstract_eval(abstract_eval)
-  reference_lowering = mlir.lower_fun(_with_rounded_operands(reference), multiple_results=True)
+  inner.def_abstract_eval(typed_eval)
+  reference_lowering = _auto_axes_lowering(
+      mlir.lower_fun(_with_rounded_operands(reference), multiple_results=True))
   mlir.register_lowering(inner, reference_lowering)
   for platform in native_platforms:
     mlir.register_lowering(
         inner,
-        _native_lowering(name, platform, f"te_{name}_{platform}", ffi_attributes, native_signature,
-                         reference_lowering),
+        _auto_axes_lowering(_native_lowering(name, platform, f"te_{name}_{platform}", ffi_attributes,
+                                             native_signature, reference_lowering)),
         platform=platform,
     )
 
   outer = Primitive(f"te_{name}_outer")
   outer.multiple_results = True
   outer.def_impl(apply_primitive(outer))
-  outer.def_abstract_eval(abstract_eval)
+  outer.def_abstract_eval(typed_eval)
 
   def impl(config, *args):
     return tuple(inner.bind(*args, config=config))
 
   partitioned = custom_partitioning(impl, static_argnums=(0,))
-  partitioned.def_partition(partition=partition, sharding_rule=sharding_rule)
+  partitioned.def_partition(partition=_auto_axes_partition(partition), sharding_rule=sharding_rule)
 
   def outer_lowering(*args, config):
     return partitioned(config, *args)
@@ -130,6 +153,97 @@ def define_op(
   op = Op(inner, outer)
   batching.primitive_batchers[outer] = batcher or sequential_batcher(op)
   return op
+
+
+class _Operand(NamedTuple):
+  """What ``partition`` reads of an operand or result: its shape, dtype and sharding."""
+
+  shape: tuple[int, ...]
+  dtype: Any
+  sharding: jax.sharding.NamedSharding
+
+
+def _typed_abstract_eval(abstract_eval, partition, wanted_sharding):
+  """``abstract_eval`` whose results, where an operand's type names Explicit mesh axes, carry the shardings
+  ``partition`` gives them for the operands' shardings (and the ``wanted_sharding`` of the results)."""
+
+  def rule(*avals, config):
+    outs = abstract_eval(*avals, config=config)
+    mesh = explicit_mesh(*avals)
+    if mesh is None:
+      return outs
+    replicated = NamedSharding(mesh, P())
+    args = tuple(_Operand(a.shape, a.dtype, a.sharding if explicit_mesh(a) is not None else replicated)
+                 for a in avals)
+    wanted = (wanted_sharding and wanted_sharding(config)) or [None] * len(outs)
+    results = tuple(_Operand(o.shape, o.dtype, NamedSharding(mesh, P() if w is None else w))
+                    for o, w in zip(outs, wanted, strict=True))
+    _, _, out_shardings, _ = partition(config, mesh, args, results)
+    explicit = set(mesh.explicit_axes)
+    return [o.update(sharding=NamedSharding(mesh, P(*(_keep_axes(e, explicit) for e in full_spec(s, o.ndim)))))
+            for o, s in zip(outs, out_shardings, strict=True)]
+
+  return rule
+
+
+def _keep_axes(entry, axes: set):
+  """A PartitionSpec entry with only the mesh axes in ``axes``."""
+  kept = tuple(a for a in mesh_axes(entry) if a in axes)
+  return None if not kept else (kept[0] if len(kept) == 1 else kept)
+
+
+def _auto_mesh():
+  """The context mesh with its Explicit axes read as Auto (nothing changes where it has none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not mesh.explicit_axes:
+    return None
+  return mesh.update_axis_types({a: AxisType.Auto for a in mesh.explicit_axes})
+
+
+def _untyped(aval):
+  """``aval`` without Explicit mesh axes in its sharding (the shard-local value it is lowered as)."""
+  if not isinstance(aval, jax.core.ShapedArray) or explicit_mesh(aval) is None:
+    return aval
+  mesh = aval.sharding.mesh
+  auto = mesh.update_axis_types({a: AxisType.Auto for a in mesh.explicit_axes})
+  return aval.update(sharding=NamedSharding(auto, P(*(None,) * aval.ndim)))
+
+
+def _auto_axes_lowering(lowering):
+  """``lowering`` run with the context mesh's Explicit axes read as Auto and its operands' and results' types without
+  them: what it emits is one shard's computation (or a whole one, unsharded), where Explicit types would make jax
+  annotate every value with a sharding that XLA cannot implement inside a partitioned call."""
+
+  def lowered(ctx, *args, config):
+    auto = _auto_mesh()
+    if auto is None and not any(explicit_mesh(a) is not None for a in ctx.avals_in):
+      return lowering(ctx, *args, config=config)
+    ctx = ctx.replace(avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out])
+    if auto is None:
+      return lowering(ctx, *args, config=config)
+    with jax.sharding.use_abstract_mesh(auto):
+      return lowering(ctx, *args, config=config)
+
+  return lowered
+
+
+def _auto_axes_partition(partition):
+  """``partition`` whose ``lower_fn`` is traced with the context mesh's Explicit axes read as Auto: it computes one
+  shard's outputs, whose values carry no mesh sharding (see ``_auto_axes_lowering``)."""
+
+  def wrapped(config, mesh, arg_shapes, result_shape):
+    out_mesh, lower_fn, result_shardings, arg_shardings = partition(config, mesh, arg_shapes, result_shape)
+
+    def shard_local(*args):
+      auto = _auto_mesh()
+      if auto is None:
+        return lower_fn(*args)
+      with jax.sharding.use_abstract_mesh(auto):
+        return lower_fn(*args)
+
+    return out_mesh, shard_local, result_shardings, arg_shardings
+
+  return wrapped
 
 
 def _with_rounded_operands(reference: Callable) -> Callable:

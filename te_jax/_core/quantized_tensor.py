@@ -160,7 +160,17 @@ class QuantizedTensor:
     if self.mode.block is None:
       return s
     rows, cols = self.mode.block
-    s = jnp.repeat(s, cols, axis=-1)[..., :shape[-1]]
+    s = _repeat(s, cols, -1, shape[-1])
     if rows > 1:
-      s = jnp.repeat(s, rows, axis=-2)[..., :shape[-2], :]
+      s = _repeat(s, rows, -2, shape[-2])
     return s
+
+
+def _repeat(s: jax.Array, k: int, axis: int, size: int) -> jax.Array:
+  """``jnp.repeat(s, k, axis)`` cut to ``size`` along ``axis``, as a broadcast and a merge of the new dim into
+  ``axis``: the same values, and on Explicit mesh axes a sharded ``axis`` stays sharded (``jnp.repeat`` would ask for
+  an ``out_sharding``)."""
+  axis %= s.ndim
+  e = jnp.broadcast_to(jnp.expand_dims(s, axis + 1), (*s.shape[:axis + 1], k, *s.shape[axis + 1:]))
+  e = e.reshape(*s.shape[:axis], s.shape[axis] * k, *s.shape[axis + 1:])
+  return e if e.shape[axis] == size else jax.lax.slice_in_dim(e, 0, size, axis=axis)

@@ -84,9 +84,11 @@ class DenseGeneral(nn.Module):
   recipe: Recipe | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
-    """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
-    return dense_general(LinenScope(self), options_of(self, DenseGeneralOptions), inputs, residual)
+  def __call__(self, inputs: jax.Array, residual: jax.Array | None = None,
+               out_sharding=None) -> jax.Array | tuple[jax.Array, ...]:
+    """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue;
+    ``out_sharding`` as ``te_jax.nnx.DenseGeneral``'s (``te_jax.dense``'s: the output's type on Explicit axes)."""
+    return dense_general(LinenScope(self), options_of(self, DenseGeneralOptions), inputs, residual, out_sharding)
 
 
 class Fp8DotGeneral(nn.Module):

@@ -15,6 +15,7 @@ from te_jax._core.dtypes import HALF_DTYPES as _FUSED_DTYPES
 from te_jax._core.jax_compat import cudnn_attention
 from te_jax._core.manual_axes import max_over_shards
 from te_jax._core.scaling import compute_scale, fp8_max
+from te_jax._core.explicit import typed_vjp
 from te_jax.fused.attention_config import BOTTOM_RIGHT_TYPES, AttentionConfig
 from te_jax.fused.attention_masks import alibi_bias, band_mask, combine
 from te_jax.fused.attention_unfused import unfused
@@ -233,5 +234,5 @@ def _fp8_attention_bwd(cfg, res, g):
   return jax.vjp(f, q, k, v)[1](g)
 
 
-fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+fp8_attention.defvjp(*typed_vjp(_fp8_attention_fwd, _fp8_attention_bwd, nondiff_argnums=(3,)))
 

@@ -14,14 +14,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from te_jax._core.explicit import constrain, typed_vjp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import high_precision_dense
 from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays, fp8_dims_aligned,
-                                 fp8_recipe, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
-                                 linear_fwd, norm_to_fp8, pad_rows, primal_values, quantize_grad, state_as_float32,
-                                 state_like)
+                                 fp8_recipe, input_for, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
+                                 linear_fwd, norm_to_fp8, out_spec_of, pad_rows, primal_values, quantize_grad,
+                                 state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.recipe import Recipe
 
@@ -79,9 +81,9 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   g, g_hp, g_x = jax.tree.map(instantiate, cotangents, is_leaf=lambda c: c is None)
   qg = quantize_grad(fp8, g, meta and meta.grad, cfg.unstack)
   dgrad_rows = None if cfg.grad_sharding is None else r.x.shape[:-1]
-  dz, dw = linear_bwd(fp8, r.linear, qg.out, dgrad_rows)
+  dz, dw = linear_bwd(fp8, r.linear, qg.out, dgrad_rows, cfg.grad_sharding)
   if cfg.grad_sharding is not None:
-    dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
+    dz = constrain(dz, cfg.grad_sharding)
   if cfg.keep_hp:  # the returned normalized tensor's own gradient joins the GEMM's
     dz = (dz.astype(jnp.float32) + g_hp.reshape(dz.shape).astype(jnp.float32)).astype(dz.dtype)
   # The passed-through input's gradient is added to dx inside the norm's backward kernel.
@@ -95,7 +97,7 @@ def _ln_dense_fp8_bwd(cfg: _Config, r: _Residuals, cotangents):
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dw, dbias, new_meta
 
 
-_ln_dense_fp8.defvjp(_ln_dense_fp8_fwd, _ln_dense_fp8_bwd, symbolic_zeros=True)
+_ln_dense_fp8.defvjp(*typed_vjp(_ln_dense_fp8_fwd, _ln_dense_fp8_bwd, nondiff_argnums=(0,)), symbolic_zeros=True)
 
 
 def layernorm_dense(
@@ -115,6 +117,7 @@ def layernorm_dense(
     recipe: Recipe | None = None,
     keep_rows: bool = False,
     grad_sharding: P | None = None,
+    out_sharding: P | NamedSharding | None = None,
 ):
   """``norm(x) @ kernel + bias`` over ``x``'s last dim, the norm writing the FP8 GEMM input under ``autocast``.
 
@@ -148,6 +151,9 @@ def layernorm_dense(
       summed over their shards. Under tensor parallelism with a sequence-parallel residual stream, the input
       gradient's partial sums are reduce-scattered onto the stream (half the bytes of an all-reduce, no slice). Under
       FP8, where B * S needs no padding; otherwise XLA reshards the gradient (the same values).
+    out_sharding: the output's sharding (of each part, with ``unstack_axis``), as ``te_jax.dense``'s: on a mesh
+      with Explicit axes its type, the input read with the rows it asks for (the sequence gathered before the norm
+      under sequence parallelism); on an Auto mesh a sharding constraint.
 
   Returns:
     ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
@@ -166,12 +172,15 @@ def layernorm_dense(
     raise ValueError(f"keep_rows and grad_sharding need x of shape (B, S, H), got {x.shape}")
   if grad_sharding is not None and not isinstance(grad_sharding, P):
     raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
+  spec = out_spec_of(out_sharding, x.ndim - 1 + len(features) - (unstack is not None))
+  x = input_for(x, (x.ndim - 1,), spec)
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   n = math.prod(features)
   if recipe is None or not fp8_dims_aligned(h, n, unstack):  # high precision; a state kept where FP8 cannot take the dims
     x_in = keep_state(x, fp8_meta) if keeps_state(recipe) else x
     z = norm.plain(x_in, gamma, beta)
-    y = high_precision_dense(z, kernel, bias, unstack_axis=unstack_axis)
+    y = high_precision_dense(z, kernel, bias, unstack_axis=unstack_axis, out_sharding=None if unstack else spec)
+    y = tuple(constrain(p, spec) for p in y) if unstack else y
     return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
   x2d, pad = pad_rows(x.reshape(-1, h))
   fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
@@ -186,6 +195,7 @@ def layernorm_dense(
   y, z, x_out = _ln_dense_fp8(cfg, x_in, gamma, beta, k2d, b, meta)
   m = x2d.shape[0] - pad
   y = layer_output(y, m, x.shape[:-1], features, unstack)
+  y = tuple(constrain(p, spec) for p in y) if unstack else constrain(y, spec)
   unpad = lambda v: None if v is None else (v if rows else v[:m]).reshape(x.shape)  # noqa: E731
   return _outputs(y, unpad(z), unpad(x_out))
 

@@ -17,15 +17,20 @@ import functools
 from typing import NamedTuple
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from te_jax._core.explicit import constrain, explicit_mesh, retype, typed_vjp
+from te_jax._core.primitive import full_spec
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import high_precision_dense
 from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual, fp8_dims_aligned,
-                                 fp8_recipe, instantiate, keep_state, keeps_state, linear_bwd, linear_fwd,
-                                 norm_to_fp8, pad_rows, primal_values, residual_rows, state_as_float32, state_like)
+                                 fp8_recipe, input_for, instantiate, keep_state, keeps_state, linear_bwd, linear_fwd,
+                                 norm_to_fp8, out_spec_of, pad_rows, primal_values, residual_rows, state_as_float32,
+                                 state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
+from te_jax.ops.gemm import output_spec
 from te_jax.recipe import Recipe
 
 __all__ = ["intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
@@ -50,6 +55,10 @@ class _Config:
   keep_rows: bool = False
   grad_sharding: P | None = None
   intermediate_axes: tuple[str, ...] = ()  # the mesh axes F is split over (a gated layer's parts merged per shard)
+  # Explicit mesh axes: the output's sharding the caller asks for (out_sharding), and the output gradient's as the
+  # backward GEMMs read it (the rows as the forward GEMMs ran them, where out_sharding scattered them).
+  out_spec: P | None = None
+  grad_spec: P | None = None
 
 
 def _shard_local(x, body, spec_in: P, spec_out: P, split_axes: tuple[str, ...]):
@@ -135,13 +144,15 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   else:  # the activation's amax is needed before its cast (current and block scaling): a second pass
     a_hp = activation_fwd(h, cfg.activation_type).out
     a = fc2.quantizer.quantize("x", meta_2 and meta_2.x, a_hp, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
-  y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows)
+  y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows,
+                        out_sharding=cfg.out_spec)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
 
 def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   g = instantiate(g)
   g_out = g  # with out_rows or keep_rows (B, S, H), sharded like the output
+  g = retype(g, cfg.grad_spec)
   if not cfg.keep_rows:
     g = g.reshape(-1, g.shape[-1])
   x, h, res_1, res_2 = r.x, r.h, r.fc1, r.fc2
@@ -167,10 +178,10 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
                                 transpose_batch_dims=0, dbias=fc1.has_bias)
   # dh.out: (M, N) and (N, M), N = F or 2F; with the rows kept (B, S, N) and (N, B, S)
   dgrad_rows = None if cfg.grad_sharding is None else x.shape[:-1]
-  dz, dk1 = linear_bwd(fc1, res_1, dh.out, dgrad_rows)
+  dz, dk1 = linear_bwd(fc1, res_1, dh.out, dgrad_rows, cfg.grad_sharding)
   dz = dz.reshape(x.shape)  # x's rows: (M, H), or (B, S, H) as passed
   if cfg.grad_sharding is not None:
-    dz = jax.lax.with_sharding_constraint(dz, cfg.grad_sharding)
+    dz = constrain(dz, cfg.grad_sharding)
   dres = g_out.reshape(x.shape) if cfg.residual_kind == _INPUT_RESIDUAL else None
   dx, dgamma, dbeta = cfg.norm.bwd(dz, x, r.mean, r.rsigma, r.gamma, dres=dres)
   db1 = dh.dbias.astype(fc1.bias_dtype) if fc1.has_bias else None
@@ -186,7 +197,7 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   return dx, dgamma.astype(r.gamma.dtype), dbeta, dk1, dk2, db1, db2, dres, new_1, new_2
 
 
-_ln_mlp_fp8.defvjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd, symbolic_zeros=True)
+_ln_mlp_fp8.defvjp(*typed_vjp(_ln_mlp_fp8_fwd, _ln_mlp_fp8_bwd, nondiff_argnums=(0,)), symbolic_zeros=True)
 
 
 def intermediate_split(intermediate_axes) -> tuple[str, ...]:
@@ -225,6 +236,7 @@ def layernorm_mlp(
     keep_rows: bool = False,
     grad_sharding: P | None = None,
     intermediate_axes: str | tuple[str, ...] | None = None,
+    out_sharding: P | NamedSharding | None = None,
 ) -> jax.Array:
   """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
 
@@ -261,6 +273,9 @@ def layernorm_mlp(
     intermediate_axes: the mesh axes (of the mesh in context) that F is split over, as kernel_1 is sharded (tensor
       parallelism): a gated kernel's (2, F) then merges into fc1's N shard by shard (``merge_parts``), so that fc1
       stays split; without it such a merge needs F whole and XLA gathers kernel_1.
+    out_sharding: the output's sharding, as ``te_jax.dense``'s: on a mesh with Explicit axes its type, fc2 writing
+      it so (with ``scatter_rows``, its reduce-scatter onto a sequence-parallel stream), the input read with the rows
+      it asks for (the sequence gathered before fc1); on an Auto mesh a sharding constraint.
 
   Returns:
     ``x``'s shape and dtype.
@@ -287,6 +302,10 @@ def layernorm_mlp(
     raise ValueError(f"scatter_rows, keep_rows and grad_sharding need x of shape (B, S, H), got {x.shape}")
   if grad_sharding is not None and not isinstance(grad_sharding, P):
     raise TypeError(f"grad_sharding must be a jax.sharding.PartitionSpec, got {type(grad_sharding).__name__}")
+  spec = out_spec_of(out_sharding, x.ndim)
+  if not scatter_rows:  # scattered, the output's rows are fc2's to lay out: the input's stay as they come
+    x, residual = (input_for(x, (x.ndim - 1,), spec),) * 2 if residual is x else (input_for(x, (x.ndim - 1,), spec),
+                                                                                 residual)
   recipe = fp8_recipe(recipe, fp8_meta_1=fp8_meta_1, fp8_meta_2=fp8_meta_2)
   split_axes = intermediate_split(intermediate_axes) if gated else ()
   k1 = merge_parts(kernel_1, 1, split_axes)
@@ -297,7 +316,7 @@ def layernorm_mlp(
     h = high_precision_dense(z, k1, b1)
     if gated:
       h = split_parts(h, -1, 2, split_axes)
-    return high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual)
+    return high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual, out_sharding=spec)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   stateful = keeps_state(recipe)
@@ -309,11 +328,18 @@ def layernorm_mlp(
   else:
     r = residual_rows(residual, x2d.shape[0] - pad, h_dim, pad, x.dtype, out_rows or (rows if keep else None))
     kind = _NO_RESIDUAL if r is None else _GIVEN_RESIDUAL
+  # fc2's output is the layer's with the rows kept or scattered, or for a 2-D x: typed with the wanted sharding; with
+  # the rows scattered, the backward reads the output gradient as fc2 ran (x's rows).
+  own = out_rows is not None or keep or (x.ndim == 2 and not pad)
+  grad_spec = None
+  if out_rows is not None and spec is not None and explicit_mesh(x) is not None:
+    xs, k2s = full_spec(jax.typeof(x).sharding, x.ndim), full_spec(jax.typeof(kernel_2).sharding, 2)
+    grad_spec = P(*output_spec(xs[:-1], [], [], k2s[1:]))
   cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
                 gated, f_dim, kind, out_rows, keep_rows=keep, grad_sharding=None if rows is None else grad_sharding,
-                intermediate_axes=split_axes)
+                intermediate_axes=split_axes, out_spec=spec if own else None, grad_spec=grad_spec)
   x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
   x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if stateful else None,
                   fp8_meta_2 if stateful else None)
-  return y.reshape(x.shape) if y.ndim == 3 else y[: x2d.shape[0] - pad].reshape(x.shape)
+  return constrain(y.reshape(x.shape) if y.ndim == 3 else y[: x2d.shape[0] - pad].reshape(x.shape), spec)

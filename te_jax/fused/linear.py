@@ -17,11 +17,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from te_jax._core import scaling
 from te_jax._core.autocast import get_autocast_state, resolve_recipe
+from te_jax._core.explicit import explicit_mesh, explicit_sharding, reshape, retype, typed_vjp
 from te_jax._core.manual_axes import varying_axes
+from te_jax._core.primitive import full_spec, mesh_axes
 from te_jax._core.quantized_tensor import QuantizedTensor
 from te_jax.fused.quantizer import Quantizer, quantizer_for
 from te_jax.ops.gemm import FP8_ALIGN, gemm
@@ -32,9 +36,41 @@ from te_jax.recipe import Recipe
 
 __all__ = [
     "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_residual",
-    "fp8_dims_aligned", "fp8_recipe", "instantiate", "keep_state", "keeps_state", "layer_output", "linear_bwd", "linear_fwd",
-    "norm_to_fp8", "pad_rows", "primal_values", "quantize_grad", "residual_rows", "state_as_float32", "state_like",
+    "fp8_dims_aligned", "fp8_recipe", "input_for", "instantiate", "keep_state", "keeps_state", "layer_output",
+    "linear_bwd", "linear_fwd", "norm_to_fp8", "out_spec_of", "pad_rows", "primal_values", "quantize_grad",
+    "residual_rows", "state_as_float32", "state_like",
 ]
+
+
+def out_spec_of(out_sharding, ndim: int) -> P | None:
+  """A layer's ``out_sharding`` argument (None, a ``PartitionSpec`` or a ``NamedSharding``) as the PartitionSpec of
+  its ``ndim``-dim output, checked."""
+  if out_sharding is None:
+    return None
+  if not isinstance(out_sharding, (P, NamedSharding)):
+    raise TypeError(f"out_sharding must be a jax.sharding.PartitionSpec or NamedSharding, got "
+                    f"{type(out_sharding).__name__}")
+  spec = out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
+  if len(spec) > ndim:
+    raise ValueError(f"out_sharding {spec} has more entries than the output has dims ({ndim})")
+  return P(*spec, *(None,) * (ndim - len(spec)))
+
+
+def input_for(x: jax.Array, axes: tuple[int, ...], spec: P | None) -> jax.Array:
+  """``x`` as a layer whose output is wanted sharded ``spec`` (its rows, then its features) reads it, on a mesh with
+  Explicit axes: x's non-contracted dims resharded to the output's row entries less the mesh axes x's contracted dims
+  use, its contracted dims as they are. That is the partitioner's choice on an Auto mesh (under sequence parallelism
+  the sequence gathered before a column-parallel GEMM, in x's dtype); elsewhere ``x`` itself."""
+  if spec is None or explicit_mesh(x) is None:
+    return x
+  xs = full_spec(jax.typeof(x).sharding, x.ndim)
+  k_axes = mesh_axes(*(xs[a] for a in axes))
+  rows = [d for d in range(x.ndim) if d not in axes]
+  new = list(xs)
+  for entry, d in zip(spec, rows):
+    kept = tuple(a for a in mesh_axes(entry) if a not in k_axes)
+    new[d] = None if not kept else (kept[0] if len(kept) == 1 else kept)
+  return retype(x, P(*new))
 
 
 def fp8_recipe(recipe: Recipe | None, **states) -> Recipe | None:
@@ -81,7 +117,7 @@ def _keep_state_bwd(state, g):
   return g, state
 
 
-keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+keep_state.defvjp(*typed_vjp(_keep_state_fwd, _keep_state_bwd))
 
 
 def fp8_dims_aligned(k: int, n: int, unstack: "Unstack | None" = None) -> bool:
@@ -221,9 +257,9 @@ def layer_output(y: jax.Array | tuple[jax.Array, ...], m: int, lead_shape: tuple
     return p[:m] if p.ndim == 2 else p
 
   if unstack is None:
-    return rows(y).reshape(*lead_shape, *features)
+    return reshape(rows(y), (*lead_shape, *features))
   part_features = features[:unstack.feature_axis] + features[unstack.feature_axis + 1:]
-  return tuple(rows(p).reshape(*lead_shape, *part_features) for p in y)
+  return tuple(reshape(rows(p), (*lead_shape, *part_features)) for p in y)
 
 
 def check_residual(residual: jax.Array | None, out_shape: tuple[int, ...]) -> None:
@@ -239,8 +275,8 @@ def residual_rows(residual: jax.Array | None, m: int, n: int, pad: int, dtype,
   if residual is None:
     return None
   if out_rows is not None:
-    return residual.astype(dtype).reshape(*out_rows, n)
-  r = residual.astype(dtype).reshape(m, n)
+    return reshape(residual.astype(dtype), (*out_rows, n))
+  r = reshape(residual.astype(dtype), (m, n))
   return jnp.pad(r, ((0, pad), (0, 0))) if pad else r
 
 
@@ -274,8 +310,8 @@ def _saved(t: QuantizedTensor) -> QuantizedTensor:
 
 
 def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, residual=None,
-               unstack: Unstack | None = None,
-               out_rows: tuple[int, int] | None = None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
+               unstack: Unstack | None = None, out_rows: tuple[int, int] | None = None,
+               out_sharding=None) -> tuple[jax.Array | tuple[jax.Array, ...], LinearResiduals]:
   """``x @ kernel + bias (+ residual)`` from the FP8 input ``x`` (M, K) with its transposed copy: quantizes the (K, N)
   kernel (with its transposed copy, the K-major operand of this GEMM) and runs the forward GEMM (accumulating as the
   recipe's ``fp8_gemm_fprop`` says) with the bias and residual epilogues. With ``unstack``, returns the parts, each
@@ -284,7 +320,9 @@ def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, r
   ``scatter_rows``: a sequence-parallel row-parallel GEMM's reduce-scatter); a residual is then (B, S, N) too.
 
   With the rows kept (``x`` (B, S, K), its copy (K, B, S): a layer's ``keep_rows``), every GEMM keeps (B, S) as two
-  dims sharded as they come (``gemm``'s ``keep_rows`` and ``contract_dims``), the output (B, S, N)."""
+  dims sharded as they come (``gemm``'s ``keep_rows`` and ``contract_dims``), the output (B, S, N).
+
+  ``out_sharding``: the (M, N) output's sharding (``gemm``'s), without ``unstack``."""
   quantize_kernel = functools.partial(cfg.quantizer.quantize, "kernel", kernel_state, kernel, cfg.fwd_dtype,
                                       shard_axes=cfg.kernel_axes, transpose=True)
   fwd_gemm = functools.partial(gemm, dtype=cfg.out_dtype, fast_accum=not cfg.recipe.fp8_gemm_fprop.use_split_accumulator)
@@ -293,7 +331,7 @@ def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, r
     qw = quantize_kernel()  # (K, N) and (N, K)
     lhs = x if out_rows is None else _reshaped(x, *out_rows, x.shape[-1])
     out = fwd_gemm(lhs, qw.out.transposed(), bias=bias, residual=residual, scatter_rows=out_rows is not None,
-                   keep_rows=keep_rows)
+                   keep_rows=keep_rows, out_sharding=out_sharding)
     out = out if unstack is None else (out,)
   else:  # the transposed copy's rows grouped by part: (parts, N / parts, K)
     qw = quantize_kernel(transpose_parts=(unstack.parts, unstack.group))
@@ -302,8 +340,8 @@ def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, r
   return out, LinearResiduals(_saved(x.transposed()), _saved(qw.out), qw.amax)
 
 
-def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g: QuantizedTensor,
-               dgrad_rows: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g: QuantizedTensor, dgrad_rows: tuple[int, int] | None = None,
+               dgrad_sharding=None) -> tuple[jax.Array, jax.Array]:
   """dgrad and wgrad from the FP8 output gradient ``g`` (M, N) with its transposed copy (N, M) (with the rows kept,
   (B, S, N) and (N, B, S)), accumulating as the recipe's ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` say (full precision
   by default). Returns ``(dx (M, K) in the compute dtype, dkernel (K, N) in the kernel's dtype)``, dx (B, S, K) with
@@ -311,14 +349,19 @@ def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g: QuantizedTensor,
 
   With ``dgrad_rows`` (B, S), dx is (B, S, K) with its rows sharded as its consumer asks (``gemm``'s
   ``scatter_rows``): a column-parallel layer that constrains its input's gradient to a sequence-parallel residual
-  stream (its ``grad_sharding``) reduce-scatters dx onto it."""
+  stream (its ``grad_sharding``, here ``dgrad_sharding``: the GEMM's ``out_sharding``) reduce-scatters dx onto it."""
   recipe = cfg.recipe
   keep_rows = g.data.ndim > 2
   lhs = g if dgrad_rows is None else _reshaped(g, *dgrad_rows, g.shape[-1])
   dx = gemm(lhs, res.w, dtype=cfg.out_dtype, fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator,
-            scatter_rows=dgrad_rows is not None, keep_rows=keep_rows)
+            scatter_rows=dgrad_rows is not None, keep_rows=keep_rows,
+            out_sharding=dgrad_sharding if dgrad_rows is not None else None)
+  # On Explicit mesh axes the weight gradient is wanted laid out as the kernel is (FSDP: reduce-scattered onto its
+  # shards, as the partitioner does on an Auto mesh), rather than all-reduced and then sliced to the kernel's type.
+  w_sharding = explicit_sharding(res.w.data)
   dw = gemm(res.x_t, g.transposed(), dtype=cfg.kernel_dtype,
-            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, contract_dims=res.x_t.data.ndim - 1)
+            fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, contract_dims=res.x_t.data.ndim - 1,
+            out_sharding=None if w_sharding is None else w_sharding.spec)
   return dx, dw
 
 

@@ -14,9 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
+from te_jax._core.explicit import constrain as constrain_to
+from te_jax._core.explicit import typed_vjp
+
 __all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
-           "SEQ", "axes", "constrain", "context_parallel_axes", "features_tuple", "gather_sequence", "is_int",
-           "rule_axes", "rule_shards", "seq_first_to_batch_first", "sequence_kept", "stream_input", "stream_sharding"]
+           "SEQ", "axes", "constrain", "context_parallel_axes", "explicit_out", "features_tuple", "gather_sequence",
+           "is_int", "logical_constraint", "rule_axes", "rule_shards", "seq_first_to_batch_first", "sequence_kept",
+           "stream_input", "stream_sharding"]
 
 Initializer = Callable[..., jax.Array]
 
@@ -77,13 +81,25 @@ def _gathered_rules(name: str | None) -> tuple | None:
   return ((name, kept[0] if len(kept) == 1 else (kept or None)),) + others
 
 
+def logical_constraint(x: jax.Array, names: tuple[str | None, ...], rules=None) -> jax.Array:
+  """``nn.with_logical_constraint(x, names, rules=rules)``, except on a mesh whose axes are all Explicit, where jax
+  takes no sharding constraint that changes a value's type: there ``x`` is resharded to the names' sharding (its
+  type then says it), as Flax's NNX variables are."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not mesh.are_all_axes_explicit:
+    return nn.with_logical_constraint(x, tuple(names), rules=rules)
+  if rules is None and not nn.get_logical_axis_rules():
+    return x
+  return constrain_to(x, nn.logical_to_mesh_axes(tuple(names), rules))
+
+
 def gather_sequence(x: jax.Array, names: tuple[str | None, ...], seq: int) -> jax.Array:
   """``x`` constrained to the logical axis ``names`` (``nn.with_logical_constraint``), its sequence (``names[seq]``)
   gathered over the tensor-parallel mesh axes (those of the heads and the MLP: sequence parallelism, where each tensor
   shard computes its heads or MLP columns over the whole sequence) and kept sharded over any other (context
   parallelism): an activation as a tensor-parallel layer reads it. A no-op outside ``nn.logical_axis_rules``."""
   rules = _gathered_rules(names[seq])
-  return x if rules is None else nn.with_logical_constraint(x, tuple(names), rules=list(rules))
+  return x if rules is None else logical_constraint(x, tuple(names), rules=list(rules))
 
 
 def stream_input(x: jax.Array, names: tuple[str | None, ...], seq: int) -> jax.Array:
@@ -98,6 +114,17 @@ def stream_input(x: jax.Array, names: tuple[str | None, ...], seq: int) -> jax.A
   return _stream_input(x, tuple(names), rules, _hashable_rules(nn.get_logical_axis_rules()))
 
 
+def explicit_out(names: tuple[str | None, ...] | None) -> jax.sharding.PartitionSpec | None:
+  """The ``PartitionSpec`` of the logical axis ``names`` under the rules in context where the mesh in context has
+  Explicit axes: the ``out_sharding`` a layer passes its fused op for an output it constrains to ``names`` (there
+  the op must type its output so, reading its input accordingly); None elsewhere, where the constraint after the op
+  does the same."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not names or mesh.empty or not mesh.are_all_axes_explicit or not nn.get_logical_axis_rules():
+    return None
+  return nn.logical_to_mesh_axes(tuple(names))
+
+
 def stream_sharding(names: tuple[str | None, ...]) -> jax.sharding.PartitionSpec | None:
   """The ``PartitionSpec`` of the logical axis ``names`` under the rules in context, where a mesh is set
   (``jax.set_mesh``); else None: what a fused layer's ``grad_sharding`` takes for a residual stream's gradient."""
@@ -108,7 +135,7 @@ def stream_sharding(names: tuple[str | None, ...]) -> jax.sharding.PartitionSpec
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _stream_input(x, names, gathered_rules, stream_rules):
-  return nn.with_logical_constraint(x, names, rules=list(gathered_rules))
+  return logical_constraint(x, names, rules=list(gathered_rules))
 
 
 def _stream_input_fwd(x, names, gathered_rules, stream_rules):
@@ -117,10 +144,10 @@ def _stream_input_fwd(x, names, gathered_rules, stream_rules):
 
 def _stream_input_bwd(names, gathered_rules, stream_rules, _, g):
   del gathered_rules
-  return (nn.with_logical_constraint(g, names, rules=list(stream_rules)),)
+  return (logical_constraint(g, names, rules=list(stream_rules)),)
 
 
-_stream_input.defvjp(_stream_input_fwd, _stream_input_bwd)
+_stream_input.defvjp(*typed_vjp(_stream_input_fwd, _stream_input_bwd, nondiff_argnums=(1, 2, 3)))
 
 
 def context_parallel_axes() -> dict[str, tuple[str, ...]]:
@@ -155,4 +182,4 @@ def features_tuple(features) -> tuple[int, ...]:
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
   """``x`` constrained to the logical axis ``names`` under the rules in context (a no-op without rules or names)."""
-  return nn.with_logical_constraint(x, tuple(names)) if names else x
+  return logical_constraint(x, tuple(names)) if names else x

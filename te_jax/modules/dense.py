@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import Unstack
-from te_jax.modules.axes import Initializer, constrain, features_tuple, rule_shards, sequence_kept
+from te_jax.modules.axes import Initializer, constrain, explicit_out, features_tuple, rule_shards, sequence_kept
 from te_jax.modules.scope import Scope
 from te_jax.recipe import Recipe
 
@@ -82,9 +82,11 @@ def dense_general_params(scope: Scope, o: DenseGeneralOptions, batch_shape: tupl
   return kernel, bias
 
 
-def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, residual: jax.Array | None = None):
+def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, residual: jax.Array | None = None,
+                  out_sharding=None):
   """The layer's output for ``inputs``, plus ``residual`` (the output's shape) when given, added in the GEMM's
-  epilogue (te_jax's GEMM) or after it."""
+  epilogue (te_jax's GEMM) or after it; sharded ``out_sharding`` (``te_jax.dense``'s) when given, else, on a mesh
+  with Explicit axes, as ``output_axes`` say."""
   inputs = jnp.asarray(inputs)
   batch_dims = tuple(sorted(normalize_axes(o.batch_dims, inputs.ndim, "batch_dims")))
   if batch_dims != tuple(range(len(batch_dims))):
@@ -107,33 +109,35 @@ def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, resid
     x, (meta,) = scope.fp8_state(recipe, x)
     rows = inputs.ndim - n_in
     scatter = rows == 2 and bool(o.output_axes) and rule_shards(o.output_axes[1])
+    out = out_sharding if out_sharding is not None else explicit_out(o.output_axes)
     return constrain(dense(x, kernel, bias, axis=axis, unstack_axis=o.unstack_axis, residual=residual, fp8_meta=meta,
                            recipe=recipe, precision=o.precision, scatter_rows=scatter,
-                           keep_rows=scatter and sequence_kept(o.output_axes[1])), o.output_axes)
+                           keep_rows=scatter and sequence_kept(o.output_axes[1]), out_sharding=out), o.output_axes)
   # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
   x, _ = scope.fp8_state(None, x)
   dims = ((axis, tuple(range(n_batch, n_batch + n_in))), (batch_dims, tuple(range(n_batch))))
-  y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=o.precision)
+  out = {} if out_sharding is None else {"out_sharding": out_sharding}
+  y = (custom or jax.lax.dot_general)(x, kernel.astype(dtype), dims, precision=o.precision, **out)
   if bias is not None:
     y = y + jnp.reshape(bias.astype(y.dtype), batch_shape + (1,) * (x.ndim - n_batch - n_in) + o.features)
   return constrain(y if residual is None else y + residual.astype(y.dtype), o.output_axes)
 
 
 def fp8_dot_general(scope: Scope, recipe: Recipe | None, lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, **kwargs):
-  """``Fp8DotGeneral``'s call: ``lax.dot_general``'s arguments (``kwargs``: more of them, e.g. NNX's
-  ``out_sharding``), run as te_jax's FP8 dense GEMM under an enabled autocast (or ``recipe``), as
-  ``lax.dot_general`` otherwise. The FP8 GEMM takes no batch dims and the contracting dims of ``rhs`` leading."""
+                    preferred_element_type=None, out_sharding=None, **kwargs):
+  """``Fp8DotGeneral``'s call: ``lax.dot_general``'s arguments (``kwargs``: more of them), run as te_jax's FP8 dense
+  GEMM under an enabled autocast (or ``recipe``), as ``lax.dot_general`` otherwise. The FP8 GEMM takes no batch dims
+  and the contracting dims of ``rhs`` leading; ``out_sharding`` (NNX's) is ``te_jax.dense``'s."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   recipe = resolve_recipe(recipe)
   if recipe is None:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding, **kwargs)
   given = sorted(k for k, v in kwargs.items() if v is not None)
   if given:
     raise ValueError(f"Fp8DotGeneral takes no {', '.join(given)}: shard the input and the kernel instead")
   if lhs_batch or rhs_batch or tuple(rhs_contract) != tuple(range(len(rhs_contract))):
     raise ValueError(f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}")
   lhs, (meta,) = scope.fp8_state(recipe, lhs)
-  out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe)
+  out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe, out_sharding=out_sharding)
   return out if preferred_element_type is None else out.astype(preferred_element_type)

@@ -7,7 +7,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -15,8 +14,9 @@ from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import intermediate_split, layernorm_mlp, merge_parts, split_parts
-from te_jax.modules.axes import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, is_int, rule_axes, rule_shards,
-                                 sequence_kept, stream_input, stream_sharding)
+from te_jax.modules.axes import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, explicit_out, is_int,
+                                 logical_constraint, rule_axes, rule_shards, sequence_kept, stream_input,
+                                 stream_sharding)
 from te_jax.modules.layernorm_dense import norm_params
 from te_jax.modules.scope import Scope
 from te_jax.ops.activation import activation, parse_activation_type
@@ -128,7 +128,7 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   def finish(out):
     if not stream:
       return out
-    y = nn.with_logical_constraint(out[0] if o.return_layernorm_output else out, stream)
+    y = logical_constraint(out[0] if o.return_layernorm_output else out, stream)
     return (y, out[1]) if o.return_layernorm_output else y
 
   # Batch first with the sequence sharded: fc2 takes its rows' sharding from finish's constraint and fc1's dgrad
@@ -138,6 +138,7 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   scatter = bool(stream) and not o.transpose_batch_sequence and rule_shards(SEQ)
   rows = dict(scatter_rows=scatter, keep_rows=scatter and sequence_kept(SEQ))
   grad_sharding = stream_sharding(stream) if scatter else None
+  out_sharding = explicit_out(stream)
   x, (meta_1, meta_2) = scope.fp8_state(recipe, inputs.astype(dtype), ("wi_", "wo_"))
   if residual is inputs and x.dtype == inputs.dtype:
     residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
@@ -146,7 +147,7 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   if not dropout and not o.return_layernorm_output:
     return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
                                 fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, grad_sharding=grad_sharding,
-                                intermediate_axes=split, **rows, **norm_args))
+                                intermediate_axes=split, out_sharding=out_sharding, **rows, **norm_args))
   # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
   h = layernorm_dense(x, gamma, beta, merge_parts(k1, 1, split), None if b1 is None else merge_parts(b1, 0, split),
                       return_layernorm_output=o.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
@@ -155,5 +156,5 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   a = activation(split_parts(h, -1, 2, split) if gated else h, act)
   if dropout:
     a = scope.dropout("dropout", o.intermediate_dropout, o.dropout_rng_name, a)
-  y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, **rows)
+  y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, out_sharding=out_sharding, **rows)
   return finish((y, z) if o.return_layernorm_output else y)

@@ -99,14 +99,19 @@ class DenseGeneral(nnx.Module):
       raise ValueError("DenseGeneral.from_options: give batch_axis (with the sizes) to the constructor instead")
     return cls(in_features, kw.pop("features"), **kw, rngs=rngs)
 
-  def __call__(self, inputs: jax.Array, residual: jax.Array | None = None):
-    """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue."""
+  def __call__(self, inputs: jax.Array, residual: jax.Array | None = None, out_sharding=None):
+    """The layer's output, plus ``residual`` (the output's shape) when given: added in the GEMM's epilogue.
+
+    ``out_sharding`` (a ``PartitionSpec`` of the output's dims, or a ``NamedSharding``), as ``nnx.LinearGeneral``
+    takes it: on a mesh with Explicit axes the output's type (the GEMM writes it so: a contraction sharded over the
+    axes that shard an output dim ends in a reduce-scatter onto it), on an Auto one a sharding constraint
+    (``te_jax.dense``'s ``out_sharding``)."""
     inputs = jnp.asarray(inputs)
     axis = normalize_axes(self.axis, inputs.ndim, "inputs")
     if tuple(inputs.shape[a] for a in axis) != self.in_features:
       raise ValueError(f"inputs of shape {inputs.shape} have {tuple(inputs.shape[a] for a in axis)} on axis "
                        f"{self.axis}, the layer was built for in_features={self.in_features}")
-    return dense_general(NnxScope(self), self.options, inputs, residual)
+    return dense_general(NnxScope(self), self.options, inputs, residual, out_sharding)
 
 
 class Fp8DotGeneral(nnx.Module):

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
+from te_jax._core.explicit import typed_vjp
 from te_jax.ops.quantize import FP8_DTYPES, CastOutput, amax_f32, per_tensor, saturating_cast
 
 __all__ = ["activation", "activation_bwd", "activation_bwd_ref", "activation_fwd", "activation_fwd_ref",
@@ -558,7 +559,7 @@ def _activation_bwd(activation_type, x, g):
   return (activation_bwd(g.astype(x.dtype), x, activation_type).out,)
 
 
-_activation.defvjp(_activation_fwd, _activation_bwd)
+_activation.defvjp(*typed_vjp(_activation_fwd, _activation_bwd, nondiff_argnums=(1,)))
 
 
 def activation(x: jax.Array, activation_type=("gelu",)) -> jax.Array:

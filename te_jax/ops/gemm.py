@@ -50,13 +50,14 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
 from te_jax._core.dtypes import HP_DTYPES
+from te_jax._core.explicit import constrain, retype
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.ops.gemm_block import (check_block_operands, emulate, gpu_compute_capability, is_block_scaled,
                                    kernel_scales, logical_scales, native_block_reason, scale_factors, scale_spec)
 from te_jax.ops.quantize import FP8_DTYPES
 
-__all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig"]
+__all__ = ["FP8_ALIGN", "MAX_PARTS", "gemm", "gemm_ref", "GemmConfig", "output_spec"]
 
 # cuBLASLt FP8: K and N (the stored operands' leading dims) multiples of 16. The FP8 layers therefore also pad their
 # tokens to a multiple of it: the weight-gradient GEMM contracts over them.
@@ -84,6 +85,8 @@ class GemmConfig:
       (one dim, M, or several kept apart: (B, S)), the output's too: ``(*rows, N)``.
     lhs_mode, rhs_mode: the ``ScalingMode`` of each operand's scales; block modes pass them in cuBLASLt's layout
       (``te_jax.ops.gemm_block.kernel_scales``), both block-scaled or neither.
+    out_spec: the output's sharding a caller asked for (``out_sharding``): on Explicit mesh axes the output's type is
+      what ``_partition`` makes of it (a reduce-scatter onto it where K's axes shard it).
   """
 
   out_dtype: np.dtype
@@ -97,6 +100,7 @@ class GemmConfig:
   k_dims: int = 1
   lhs_mode: ScalingMode = ScalingMode.PER_TENSOR
   rhs_mode: ScalingMode = ScalingMode.PER_TENSOR
+  out_spec: P | None = None
 
 
 def _split(shape, transposed: bool, k_dims: int, parts: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -304,6 +308,30 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   return mesh, lower_fn, (out_sharding,) * config.parts, tuple(arg_shardings)
 
 
+def output_spec(rows, k_lhs, k_rhs, cols) -> tuple:
+  """The sharding of a contraction's output where nothing asks for another, from its operands' PartitionSpec entries
+  (``rows``: lhs's row dims; ``k_lhs``, ``k_rhs``: each contracted dim of lhs and of rhs; ``cols``: rhs's column
+  dims): ``gemm``'s partition's choice, which its output's type says on Explicit mesh axes. A contracted dim is
+  sharded over lhs's mesh axes for it, else over rhs's less the rows' (the partial sums are all-reduced over
+  those); each row dim keeps its axes but the contraction's, each column dim its own but the contraction's and
+  the rows' (earlier dims first). te_jax's high-precision GEMMs type their outputs the same way, so a layer's
+  output has one type whichever path computes it."""
+  k_axes: list[str] = []
+  for kl, kr in zip(k_lhs, k_rhs, strict=True):
+    axes = mesh_axes(kl) or tuple(a for a in mesh_axes(kr) if a not in mesh_axes(*rows))
+    k_axes += [a for a in axes if a not in k_axes]
+  used, out = list(k_axes), []
+  for entry in (*rows, *cols):
+    kept = tuple(a for a in mesh_axes(entry) if a not in used)
+    used += kept
+    out.append(_entry(kept))
+  return tuple(out)
+
+
+def _wanted_sharding(config: GemmConfig):
+  return None if config.out_spec is None else [config.out_spec] * config.parts
+
+
 def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
   """``m k, n k -> m n``; with parts, ``m k, p n k -> m n, m n, ...`` with p kept whole; kept row dims and several
   contracted dims are factors of their own (``m0 m1 k``, ``k n0 n1``...)."""
@@ -331,6 +359,7 @@ _GEMM = define_op(
     native_signature=_native_signature,
     partition=_partition,
     sharding_rule=_sharding_rule,
+    wanted_sharding=_wanted_sharding,
 )
 
 
@@ -387,6 +416,7 @@ def gemm(
     scatter_rows: bool = False,
     keep_rows: bool = False,
     contract_dims: int = 1,
+    out_sharding: P | NamedSharding | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
 
@@ -425,6 +455,11 @@ def gemm(
       without K's axes.
     contract_dims: how many trailing dims of both (untransposed) operands are contracted, each keeping its sharding
       (the (B, S) rows of a weight gradient's transposed operands (K, B, S) and (N, B, S)); K is their product.
+    out_sharding: the output's sharding, a ``PartitionSpec`` of the mesh in context (or a ``NamedSharding``), as
+      ``jax.lax.dot_general``'s ``out_sharding``: the GEMM lays its output out so (a K sharded over the axes that
+      shard an output dim there ends in a reduce-scatter onto it instead of an all-reduce), and on a mesh with
+      Explicit axes the output's type says it. Without it the output is typed with ``output_spec``'s sharding.
+      Not with ``rhs_parts``.
 
   Returns:
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
@@ -433,16 +468,25 @@ def gemm(
   opts = dict(bias=bias, residual=residual, dtype=dtype, transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
               fast_accum=fast_accum, rhs_parts=rhs_parts, scatter_rows=scatter_rows, keep_rows=keep_rows,
               contract_dims=contract_dims)
+  if out_sharding is not None:
+    if rhs_parts:
+      raise ValueError("gemm: out_sharding and rhs_parts exclude each other (constrain each part instead)")
+    if not isinstance(out_sharding, (P, NamedSharding)):
+      raise TypeError(f"out_sharding must be a jax.sharding.PartitionSpec or NamedSharding, got "
+                      f"{type(out_sharding).__name__}")
+    opts["out_spec"] = out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
   if is_block_scaled(lhs) or is_block_scaled(rhs):
-    return _gemm_block(lhs, rhs, **opts)
-  lhs, lhs_scale_inv = _operand(lhs, "lhs")
-  rhs, rhs_scale_inv = _operand(rhs, "rhs")
-  return _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, **opts)
+    out = _gemm_block(lhs, rhs, **opts)
+  else:
+    lhs, lhs_scale_inv = _operand(lhs, "lhs")
+    rhs, rhs_scale_inv = _operand(rhs, "rhs")
+    out = _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, **opts)
+  return out if out_sharding is None else constrain(out, out_sharding)
 
 
 def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype, transpose_lhs, transpose_rhs,
                fast_accum, rhs_parts, scatter_rows, keep_rows, contract_dims,
-               modes=(ScalingMode.PER_TENSOR, ScalingMode.PER_TENSOR)):
+               modes=(ScalingMode.PER_TENSOR, ScalingMode.PER_TENSOR), out_spec=None):
   """gemm's checks and its GEMM on (data, scale_inv) operands; block-scaled ones (``modes``) with their logical
   scales, on the native path only."""
   block = modes[0] is not ScalingMode.PER_TENSOR
@@ -499,8 +543,11 @@ def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype,
   fuse = fuse and k > 0  # with K = 0 the handler only zeroes the output
   fuse_bias = fuse and bias is not None
   fuse_residual = k > 0 and gemm_dtype == out_dtype and residual is not None
+  # A wanted output sharding types the GEMM's own output where that is the caller's: N one dim, the rows as lhs's.
+  own = len(rhs_rows) == 1 and tuple(out_rows or _split(a.shape, transpose_lhs, contract_dims)[0]) == tuple(lhs_rows)
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
-                      fuse_residual, out_rows=out_rows, k_dims=contract_dims, lhs_mode=modes[0], rhs_mode=modes[1])
+                      fuse_residual, out_rows=out_rows, k_dims=contract_dims, lhs_mode=modes[0], rhs_mode=modes[1],
+                      out_spec=P(*out_spec) if own and out_spec is not None else None)
   if block:  # the logical scales folded as the data is, then in cuBLASLt's layout
     scales = []
     for x, folded, s, mode in ((lhs, a, lhs_scale_inv, modes[0]), (rhs, b, rhs_scale_inv, modes[1])):
@@ -516,9 +563,11 @@ def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype,
     operands.append(residual.astype(out_dtype))
   (out,) = _GEMM.bind(*operands, config=config)
   unfused = [a for a, fused in ((bias, fuse_bias), (residual, fuse_residual)) if a is not None and not fused]
-  if unfused:  # added in float32, in the epilogue's order, then cast once
+  if unfused:  # added in float32, in the epilogue's order, then cast once (each laid out as the output's dims)
     out = out.astype(jnp.float32)
+    out_spec = full_spec(jax.typeof(out).sharding, out.ndim)
     for addend in unfused:
+      addend = retype(addend.reshape(out.shape[out.ndim - addend.ndim:]), P(*out_spec[out.ndim - addend.ndim:]))
       out = out + addend.astype(out_dtype).astype(jnp.float32)
   return out.astype(out_dtype).reshape(*lhs_rows, *rhs_rows)
 
@@ -579,7 +628,7 @@ def _part(x: QuantizedTensor, i: int) -> QuantizedTensor:
   return QuantizedTensor(x.data[i], x.scale_inv[i], global_scale_inv=x.global_scale_inv, mode=x.mode)
 
 
-def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
+def _gemm_block(lhs, rhs, out_spec=None, **opts) -> jax.Array | tuple[jax.Array, ...]:
   """``gemm`` of block-scaled operands: cuBLASLt where it has a kernel for them (``gemm_block.native_block_reason``)
   and the program is lowered for CUDA, else the emulation: both operands dequantized into bfloat16, then the
   high-precision GEMM with every option as given."""
@@ -588,7 +637,7 @@ def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
     raise ValueError("FP8 operands must be K-major: pass the transposed FP8 copy instead of transpose_lhs/rhs")
 
   def emulated(a, b):
-    return gemm(emulate(a), emulate(b), **opts)
+    return gemm(emulate(a), emulate(b), **opts, out_sharding=None if out_spec is None else P(*out_spec))
 
   if opts["rhs_parts"]:
     # The checks of rhs_parts, on the emulated operands; then one GEMM per part: cuBLASLt's pointer-array batched
@@ -605,7 +654,7 @@ def _gemm_block(lhs, rhs, **opts) -> jax.Array | tuple[jax.Array, ...]:
 
   # cuBLASLt has no fast-accumulation block-scaled kernel (its heuristic answers NOT_SUPPORTED on the H100, cuBLAS
   # 13): its kernels add each K block's partial sum, scaled, in float32 whatever fast_accum says.
-  native_opts = {**opts, "fast_accum": False}
+  native_opts = {**opts, "fast_accum": False, "out_spec": out_spec}
 
   def native_gemm(a, b):
     if a.mode is not ScalingMode.NVFP4_1X16:

@@ -50,6 +50,7 @@ from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.manual_axes import to_common_varying
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
 from te_jax._core.quantized_tensor import QuantizedTensor
+from te_jax._core.explicit import typed_vjp
 from te_jax.ops.quantize import FP8_DTYPES, QuantizeConfig, per_tensor, quantize_ref
 
 __all__ = ["check_norm_args", "layernorm", "norm_bwd", "norm_bwd_ref", "norm_fwd", "norm_fwd_ref", "NORM_TYPES",
@@ -578,7 +579,7 @@ def _layernorm_bwd(cfg: _Config, residuals, dz):
   return dx, dgamma.astype(gamma.dtype), None if cfg.beta_dtype is None else dbeta.astype(cfg.beta_dtype)
 
 
-_layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
+_layernorm.defvjp(*typed_vjp(_layernorm_fwd, _layernorm_bwd, nondiff_argnums=(0,)))
 
 
 def layernorm(

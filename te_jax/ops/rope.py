@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import define_op, full_spec, output_aval
+from te_jax._core.explicit import typed_vjp
 
 __all__ = ["LAYOUTS", "RopeConfig", "check_rope_shapes", "rope_bwd", "rope_bwd_ref", "rope_fwd", "rope_fwd_ref",
            "apply_rope", "rope_frequencies"]
@@ -365,7 +366,7 @@ def _apply_rope_bwd(layout, interleaved, residuals, g):
   return rope_bwd(g, cos, sin, layout=layout, interleaved=interleaved), None, None
 
 
-_apply_rope.defvjp(_apply_rope_fwd, _apply_rope_bwd)
+_apply_rope.defvjp(*typed_vjp(_apply_rope_fwd, _apply_rope_bwd, nondiff_argnums=(3, 4)))
 
 
 def apply_rope(x: jax.Array, freqs: jax.Array, *, layout: str = "BSHD", interleaved: bool = False) -> jax.Array:

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval, sequential_batcher
+from te_jax._core.explicit import typed_vjp
 
 __all__ = ["SOFTMAX_KINDS", "SoftmaxConfig", "softmax_bwd", "softmax_bwd_ref", "softmax_fwd", "softmax_fwd_ref",
            "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax"]
@@ -397,7 +398,7 @@ def _softmax_bwd(kind, scale_factor, y, dy):
   return (softmax_bwd(dy.astype(y.dtype), y, kind=kind, scale_factor=scale_factor),)
 
 
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax.defvjp(*typed_vjp(_softmax_fwd, _softmax_bwd, nondiff_argnums=(1, 2)))
 
 
 # ---- masked: the mask is not differentiable ----------------------------------------------------------------------
@@ -418,7 +419,7 @@ def _masked_softmax_bwd(scale_factor, y, dy):
   return softmax_bwd(dy.astype(y.dtype), y, kind="masked", scale_factor=scale_factor), None
 
 
-_masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
+_masked_softmax.defvjp(*typed_vjp(_masked_softmax_fwd, _masked_softmax_bwd, nondiff_argnums=(2,)))
 
 
 # ---- public API --------------------------------------------------------------------------------------------------
