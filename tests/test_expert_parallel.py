@@ -5,14 +5,16 @@ against the same layers on one device.
 The one-device computation is made of te_jax's own pieces: ``permute`` of each device's tokens on their own (the
 capacity counted per device, as the expert-parallel layer counts it), one ``grouped_dense`` of every expert over all
 of its rows (the devices' rows in device order), the activation, the second ``grouped_dense``, ``unpermute``. Under
-1 x 128 block scaling the tokens and the output gradient are cast and dequantized first, where the expert-parallel
-layer casts them before its all-to-alls (so that the weight gradient's transposed copy is cast from the same values).
+the block-scaled recipes (1 x 128, MXFP8's 1 x 32) the tokens and the output gradient are cast and dequantized first,
+where the expert-parallel layer casts them before its all-to-alls (so that the weight gradient's transposed copies
+are cast from the same values), and with data parallelism each data shard's rows of an expert form a group of their
+own (a kernel per group, the same expert's: their gradients sum), since each device lays out its groups on whole
+token blocks.
 
 Each case runs three SGD steps in a jitted train step (the loss a sum of the outputs times a target, so that the
 gradients are O(1) and FP8 casts them with the initial scales of 1) and compares every step's outputs, gradients
-(kernels and router logits) and delayed-scaling states. The compiled step's collectives are counted and, in the
-program right after SPMD partitioning, the all-to-alls' operand dtypes are checked (XLA:CPU later moves FP8
-collectives as f16).
+(kernels, tokens and router logits) and delayed-scaling states. The compiled step's collectives are counted in the
+program right after SPMD partitioning, where they keep their dtypes (XLA:CPU later moves FP8 collectives as f16).
 """
 
 import collections
@@ -33,12 +35,13 @@ from te_jax.fused.moe_permute import permute, unpermute
 from te_jax.fused.moe_router import route
 from te_jax.fused.quantizer import quantizer_for
 from te_jax.ops.activation import activation
-from te_jax.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, NVFP4BlockScaling
+from te_jax.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                           NVFP4BlockScaling)
 
 E, K, H, T, CF = 8, 2, 32, 16, 1.0  # experts, choices per token, hidden, tokens per device, capacity factor
 STEPS, LR = 3, 0.01
 RECIPES = {"none": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
-           "block": Float8BlockScaling()}
+           "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling()}
 # mesh name: (shape, axis names, the tokens' axes, the tensor axis)
 MESHES = {"ep8": ((8,), ("ep",), ("ep",), None),
           "ep4xdp2": ((2, 4), ("dp", "ep"), ("dp", "ep"), None),
@@ -79,9 +82,10 @@ def _fake_cast(recipe, role, v):
   return q.quantize(role, None, v, dtype).out.dequantize(v.dtype)
 
 
-def _one_device_layer(shards, recipe, act):
-  """The same layers on one device, over ``shards`` devices' tokens (see the module docstring)."""
-  block = isinstance(recipe, Float8BlockScaling)
+def _one_device_layer(shards, recipe, act, replicas=1):
+  """The same layers on one device, over ``shards`` devices' tokens (see the module docstring), of which each
+  ``shards // replicas`` consecutive ones form one data shard (the experts' devices of one replica of the experts)."""
+  block = recipe is not None and quantizer_for(recipe).mode_for("x").block is not None
 
   @jax.custom_vjp
   def x_cast(x):  # under block scaling: the tokens as the expert-parallel layer sends them; their gradient as it is
@@ -103,8 +107,12 @@ def _one_device_layer(shards, recipe, act):
     rows = jnp.stack([p[0] for p in parts]).reshape(shards, E, c, H).transpose(1, 0, 2, 3).reshape(-1, H)
     if block:
       rows = x_cast(rows)
-    sizes = jnp.full((E,), shards * c, jnp.int32)
-    h = grouped_dense(rows, wi.reshape(E, H, -1), sizes, fp8_meta=wi_meta, recipe=recipe)
+    wi, groups = wi.reshape(E, H, -1), E
+    if block and replicas > 1:  # the weight gradient's operands are blocked along each data shard's own rows of an
+      # expert (the group-aligned layout pads each device's groups), as one group per expert and data shard does here
+      wi, wo, groups = jnp.repeat(wi, replicas, axis=0), jnp.repeat(wo, replicas, axis=0), E * replicas
+    sizes = jnp.full((groups,), shards * c // groups * E, jnp.int32)
+    h = grouped_dense(rows, wi, sizes, fp8_meta=wi_meta, recipe=recipe)
     a = activation(h.reshape(h.shape[0], 2, -1) if len(act) == 2 else h, act)
     y = grouped_dense(a, wo, sizes, fp8_meta=wo_meta, recipe=recipe)
     if block:
@@ -152,7 +160,8 @@ def run_case(mesh_name, recipe_name, dump_dir, act=("gelu",)):
   partitioning, which keeps the collectives' dtypes: XLA:CPU later moves FP8 collectives as f16)."""
   recipe = RECIPES[recipe_name]
   shards, params, metas, x, logits, target = _inputs(mesh_name, recipe, act)
-  one = jax.jit(_train_step(_one_device_layer(shards, recipe, act)))
+  replicas = 2 if "dp" in MESHES[mesh_name][1] else 1
+  one = jax.jit(_train_step(_one_device_layer(shards, recipe, act, replicas)))
   lowered = jax.jit(_train_step(_ep_layer(mesh_name, recipe, act))).lower(params, metas, x, logits, target)
   mesh_step = lowered.compile(compiler_options={"xla_dump_to": str(dump_dir),
                                                 "xla_dump_hlo_pass_re": "spmd-partitioning"})
@@ -189,6 +198,12 @@ def _partitioned_collectives(spmd: str) -> collections.Counter:
   return out
 
 
+def _hlo_dtype(dtype) -> str:
+  """The HLO name of a dtype: f32, f8e4m3fn, f8e8m0fnu, ..."""
+  name = jnp.dtype(dtype).name
+  return name.replace("float8_", "f8") if name.startswith("float8") else {"float32": "f32"}[name]
+
+
 def _expected(mesh_name, recipe_name) -> collections.Counter:
   """The collectives the layout calls for, in the partitioned program (see ``test_sharded_steps_match_one_device``)."""
   _, names, token_axes, tp = MESHES[mesh_name]
@@ -200,11 +215,12 @@ def _expected(mesh_name, recipe_name) -> collections.Counter:
     c["all-to-all", "", "f32", "ep"] += 4  # dispatch, combine, and their transposes
   else:
     q = quantizer_for(recipe)
-    c["all-to-all", "", jnp.dtype(q.fwd_dtype).name.replace("float8_", "f8"), "ep"] += 1  # the tokens
-    c["all-to-all", "", jnp.dtype(q.bwd_dtype).name.replace("float8_", "f8"), "ep"] += 1  # the output gradient
+    c["all-to-all", "", _hlo_dtype(q.fwd_dtype), "ep"] += 1  # the tokens
+    c["all-to-all", "", _hlo_dtype(q.bwd_dtype), "ep"] += 1  # the output gradient
     c["all-to-all", "", "f32", "ep"] += 2  # the combine and the input gradient, in their dtype
-    if isinstance(recipe, Float8BlockScaling):
-      c["all-to-all", "", "f32", "ep"] += 2  # the tokens' and the gradient's 1 x 128 scale rows
+    mode = q.mode_for("x")
+    if mode.block is not None:
+      c["all-to-all", "", _hlo_dtype(mode.scale_dtype), "ep"] += 2  # the tokens' and the gradient's scale rows
   if "dp" in names:
     c["all-reduce", "add", "f32", "dp"] += 2  # each kernel's gradient, over the data shards
   if tp:
@@ -232,7 +248,8 @@ def _check_collectives(mesh_name, recipe_name, hlo, spmd):
   gathers = [m.groups()[:2] for m in _PARTITIONED.finditer(spmd) if m.group(3) == "all-gather"]
   assert all(g == ("f32", str(E)) for g in gathers), gathers  # only the experts' scales: no tokens gathered
   compiled = re.findall(r"^\s*%\S+ = .*? (all-to-all|all-gather|all-reduce)(?:-start)?\(", hlo, re.M)
-  assert compiled.count("all-to-all") == 4 + 2 * isinstance(RECIPES[recipe_name], Float8BlockScaling), compiled
+  block = RECIPES[recipe_name] is not None and quantizer_for(RECIPES[recipe_name]).mode_for("x").block is not None
+  assert compiled.count("all-to-all") == 4 + 2 * block, compiled
   assert compiled.count("all-gather") == len(gathers), compiled
 
 
@@ -247,10 +264,14 @@ def _check_collectives(mesh_name, recipe_name, hlo, spmd):
 # tests/test_parallel_layers.py finds. A per-device scale, a wrong expert's scale or a dropped collective moves whole
 # tensors (>= 1e-2).
 LEAF_RTOL = 1e-3
+# Without FP8 nothing rounds but the float32 sums: those of the weight gradients have at most 8 devices * C = 32
+# terms, whose rounding in any order stays within 32 u = 1.9e-6 of their magnitudes (observed <= 2e-7 relative).
+HIGH_PRECISION_RTOL = 1e-5
 
 
-def _check_steps(got, want, mesh_name):
+def _check_steps(got, want, mesh_name, recipe_name):
   tp = MESHES[mesh_name][3] is not None
+  rtol = HIGH_PRECISION_RTOL if RECIPES[recipe_name] is None else LEAF_RTOL
   for i, (a, b) in enumerate(zip(got, want, strict=True)):
     for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
       name = f"step {i}{jax.tree_util.keystr(path)}"
@@ -260,7 +281,7 @@ def _check_steps(got, want, mesh_name):
       if i == 0 and (first == "metas" or (not tp and first in ("out", "x", "logits"))):
         np.testing.assert_array_equal(u, v, err_msg=name)
       else:
-        assert rel_error(u, v) <= LEAF_RTOL, (name, rel_error(u, v))
+        assert rel_error(u, v) <= rtol, (name, rel_error(u, v))
   if got[0]["metas"]["wi"] is not None:  # every history rolled at each step: the state is live
     histories = [np.asarray(m.amax_history) for m in (*got[-1]["metas"]["wi"], *got[-1]["metas"]["wo"])]
     assert all(np.count_nonzero(h[:, :STEPS]) == h[:, :STEPS].size for h in histories)
@@ -284,7 +305,7 @@ def test_sharded_steps_match_one_device(mesh_name, recipe_name, tmp_path):
   no token is all-gathered."""
   got, want, hlo, spmd = run_case(mesh_name, recipe_name, tmp_path)
   _check_collectives(mesh_name, recipe_name, hlo, spmd)
-  _check_steps(got, want, mesh_name)
+  _check_steps(got, want, mesh_name, recipe_name)
 
 
 @pytest.mark.slow  # another 8-device train step
@@ -293,7 +314,7 @@ def test_gated_experts_match_one_device(tmp_path):
   under delayed scaling on EP=2 x DP=2 x TP=2."""
   got, want, hlo, spmd = run_case("ep2xdp2xtp2", "delayed", tmp_path, act=("silu", "linear"))
   _check_collectives("ep2xdp2xtp2", "delayed", hlo, spmd)
-  _check_steps(got, want, "ep2xdp2xtp2")
+  _check_steps(got, want, "ep2xdp2xtp2", "delayed")
 
 
 def test_capacity_overflow_drops_as_permute():

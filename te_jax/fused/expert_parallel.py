@@ -13,7 +13,9 @@ experts ``p * E / P`` to ``(p + 1) * E / P - 1`` on device ``p``. One call, on e
    ``"x"`` role, E4M3 under HYBRID): per-tensor recipes give each expert's rows that expert's scale (delayed
    scaling: the expert's state, its scale all-gathered from the device that holds it; current scaling: the scale of
    the expert's amax over every device's rows, one all-reduce of E floats), 1 x B recipes (``Float8BlockScaling``'s
-   1 x 128, MXFP8's 1 x 32) scale each row block, and those scale rows travel with the data. One all-to-all over
+   1 x 128, MXFP8's 1 x 32 with E8M0 scales) scale each row block, and those scale rows travel with the data, in
+   their own all-to-all. NVFP4's tokens are not sent quantized (its global scale is the whole tensor's: it raises).
+   One all-to-all over
    ``axis`` (``lax.all_to_all``) then hands each device the rows of its experts from every device: E / P groups of
    P * C rows (the C rows of device 0, then device 1's, ...). Without FP8 the rows travel in their dtype.
 3. **The experts**: ``te_jax.fused.grouped_dense``'s forward GEMM on the received FP8 rows as they are (no second
@@ -34,9 +36,10 @@ supported by XLA:CPU"). Each device sends E * C rows: ``capacity_factor`` times 
 The result equals the single-device computation of the same layers, ``permute`` (with this capacity) of each
 device's tokens on their own, ``grouped_dense`` of every expert over all of their rows, ``unpermute``: the same FP8
 codes (each expert's scale is that of all its rows; delayed-scaling states update from the whole tensors' amaxes),
-with one difference under 1 x B recipes: the weight gradient's operand of the first GEMM is the transposed copy of
-the received FP8 rows, cast again along the tokens from their dequantized values (the high-precision rows never reach
-the experts' device).
+with two differences under 1 x B recipes: the weight gradients' token operands (the transposed copies of the received
+tokens and output gradient) are cast along the tokens from the received FP8 rows' dequantized values (the
+high-precision rows never reach the experts' device), and their blocks run along each device's rows of an expert
+(``grouped_dense`` lays each device's groups out on whole blocks) rather than along all data shards' rows of it.
 
 Other mesh axes: the tokens may be sharded over more axes (data parallelism: each expert's kernels replicated there,
 their gradients summed over it); with ``tensor_axis`` each expert's hidden dim F is sharded over that axis (the first
