@@ -55,8 +55,8 @@ from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.grouped_gemm import check_group_sizes, group_amax, group_ids, grouped_gemm, quantize_by_group
 from te_jax.recipe import Recipe
 
-__all__ = ["GroupedConfig", "GroupedResiduals", "QuantizedRows", "check_grouped_meta", "grouped_config", "grouped_dense",
-           "grouped_dense_bwd", "grouped_dense_fwd", "grouped_fp8_meta", "token_align"]
+__all__ = ["GroupedConfig", "GroupedResiduals", "QuantizedRows", "check_grouped_meta", "grouped_config",
+           "grouped_dense", "grouped_dense_bwd", "grouped_dense_fwd", "grouped_fp8_meta", "token_align"]
 
 
 def grouped_fp8_meta(groups: int, history_len: int) -> DenseFp8Meta:
@@ -195,7 +195,7 @@ def _quantize_rows(cfg: GroupedConfig, role: str, state, x: jax.Array | Quantize
   Rows that arrive quantized (``QuantizedRows``, laid out) keep their codes; their transposed copy is the same bytes
   transposed per tensor, and for 1 x B blocks (which run along the tokens in the copy) the cast of their dequantized
   values."""
-  quantizer = fp8.quantizer if (fp8 := cfg.fp8) else None
+  quantizer = cfg.fp8.quantizer
   if isinstance(x, QuantizedRows):
     q = x.q
     if q.mode is ScalingMode.PER_TENSOR:
