@@ -148,7 +148,7 @@ def test_files_stay_small(module):
 PUBLIC = {
     "te_jax": {
         "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
-        "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_product_attention", "expert_capacity",
+        "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_product_attention", "expert_capacity", "expert_parallel_moe",
         "grouped_dense", "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "ops", "permute",
         "recipe", "route", "scaled_softmax", "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
     },
