@@ -262,6 +262,21 @@ def test_run_on_a_user_model(tmp_path):
   assert json.loads((tmp_path / "report.json").read_text())["runs"][1]["name"] == "FP8"
 
 
+def test_a_run_with_no_timed_step_says_so(tmp_path):
+  """Health counters at every step leave the FP8 run untimed: its speed figures are None, never nan, and the table
+  prints "-" and "not measured" with the reason."""
+  result = run(lambda fp8: _Net(), _batches(3, 0), steps=3, eval_batches=_batches(1, 1), health_every=1,
+               out=tmp_path, quiet=True)
+  bf16, fp8 = result["runs"]
+  assert fp8["tokens_per_s"] is None and fp8["step_s_median"] is None and fp8["ratios"]["tokens_per_s"] is None
+  assert bf16["tokens_per_s"] > 0 and bf16["timing_note"] is None
+  assert "nan" not in result["table"] and "tokens/s not measured" in result["table"]
+  assert "no step of the FP8 run was timed: each of its 3 steps took the FP8 health counters" in result["table"]
+  assert json.loads((tmp_path / "report.json").read_text())["runs"][1]["tokens_per_s"] is None
+  # The command line spaces its health steps at least two apart, so that half the steps or more are timed.
+  assert [cli.health_every(6, 5), cli.health_every(100, 5), cli.health_every(6, 0)] == [2, 20, 0]
+
+
 def test_run_refuses_bad_arguments():
   good = dict(steps=2, eval_batches=_batches(1, 1))
   with pytest.raises(ValueError, match="recipe must be one of"):

@@ -74,7 +74,8 @@ def _parser():
   parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
   parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
   parser.add_argument("--evals", type=int, default=10, help="held-out evaluations along each run")
-  parser.add_argument("--health", type=int, default=5, help="steps at which to take the FP8 health counters (0: none)")
+  parser.add_argument("--health", type=int, default=5, help="how many steps take the FP8 health counters, spread over the run (at most every other step, "
+                      "so that the others are timed; 0: none)")
   parser.add_argument("--seed", type=int, default=0, help="the initial parameters' and the batches' seed")
   parser.add_argument("--seeds", type=int, default=1, metavar="N",
                       help="compare N times, with seeds --seed to --seed + N - 1 (each report in seed-<n>/ under "
@@ -98,6 +99,12 @@ def fp8_recipe(name: str, fast_accumulation: bool = False, amax_history_len: int
     fast = te_recipe.MMParams(use_split_accumulator=False)
     recipe = dataclasses.replace(recipe, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
   return recipe
+
+
+def health_every(steps: int, count: int) -> int:
+  """The period of ``--health count`` health steps over ``steps``: at least 2, so that the steps between them are
+  timed (0: none)."""
+  return max(2, steps // count) if count else 0
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -187,7 +194,7 @@ def _compare(args: argparse.Namespace, preset_name: str, corpus: tuple[np.ndarra
   print(description)
   result = run(model_fn, train, steps=steps, eval_batches=held_out,
                recipe=fp8_recipe(args.recipe, args.fast_accumulation, args.amax_history_len), lr=lr,
-               eval_every=max(1, steps // args.evals), health_every=max(1, steps // args.health) if args.health else 0,
+               eval_every=max(1, steps // args.evals), health_every=health_every(steps, args.health),
                out=out, seed=seed, description=description, quiet=True,
                **({"loss": loss} if loss else {}))
   print("\n" + result["table"])

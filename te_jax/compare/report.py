@@ -56,21 +56,26 @@ def table(runs: list[dict], baseline: str) -> str:
   lines = ["| run | train loss | held-out loss | tokens/s | step ms (median) | step ms (p90) | compile s | peak MiB |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in runs:
-    lines.append(f"| {r['name']} | {r['train_loss']:.4f} | {r['heldout_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
-                 f"{1e3 * r['step_s_median']:.2f} | {1e3 * r['step_s_p90']:.2f} | {r['compile_s']:.1f} | "
-                 f"{_mib(_memory_bytes(r))} |")
+    lines.append(f"| {r['name']} | {r['train_loss']:.4f} | {r['heldout_loss']:.4f} | {_num(r['tokens_per_s'], ',.0f')} | "
+                 f"{_num(r['step_s_median'], '.2f', 1e3)} | {_num(r['step_s_p90'], '.2f', 1e3)} | "
+                 f"{r['compile_s']:.1f} | {_mib(_memory_bytes(r))} |")
   base = next(r for r in runs if r["name"] == baseline)
   for r in runs:
     if r is base or "ratios" not in r:
       continue
     q = r["ratios"]
-    lines.append(f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s "
-                 f"{q['tokens_per_s']:.2f}x, peak memory {q['memory']:.2f}x" if q["memory"] is not None else
-                 f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s "
-                 f"{q['tokens_per_s']:.2f}x")
+    speed = "not measured" if q["tokens_per_s"] is None else f"{q['tokens_per_s']:.2f}x"
+    memory = "" if q["memory"] is None else f", peak memory {q['memory']:.2f}x"
+    lines.append(f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s {speed}{memory}")
+  lines += [r["timing_note"] for r in runs if r.get("timing_note")]
   lines.append(f"memory: {base['memory']['source']}")
   lines += [line for r in runs if (line := health_summary(r))]
   return "\n".join(lines)
+
+
+def _num(value, spec: str, factor: float = 1.0) -> str:
+  """``value * factor`` formatted with ``spec``, or "-" for a figure that was not measured (None)."""
+  return "-" if value is None else format(factor * value, spec)
 
 
 def health_summary(run: dict) -> str | None:
@@ -98,7 +103,8 @@ def ratios(run: dict, base: dict) -> dict:
   """``run``'s held-out loss, tokens/s and peak memory over ``base``'s."""
   a, b = _memory_bytes(run), _memory_bytes(base)
   return {"heldout_loss": run["heldout_loss"] / base["heldout_loss"],
-          "tokens_per_s": run["tokens_per_s"] / base["tokens_per_s"],
+          "tokens_per_s": (None if run["tokens_per_s"] is None or base["tokens_per_s"] is None
+                           else run["tokens_per_s"] / base["tokens_per_s"]),
           "memory": None if a is None or not b else a / b}
 
 
@@ -128,7 +134,8 @@ def seeds_summary(reports: list[dict], seeds: list[int]) -> dict:
       "heldout_ratio_mean": float(ratio.mean()),
       "heldout_ratio_standard_error": float(ratio.std(ddof=1) / np.sqrt(len(ratio))),
       "bf16_heldout_spread": float(bf16.std(ddof=1) / bf16.mean()),  # BF16's own seed-to-seed standard deviation
-      "tokens_per_s_ratio_mean": float(np.mean([r["tokens_per_s_ratio"] for r in rows])),
+      "tokens_per_s_ratio_mean": float(np.mean(speed)) if (speed := [r["tokens_per_s_ratio"] for r in rows
+                                                                      if r["tokens_per_s_ratio"] is not None]) else None,
       "memory_ratio_mean": float(np.mean(memory)) if memory else None,
   }
 
@@ -139,12 +146,13 @@ def seeds_table(summary: dict) -> str:
   for r in summary["seeds"]:
     memory = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x"
     lines.append(f"| {r['seed']} | {r['bf16_heldout']:.4f} | {r['fp8_heldout']:.4f} | {r['heldout_ratio'] - 1:+.2%} | "
-                 f"{r['tokens_per_s_ratio']:.2f}x | {memory} |")
+                 f"{_num(r['tokens_per_s_ratio'], '.2f')}x | {memory} |".replace("| -x |", "| - |"))
   memory = "" if summary["memory_ratio_mean"] is None else f", peak memory {summary['memory_ratio_mean']:.2f}x"
   lines.append(f"FP8 vs BF16 over {len(summary['seeds'])} seeds: held-out loss "
                f"{summary['heldout_ratio_mean'] - 1:+.2%} ± {summary['heldout_ratio_standard_error']:.2%} (mean of the "
                f"seeds' ratios ± its standard error; BF16 alone moves {summary['bf16_heldout_spread']:.2%} from seed "
-               f"to seed), tokens/s {summary['tokens_per_s_ratio_mean']:.2f}x{memory}")
+               f"to seed), tokens/s {_num(summary['tokens_per_s_ratio_mean'], '.2f')}x{memory}".replace(
+                   "tokens/s -x", "tokens/s not measured"))
   return "\n".join(lines)
 
 
@@ -196,6 +204,9 @@ def write_plots(runs: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
 
   fig, ax = plt.subplots(figsize=(8, 4))
   for i, r in enumerate(runs):
+    if r["step_s_median"] is None:
+      ax.plot([], [], color=f"C{i}", label=f"{r['name']}: no step timed")
+      continue
     ax.plot(1e3 * np.asarray(r["step_times_s"]), color=f"C{i}", lw=0.8,
             label=f"{r['name']} (median {1e3 * r['step_s_median']:.1f} ms)")
   ax.set(xlabel="timed step", ylabel="ms", title="step time")

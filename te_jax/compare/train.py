@@ -182,9 +182,9 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
   pause()
   bar.close()
   evals.append([steps, eval_loss(state)])
-  step_times = np.asarray(times or [np.nan])
   peak_after = _memory_peak(device)
-  median = float(np.median(step_times))
+  timed = bool(times)
+  median = float(np.median(times)) if timed else None
   return {
       "name": run.name,
       "recipe": None if run.recipe is None else type(run.recipe).__name__,
@@ -193,10 +193,14 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
       "heldout_loss": evals[-1][1],
       "train_curve": losses,
       "heldout_curve": evals,
-      "step_times_s": [float(t) for t in step_times],
+      "step_times_s": [float(t) for t in times],
       "step_s_median": median,
-      "step_s_p90": float(np.percentile(step_times, 90)),
-      "tokens_per_s": tokens_per_batch / median,
+      "step_s_p90": float(np.percentile(times, 90)) if timed else None,
+      "tokens_per_s": tokens_per_batch / median if timed else None,
+      # Why a figure is missing (None): no step was timed, as every one took the FP8 health counters.
+      "timing_note": None if timed else (f"no step of the {run.name} run was timed: each of its {steps} steps took "
+                                         "the FP8 health counters (fewer health steps, or more steps, leave some "
+                                         "to time)"),
       "compile_s": compile_s,
       "memory": {
           # The allocator's peak over the process: exact for this run only when this run raised it.
