@@ -7,7 +7,10 @@
 - grouped_dense under each recipe: output and gradients are the per-group GEMMs of the reference-quantized operands
   (each group's rows and each expert's kernel quantized on their own; block-scaled ones over each group padded to
   whole blocks); delayed scaling's state after a few steps is a per-group loop of te_jax.dense's; traced group sizes
-  under one compilation; high precision against jax.grad of a per-group jnp loop; the arguments' errors.
+  under one compilation; high precision against jax.grad of a per-group jnp loop; the arguments' errors;
+- rows laid out once by permute(align=group_align(...)) and taken as they are (groups_aligned=True): bit for bit
+  the values, gradients and FP8 state of grouped_dense's own padded layout, under jit; unaligned concrete sizes
+  raise.
 """
 
 import dataclasses
@@ -25,8 +28,9 @@ import te_jax
 from conftest import F32_U
 from te_jax import QuantizedTensor, ScalingMode, recipe
 from te_jax._core import scaling
-from te_jax.fused.grouped_dense import grouped_dense, grouped_fp8_meta, token_align
+from te_jax.fused.grouped_dense import group_align, grouped_dense, grouped_fp8_meta, token_align
 from te_jax.fused.linear import Fp8Config
+from te_jax.fused.moe_permute import permute, unpermute
 from te_jax.ops.grouped_gemm import GroupedGemmConfig, group_amax, grouped_gemm, grouped_gemm_ref
 from te_jax.ops.quantize import quantize
 from te_jax.ops.quantize_block import quantize_block_ref, quantize_nvfp4_ref
@@ -405,6 +409,76 @@ def test_fp8_layout_rounds_each_group_to_whole_blocks():
   x, w = jnp.ones((M, K), BF16), jnp.ones((G, K, N), F32)
   aligns = {name: token_align(Fp8Config.of(r, x, w, None)) for name, r in RECIPES.items()}
   assert aligns == {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32, "nvfp4": 16}
+
+
+def test_group_align_is_the_layouts_multiple():
+  """group_align of a recipe, of its quantizer and of a kernel shape is the padded layout's multiple; 1 without FP8
+  and for dims an FP8 GEMM cannot take."""
+  x, w = jnp.ones((M, K), BF16), jnp.ones((G, K, N), F32)
+  for r in RECIPES.values():
+    want = token_align(Fp8Config.of(r, x, w, None))
+    assert group_align(r) == group_align(r, w.shape) == group_align(Fp8Config.of(r, x, w, None).quantizer) == want
+    assert group_align(r, (G, K, 24)) == 1
+  assert group_align(None, w.shape) == 1
+  with pytest.raises(TypeError, match=r"group_align: recipe must be a te_jax.recipe Recipe.*got str"):
+    group_align("delayed")
+  with pytest.raises(ValueError, match=r"kernel_shape must be the kernel's \(G, K, N\), got \(128, 32\)"):
+    group_align(RECIPES["block"], (K, N))
+
+
+def _moe_layer(name, align, bias):
+  """tokens -> permute(align) -> grouped_dense -> unpermute, jitted, with its vjp: the values, the gradients of the
+  tokens, kernel and bias, and the delayed-scaling state's new value."""
+  r = RECIPES[name]
+
+  @jax.jit
+  def run(tokens, experts, weights, w, b, meta, g):
+    def f(tokens, w, b, meta):
+      rows, sizes, plan = permute(tokens, experts, G, align=align)
+      y = grouped_dense(rows, w, sizes, b, fp8_meta=meta if name == "delayed" else None, recipe=r,
+                        groups_aligned=align > 1)
+      return unpermute(y, plan, weights)
+    out, vjp = jax.vjp(f, tokens, w, b, meta)
+    return out, vjp(g)
+
+  return run
+
+
+@pytest.mark.fast_cases(2)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_pre_aligned_groups_are_the_padded_layout_bit_for_bit(name):
+  """permute(align=group_align) + groups_aligned=True against permute(align=1) + grouped_dense's own layout: the
+  same bits in the output, every gradient and the FP8 state (skewed routing, an expert with no token, a bias)."""
+  t, k = 40, 2
+  tokens, w = _normal(0, (t, K), BF16), _normal(1, (G, K, N), F32, 0.05)
+  b = _normal(2, (G, N), F32, 0.1)
+  experts = jnp.asarray(np.random.default_rng(3).choice([0, 2, 2, 2], size=(t, k)), jnp.int32)  # expert 1: none
+  weights = _normal(4, (t, k), F32)
+  g = _normal(5, (t, N), BF16)
+  align = group_align(RECIPES[name], w.shape)
+  assert align > 1
+  args = (tokens, experts, weights, w, b, _delayed_meta(), g)
+  padded, aligned = _moe_layer(name, 1, True)(*args), _moe_layer(name, align, True)(*args)
+  leaves_p, leaves_a = jax.tree.leaves(padded), jax.tree.leaves(aligned)
+  assert len(leaves_p) == len(leaves_a) == 1 + 3 + 6  # the output; the tokens', kernel's, bias's and state's grads
+  for a, c in zip(leaves_a, leaves_p):
+    np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(c, F32))
+  assert float(jnp.abs(padded[0].astype(F32)).max()) > 0
+
+
+def test_pre_aligned_group_sizes_are_checked_where_concrete():
+  x, w = _normal(0, (M, K), BF16), _normal(1, (G, K, N), F32, 0.05)
+  sizes = jnp.asarray([16, 20, 12], jnp.int32)
+  with pytest.raises(ValueError, match=r"group_sizes must be multiples of 16 .*got group_sizes\[1\] = 20 in "
+                                       r"\[16, 20, 12\]: lay the rows out with te_jax.permute\(..., align=16\)"):
+    grouped_dense(x, w, sizes, recipe=RECIPES["current"], groups_aligned=True)
+  with pytest.raises(ValueError, match=r"multiples of 128"):
+    grouped_dense(x, w, jnp.asarray([0, 0, 48], jnp.int32), recipe=RECIPES["block"], groups_aligned=True)
+  with pytest.raises(TypeError, match=r"groups_aligned must be a bool, got 1"):
+    grouped_dense(x, w, sizes, groups_aligned=1)
+  # no FP8 (no recipe, or dims an FP8 GEMM cannot take): any sizes are aligned
+  y = grouped_dense(x, w, sizes, groups_aligned=True)
+  np.testing.assert_array_equal(np.asarray(y, F32), np.asarray(grouped_dense(x, w, sizes), F32))
 
 
 def test_unaligned_dims_run_in_high_precision_and_keep_the_state():

@@ -290,6 +290,41 @@ def test_linen_and_nnx_are_the_same(config, recipe_name):
     _bits(new["batch_stats"]["expert_bias"], model.expert_bias[...], "expert bias")
 
 
+def _step(model, variables, x):
+  """A jitted training call's output, its gradients (parameters and FP8 state), losses and new expert bias."""
+  trained = {k: v for k, v in variables.items() if k != "batch_stats"}
+  stats = {k: v for k, v in variables.items() if k == "batch_stats"}
+
+  def loss(trained, stats):
+    y, new = model.apply({**trained, **stats}, x, deterministic=False, mutable=["aux_loss", "batch_stats"])
+    return jnp.sum(y.astype(F32) ** 2) + sum(jnp.sum(v) for v in jax.tree.leaves(new["aux_loss"])), (y, new)
+
+  grads, (y, new) = jax.jit(jax.grad(loss, has_aux=True))(trained, stats)
+  return y, grads, new
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+@pytest.mark.parametrize("config", ["deepseek", "mixtral"])
+def test_rows_laid_out_once_are_the_padded_layouts_bits(config, recipe_name, monkeypatch):
+  """The block permutes into the grouped GEMMs' aligned layout once (permute's align, groups_aligned=True): the same
+  output, gradients, FP8 state, losses and expert bias, bit for bit, as with the rows permuted unaligned and padded
+  by each grouped GEMM (group_align made 1 for the block, the layout before)."""
+  import te_jax.modules.moe as moe_body
+  from te_jax.fused.grouped_dense import group_align
+
+  model, variables, x = setup(config)
+  model = model.clone(load_balancing_coef=0.01, z_loss_coef=0.001)
+  assert group_align(RECIPES[recipe_name], (E, H, 2 * F)) > 1
+  with te_jax.autocast(enabled=True, recipe=RECIPES[recipe_name]):
+    variables = {**model.init(jax.random.key(0), x), **{k: v for k, v in variables.items() if k != FP8}}
+    aligned = _step(model, variables, x)
+    monkeypatch.setattr(moe_body, "group_align", lambda *args: 1)
+    padded = _step(model, variables, x)
+  _bits(aligned, padded, "step")
+  assert float(jnp.abs(aligned[0]).max()) > 0
+
+
 def test_module_sizes_follow_in_features():
   model = te_nnx.MoEBlock(H, num_experts=E, k=2, intermediate_dim=F, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="in_features"):

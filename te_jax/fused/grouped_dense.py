@@ -31,6 +31,14 @@ routing needs. Zero rows change no amax, no output and no gradient (NVFP4's Hada
 block of 16 tokens of their group only, and cancels in the product), so the result is the per-group one exactly;
 the padding costs at most ``min(G, M) * (align - 1)`` rows of each GEMM and one scatter and gather of the rows.
 
+Rows laid out once: ``te_jax.permute(..., align=group_align(recipe, kernel.shape))`` already places each group at
+a multiple of the alignment, its size rounded up with zero rows. ``grouped_dense(..., groups_aligned=True)`` takes
+such rows as they come: the GEMMs run on ``x`` itself, with no scatter or gather, and give the same values as the
+padded layout (the zero rows are the same rows). Concrete ``group_sizes`` that are not multiples of
+``group_align`` raise; traced ones are the caller's promise: a group that breaks it shares a scale block (or, per
+tensor, an FP8 GEMM's 16-row granule) with the next group's rows. A bias is added to every row of a group, its
+padding rows too: a consumer that feeds the output to another GEMM zeroes those rows first (their amax counts).
+
 Without FP8 (no autocast, or a K or N that an FP8 GEMM cannot take) the same ``custom_vjp`` runs the grouped GEMMs
 in ``x``'s dtype with float32 accumulation, and a delayed-scaling state is handed back unchanged.
 """
@@ -43,6 +51,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax._core import scaling
@@ -50,13 +59,14 @@ from te_jax._core.manual_axes import varying_axes
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.fused.linear import (Fp8Config, as_arrays, fp8_dims_aligned, fp8_recipe, instantiate, keep_state,
                                  keeps_state, primal_values, state_as_float32, state_like)
-from te_jax.fused.quantizer import ROLES, DenseFp8Meta
+from te_jax.fused.quantizer import ROLES, DenseFp8Meta, Quantizer, quantizer_for
 from te_jax.ops.gemm import FP8_ALIGN
 from te_jax.ops.grouped_gemm import check_group_sizes, group_amax, group_ids, grouped_gemm, quantize_by_group
 from te_jax.recipe import Recipe
 
 __all__ = ["GroupedConfig", "GroupedResiduals", "QuantizedRows", "check_grouped_meta", "grouped_config",
-           "grouped_dense", "grouped_dense_bwd", "grouped_dense_fwd", "grouped_fp8_meta", "token_align"]
+           "group_align", "grouped_dense", "grouped_dense_bwd", "grouped_dense_fwd", "grouped_fp8_meta",
+           "token_align"]
 
 
 def grouped_fp8_meta(groups: int, history_len: int) -> DenseFp8Meta:
@@ -74,13 +84,43 @@ def grouped_fp8_meta(groups: int, history_len: int) -> DenseFp8Meta:
   return jax.tree.map(lambda v: jnp.broadcast_to(v, (groups, *v.shape)), one)
 
 
+def _quantizer_align(quantizer: Quantizer) -> int:
+  blocks = [quantizer.mode_for(role).block for role in ("x", "grad")]
+  return max([FP8_ALIGN, *(b[1] for b in blocks if b is not None)])
+
+
 def token_align(fp8: Fp8Config | None) -> int:
   """The multiple each group's rows are padded to in the FP8 layout: the token dim's block of the transposed input
   and gradient (the weight gradient's operands), and at least ``FP8_ALIGN``; 1 without FP8."""
-  if fp8 is None:
+  return 1 if fp8 is None else _quantizer_align(fp8.quantizer)
+
+
+def group_align(recipe: Recipe | Quantizer | None, kernel_shape: tuple[int, ...] | None = None) -> int:
+  """The multiple each group's row count must be for ``grouped_dense(..., groups_aligned=True)`` under ``recipe``
+  (or its quantizer; None: no FP8): 1 without FP8 or where the kernel's ``(G, K, N)`` shape has a K or N an FP8
+  GEMM cannot take (the GEMMs then run in high precision), else the token dim's block of the weight gradient's
+  operands and at least ``te_jax.ops.gemm.FP8_ALIGN``. What ``te_jax.permute``'s ``align`` takes.
+
+  >>> import te_jax.recipe as recipe
+  >>> from te_jax.fused.grouped_dense import group_align
+  >>> group_align(recipe.DelayedScaling()), group_align(recipe.Float8BlockScaling(), (8, 256, 512))
+  (16, 128)
+  >>> group_align(recipe.Float8BlockScaling(), (8, 256, 20)), group_align(None)
+  (1, 1)
+  """
+  if recipe is None:
     return 1
-  blocks = [fp8.quantizer.mode_for(role).block for role in ("x", "grad")]
-  return max([FP8_ALIGN, *(b[1] for b in blocks if b is not None)])
+  if isinstance(recipe, Recipe):
+    recipe = quantizer_for(recipe)
+  if not isinstance(recipe, Quantizer):
+    raise TypeError(f"group_align: recipe must be a te_jax.recipe Recipe, its Quantizer or None, got "
+                    f"{type(recipe).__name__}")
+  if kernel_shape is not None:
+    if len(kernel_shape) != 3:
+      raise ValueError(f"group_align: kernel_shape must be the kernel's (G, K, N), got {tuple(kernel_shape)}")
+    if not fp8_dims_aligned(kernel_shape[1], kernel_shape[2]):
+      return 1
+  return _quantizer_align(recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +136,8 @@ class GroupedConfig:
     group_axes: inside ``jax.shard_map``, the manual mesh axes the groups are sharded over (expert parallelism: each
       device holds other experts): current scaling's per-group and per-kernel amaxes are max-reduced over the other
       axes their values vary over, never over these, which hold other groups.
+    groups_aligned: the rows arrive in the group-aligned layout (each group's size a multiple of ``align``): the
+      GEMMs run on them as they are.
   """
 
   fp8: Fp8Config | None
@@ -104,6 +146,7 @@ class GroupedConfig:
   kernel_dtype: jnp.dtype
   bias_dtype: jnp.dtype | None
   group_axes: frozenset[str] = frozenset()
+  groups_aligned: bool = False
 
   def padded_rows(self, rows: int, groups: int) -> int:
     """The rows of the group-aligned layout: enough for any group sizes summing to at most ``rows``."""
@@ -133,7 +176,7 @@ class _Layout(NamedTuple):
 
 def _layout(cfg: GroupedConfig, group_sizes: jax.Array, rows: int) -> _Layout:
   groups = group_sizes.shape[0]
-  if cfg.align == 1:
+  if cfg.align == 1 or cfg.groups_aligned:
     return _Layout(None, group_sizes, rows)
   padded_rows = cfg.padded_rows(rows, groups)
   sizes = group_sizes.astype(jnp.int32)
@@ -331,19 +374,34 @@ def check_grouped_meta(meta: DenseFp8Meta, groups: int, name: str = "fp8_meta") 
                        f"({groups},), got {list(h)} and {list(s)}; create it with grouped_fp8_meta({groups}, L)")
 
 
+def _check_aligned(group_sizes: jax.Array, align: int) -> None:
+  """Raises where concrete ``group_sizes`` are not multiples of ``align`` (traced ones cannot be read)."""
+  if align == 1 or isinstance(group_sizes, jax.core.Tracer):
+    return
+  sizes = np.asarray(group_sizes)
+  bad = np.flatnonzero(sizes % align)
+  if bad.size:
+    raise ValueError(f"grouped_dense(groups_aligned=True): group_sizes must be multiples of {align} (group_align of "
+                     f"this recipe and kernel), got group_sizes[{int(bad[0])}] = {int(sizes[bad[0]])} in "
+                     f"{sizes.tolist()}: lay the rows out with te_jax.permute(..., align={align}), or pass "
+                     "groups_aligned=False")
+
+
 def grouped_config(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, recipe: Recipe | None, *,
-                   group_axes: frozenset[str] = frozenset()) -> GroupedConfig:
+                   group_axes: frozenset[str] = frozenset(), groups_aligned: bool = False) -> GroupedConfig:
   """The config of the grouped GEMM of ``x`` (M, K) and ``kernel`` (G, K, N) (with ``bias``) under ``recipe`` (as
-  ``fp8_recipe`` resolved it; None: high precision): FP8 GEMMs where there is a recipe and they take K and N."""
+  ``fp8_recipe`` resolved it; None: high precision): FP8 GEMMs where there is a recipe and they take K and N;
+  ``groups_aligned``: ``x``'s groups arrive aligned (``group_align``)."""
   fp8 = None
   if recipe is not None and fp8_dims_aligned(kernel.shape[1], kernel.shape[2]):
     fp8 = Fp8Config.of(recipe, x, kernel, bias)
   return GroupedConfig(fp8, token_align(fp8), jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
-                       None if bias is None else jnp.dtype(bias.dtype), frozenset(group_axes))
+                       None if bias is None else jnp.dtype(bias.dtype), frozenset(group_axes), bool(groups_aligned))
 
 
 def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias: jax.Array | None = None, *,
-                  fp8_meta: DenseFp8Meta | None = None, recipe: Recipe | None = None) -> jax.Array:
+                  fp8_meta: DenseFp8Meta | None = None, recipe: Recipe | None = None,
+                  groups_aligned: bool = False) -> jax.Array:
   """``x[m] @ kernel[g] + bias[g]`` for each row ``m`` of group ``g``; the rows past the groups give zeros.
 
   Under ``autocast(enabled=True)`` (or with an explicit ``recipe``) the forward GEMM and the backward's input and
@@ -366,6 +424,9 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias:
     fp8_meta: under a recipe that keeps a state (``DelayedScaling``), the experts' state: a ``DenseFp8Meta`` with
       (G, L) amax histories and (G,) scales (``grouped_fp8_meta``); unused otherwise.
     recipe: overrides the autocast recipe for this call.
+    groups_aligned: ``x`` is laid out as ``te_jax.permute(..., align=group_align(recipe, kernel.shape))`` lays it
+      out (each group's size a multiple of that, its padding rows zeros): the GEMMs take the rows as they are,
+      without a padded copy (see the module docstring; concrete sizes are checked, traced ones are not).
 
   Returns:
     (M, N) in ``x``'s dtype.
@@ -387,7 +448,11 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, bias:
   recipe = fp8_recipe(recipe, fp8_meta=fp8_meta)
   if keeps_state(recipe):
     check_grouped_meta(fp8_meta, groups)
-  cfg = grouped_config(x, kernel, bias, recipe)
+  if not isinstance(groups_aligned, bool):
+    raise TypeError(f"groups_aligned must be a bool, got {groups_aligned!r}")
+  cfg = grouped_config(x, kernel, bias, recipe, groups_aligned=groups_aligned)
+  if groups_aligned:
+    _check_aligned(group_sizes, cfg.align)
   if cfg.fp8 is None and keeps_state(recipe):  # a GEMM FP8 cannot take: its state is kept
     x = keep_state(x, fp8_meta)
   meta = fp8_meta if cfg.fp8 is not None and keeps_state(recipe) else None

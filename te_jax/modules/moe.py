@@ -8,11 +8,15 @@ For tokens ``x`` (..., H), in order:
    never FP8: the expert choice is a top-k of them), then ``te_jax.route`` (softmax or sigmoid scores, the expert
    bias, group-limited choice, normalized and scaled weights);
 3. ``te_jax.permute``: each token's k choices listed by expert (dropless by default; at most ``capacity`` rows per
-   expert with ``capacity_factor``, the rest dropped);
+   expert with ``capacity_factor``, the rest dropped), each expert's rows placed at a multiple of what the FP8
+   grouped GEMMs need (``te_jax.fused.grouped_dense.group_align``), so that the rows are laid out once, by the
+   permutation's gather, and both grouped GEMMs take them as they are (``groups_aligned=True``; with a capacity that
+   is not a multiple of the alignment, the grouped GEMMs align the groups themselves);
 4. the experts, gated MLPs: ``te_jax.grouped_dense`` with ``wi_kernel`` (E, H, n, F), the activation
    (``activation_type``; n = 2 for a gated pair), ``te_jax.grouped_dense`` with ``wo_kernel`` (E, F, H); under
    ``te_jax.autocast`` both are FP8 grouped GEMMs with per-expert scales (delayed scaling: one state per expert, the
-   ``wi_`` and ``wo_`` FP8 state with a leading (E,) dim);
+   ``wi_`` and ``wo_`` FP8 state with a leading (E,) dim); the padding rows of the groups are zeroed after the
+   first GEMM's bias, so that they add nothing to the second's amaxes;
 5. ``te_jax.unpermute``: each token's sum of its experts' rows times the combine weights;
 6. optionally shared experts (``shared_intermediate_dim``, DeepSeek's): one dense gated MLP over every token
    (``shared_wi_kernel`` (H, n, Fs), ``shared_wo_kernel`` (Fs, H), FP8 ``te_jax.dense`` GEMMs), the routed output
@@ -42,7 +46,7 @@ import numpy as np
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense
-from te_jax.fused.grouped_dense import grouped_dense
+from te_jax.fused.grouped_dense import group_align, grouped_dense
 from te_jax.fused.moe_permute import expert_capacity, permute, unpermute
 from te_jax.fused.moe_router import RouterConfig, load_balancing_loss, route, update_expert_bias, z_loss
 from te_jax.modules.axes import ACT, EMBED, MLP, Initializer, axes, is_int
@@ -258,6 +262,16 @@ def _gated_mlp(h: jax.Array, act: tuple[str, ...]) -> jax.Array:
   return activation(h.reshape(*h.shape[:-1], 2, -1) if len(act) == 2 else h, act)
 
 
+def _rows_align(recipe: Recipe | None, o: MoEBlockOptions, num_tokens: int, kernel_shapes) -> int:
+  """The multiple ``permute`` places the experts' groups at for both grouped GEMMs to take them as they are
+  (``group_align``, the larger of the two: each is a power of two); 1 where a capacity is not a multiple of it
+  (aligning would raise the capacity, changing which choices are dropped)."""
+  align = max(group_align(recipe, shape) for shape in kernel_shapes)
+  if o.capacity_factor is not None and expert_capacity(num_tokens, o.k, o.num_experts, o.capacity_factor) % align:
+    return 1
+  return align
+
+
 def moe_block(scope: Scope, state: MoEState, o: MoEBlockOptions, inputs: jax.Array,
               deterministic: bool | None) -> jax.Array:
   """``MoEBlock``'s call (documented on the linen module); ``deterministic`` as the framework resolved it (None:
@@ -292,11 +306,16 @@ def moe_block(scope: Scope, state: MoEState, o: MoEBlockOptions, inputs: jax.Arr
   routing = route(logits, o.k, score=cfg.score, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
                   group_topk=cfg.group_topk, expert_bias=bias, normalize_topk=cfg.normalize_topk,
                   scaling_factor=cfg.scaling_factor)
-  rows, group_sizes, plan = permute(tokens, routing.experts, e, capacity_factor=o.capacity_factor)
-  h = grouped_dense(rows, _merged(p["wi_kernel"], 2), group_sizes, _merged(p["wi_bias"], 1), fp8_meta=meta_wi,
-                    recipe=recipe)
+  wi = _merged(p["wi_kernel"], 2)
+  align = _rows_align(recipe, o, tokens.shape[0], (wi.shape, p["wo_kernel"].shape))
+  rows, group_sizes, plan = permute(tokens, routing.experts, e, capacity_factor=o.capacity_factor, align=align)
+  aligned = align > 1
+  h = grouped_dense(rows, wi, group_sizes, _merged(p["wi_bias"], 1), fp8_meta=meta_wi, recipe=recipe,
+                    groups_aligned=aligned)
+  if o.use_bias and (aligned or o.capacity_factor is not None):  # the padding rows: zeros again
+    h = jnp.where((plan.assignment < plan.config.num_assignments)[:, None], h, jnp.zeros((), h.dtype))
   y_rows = grouped_dense(_gated_mlp(h, o.act), p["wo_kernel"], group_sizes, p["wo_bias"], fp8_meta=meta_wo,
-                         recipe=recipe)
+                         recipe=recipe, groups_aligned=aligned)
   y = unpermute(y_rows, plan, routing.weights)
   if o.shared_intermediate_dim is not None:
     hs = dense(tokens, _merged(p["shared_wi_kernel"], 1), _merged(p["shared_wi_bias"], 0), fp8_meta=meta_swi,
