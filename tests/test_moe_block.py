@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx, serialization
+from jax.sharding import PartitionSpec as P
 
 import te_jax
 import te_jax.flax as te_flax
@@ -323,6 +324,24 @@ def test_rows_laid_out_once_are_the_padded_layouts_bits(config, recipe_name, mon
     padded = _step(model, variables, x)
   _bits(aligned, padded, "step")
   assert float(jnp.abs(aligned[0]).max()) > 0
+
+
+def test_the_rules_shard_the_experts_over_the_expert_axis():
+  """logical_axis_rules(expert=...) maps the expert kernels' and biases' leading dim to that mesh axis and shards the
+  batch over it too; the router and the shared experts stay as the other rules say."""
+  rules = te_flax.logical_axis_rules(data="data", expert="expert")
+  assert dict(rules)["expert"] == "expert" and dict(rules)["batch"] == ("data", "expert")
+  assert "expert" in te_flax.LOGICAL_AXES
+  model = te_flax.MoEBlock(**CONFIGS["deepseek"], logical_axes=True)
+  boxed = model.init(jax.random.key(0), random_normal(0, X_SHAPE))
+  specs = jax.tree.map(tuple, nn.get_partition_spec(boxed)["params"], is_leaf=lambda v: isinstance(v, P))
+  mesh_specs = {name: tuple(nn.logical_to_mesh_axes(spec, rules)) for name, spec in specs.items()}
+  assert mesh_specs["wi_kernel"] == ("expert", None, None, None)
+  assert mesh_specs["wo_kernel"] == ("expert", None, None)
+  assert mesh_specs["wi_bias"] == ("expert", None, None) and mesh_specs["wo_bias"] == ("expert", None)
+  assert mesh_specs["router_kernel"] == (None, None) and mesh_specs["shared_wi_kernel"] == (None, None, None)
+  with pytest.raises(ValueError, match=r"each mesh axis may serve one kind of parallelism.*expert='data'"):
+    te_flax.logical_axis_rules(data="data", expert="data")
 
 
 def test_module_sizes_follow_in_features():

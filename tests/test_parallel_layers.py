@@ -255,7 +255,7 @@ def test_logical_axis_rules_table():
   rules = te_flax.logical_axis_rules(data="data", fsdp="fsdp", tensor="tensor", sequence_parallel=True)
   assert sorted(name for name, _ in rules) == sorted(te_flax.LOGICAL_AXES)  # one rule per logical name
   assert dict(rules) == {"batch": ("data", "fsdp"), "seq": "tensor", "act_embed": None, "embed": "fsdp",
-                         "heads": "tensor", "kv": None, "qkv": None, "mlp": "tensor", "act": None}
+                         "heads": "tensor", "kv": None, "qkv": None, "mlp": "tensor", "act": None, "expert": None}
   assert dict(te_flax.logical_axis_rules())["batch"] is None  # nothing sharded: every name replicated
   assert dict(te_flax.logical_axis_rules(tensor="t"))["seq"] is None  # no sequence parallelism unless asked
   assert dict(te_flax.logical_axis_rules(context="cp"))["seq"] == "cp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from te_jax.flax.params import ACT, ACT_EMBED, BATCH, EMBED, HEADS, HEAD_DIM, MLP, QKV, SEQ
+from te_jax.modules.axes import EXPERT
 
 __all__ = ["logical_axis_rules"]
 
@@ -19,7 +20,7 @@ def _mesh_axes(*names: str | None) -> MeshAxes:
 
 def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | None = None,
                        tensor: str | None = None, sequence_parallel: bool = False,
-                       context: str | None = None) -> list[tuple[str, MeshAxes]]:
+                       context: str | None = None, expert: str | None = None) -> list[tuple[str, MeshAxes]]:
   """The rule table that maps te_jax's logical axis names (``te_jax.flax.LOGICAL_AXES``) to the mesh axes of a run.
 
   Give each kind of parallelism the name of its mesh axis (None: not sharded that way). The table is a plain list of
@@ -29,8 +30,9 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
   - parameters: the hidden size (``embed``) over ``fsdp`` (FSDP / ZeRO-3: the weights sharded, all-gathered where
     they are used, their gradients reduce-scattered); attention heads (``heads``) and the MLP's intermediate size
     (``mlp``) over ``tensor`` (Megatron's column- then row-parallel GEMMs); the head dim, the q/k/v packing and the
-    gated pair (``kv``, ``qkv``, ``act``) never sharded.
-  - activations: the batch over ``data`` and ``fsdp`` together; the residual stream's sequence axis (``seq``) over
+    gated pair (``kv``, ``qkv``, ``act``) never sharded; a mixture-of-experts block's experts (``expert``: the leading
+    dim of ``MoEBlock``'s expert kernels) over ``expert``.
+  - activations: the batch over ``data``, ``fsdp`` and ``expert`` together (every device holds tokens of its own); the residual stream's sequence axis (``seq``) over
     ``tensor`` with ``sequence_parallel`` (norms, dropout and residual adds on sequence shards, gathered before the
     attention and the MLP), or over ``context``; its hidden axis (``act_embed``) never sharded.
 
@@ -63,6 +65,7 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
     sequence_parallel: shard the residual stream's sequence over ``tensor`` as well.
     context: the context-parallel mesh axis (the sequence sharded through the attention too; give the attention
       layers the same axis as ``context_parallel=`` so that they exchange keys and values between the shards).
+    expert: the mesh axis that shards the experts of ``MoEBlock`` (expert parallelism's weights; the batch too).
 
   Returns:
     A list of ``(logical axis name, mesh axes)`` with one entry per name of ``LOGICAL_AXES``.
@@ -71,19 +74,19 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
     ValueError: a mesh axis named twice, ``sequence_parallel`` without ``tensor``, or with ``context``.
   """
   data_axes = (data,) if data is None or isinstance(data, str) else tuple(data)
-  named = [a for a in (*data_axes, fsdp, tensor, context) if a is not None]
+  named = [a for a in (*data_axes, fsdp, tensor, context, expert) if a is not None]
   for a in named:
     if not isinstance(a, str) or not a:
       raise ValueError(f"mesh axis names must be non-empty strings, got {a!r}")
   if len(set(named)) != len(named):
     raise ValueError(f"each mesh axis may serve one kind of parallelism, got data={data!r}, fsdp={fsdp!r}, "
-                     f"tensor={tensor!r}, context={context!r}")
+                     f"tensor={tensor!r}, context={context!r}, expert={expert!r}")
   if sequence_parallel and tensor is None:
     raise ValueError("sequence_parallel=True shards the sequence over the tensor-parallel axis: give tensor=")
   if sequence_parallel and context is not None:
     raise ValueError("sequence_parallel=True and context= both shard the sequence; give one of them")
   rules = [
-      (BATCH, _mesh_axes(*data_axes, fsdp)),
+      (BATCH, _mesh_axes(*data_axes, fsdp, expert)),
       (SEQ, tensor if sequence_parallel else context),
       (ACT_EMBED, None),
       (EMBED, fsdp),
@@ -92,5 +95,6 @@ def logical_axis_rules(*, data: str | Sequence[str] | None = None, fsdp: str | N
       (QKV, None),
       (MLP, tensor),
       (ACT, None),
+      (EXPERT, expert),
   ]
   return rules

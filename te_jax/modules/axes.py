@@ -17,7 +17,7 @@ from flax.core import meta
 from te_jax._core.explicit import constrain as constrain_to
 from te_jax._core.explicit import typed_vjp
 
-__all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
+__all__ = ["ACT", "ACT_EMBED", "BATCH", "EMBED", "EXPERT", "HEADS", "HEAD_DIM", "Initializer", "LOGICAL_AXES", "MLP", "QKV",
            "SEQ", "axes", "constrain", "context_parallel_axes", "explicit_out", "features_tuple", "gather_sequence",
            "is_int", "logical_constraint", "rule_axes", "rule_shards", "seq_first_to_batch_first", "sequence_kept",
            "stream_input", "stream_sharding"]
@@ -30,7 +30,10 @@ EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT = "embed", "heads", "kv", "qkv", "mlp", "a
 # ... and of the activations between the blocks (the residual stream): batch, sequence, hidden. Mapping "seq" to the
 # tensor-parallel mesh axis gives sequence parallelism (norms, dropout and residual adds on sequence shards).
 BATCH, SEQ, ACT_EMBED = "batch", "seq", "act_embed"
-LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED)
+# ... and of a mixture-of-experts block's experts (the leading dim of its stacked expert kernels and biases): mapped
+# to a mesh axis, each device holds the kernels of E / size experts (expert parallelism's weights).
+EXPERT = "expert"
+LOGICAL_AXES = (EMBED, HEADS, HEAD_DIM, QKV, MLP, ACT, BATCH, SEQ, ACT_EMBED, EXPERT)
 
 
 def axes(enabled: bool, *names: str | None) -> tuple[str | None, ...]:

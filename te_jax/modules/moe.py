@@ -28,8 +28,11 @@ balancing, arXiv 2412.19437 §2.1.2), a non-trained variable that the training c
 auxiliary losses, each already multiplied by its coefficient, which the train step adds to its loss (linen: sown
 into the ``"aux_loss"`` collection; NNX: ``AuxLoss`` variables).
 
-The experts' sharding over a mesh axis (expert parallelism) is not done here: the parameters carry the ``"expert"``
-logical axis name, and the permutation and the grouped GEMMs see every expert.
+Sharding: with ``logical_axes=True`` the experts' kernels and biases carry the ``"expert"`` logical axis name
+(``te_jax.modules.axes.EXPERT``) on their leading dim, which ``te_jax.flax.logical_axis_rules(expert=...)`` maps
+to a mesh axis (the same rules shard the tokens over it with the batch); the permutation and the grouped GEMMs are
+written for every expert and token, and XLA's partitioner places them (``te_jax.fused.expert_parallel`` is the
+shard_map form with all-to-all dispatch).
 """
 
 from __future__ import annotations
@@ -49,18 +52,14 @@ from te_jax.fused.dense import dense
 from te_jax.fused.grouped_dense import group_align, grouped_dense
 from te_jax.fused.moe_permute import expert_capacity, permute, unpermute
 from te_jax.fused.moe_router import RouterConfig, load_balancing_loss, route, update_expert_bias, z_loss
-from te_jax.modules.axes import ACT, EMBED, MLP, Initializer, axes, is_int
+from te_jax.modules.axes import ACT, EMBED, EXPERT, MLP, Initializer, axes, is_int
 from te_jax.modules.layernorm_dense import norm_params
 from te_jax.modules.scope import Scope
 from te_jax.ops.activation import activation, parse_activation_type
 from te_jax.ops.norm import layernorm
 from te_jax.recipe import Recipe
 
-__all__ = ["AUX_LOSSES", "EXPERT", "MoEBlockOptions", "MoEState", "expert_init", "moe_block", "moe_block_params"]
-
-# The logical axis name of the experts (wi_kernel's and wo_kernel's first dim). Not in te_jax.flax.LOGICAL_AXES yet:
-# without a rule for it Flax leaves it unsharded; expert parallelism's rules will map it.
-EXPERT = "expert"
+__all__ = ["AUX_LOSSES", "MoEBlockOptions", "MoEState", "expert_init", "moe_block", "moe_block_params"]
 
 # The auxiliary losses a block reports, by name: the option holding each one's coefficient.
 AUX_LOSSES = {"load_balancing_loss": "load_balancing_coef", "z_loss": "z_loss_coef"}
