@@ -241,9 +241,7 @@ def test_fp8_forward_is_the_expert_loop_of_quantized_operands(name):
 def _nnx_twin(config, variables, recipe):
   with te_jax.autocast(enabled=recipe is not None, recipe=recipe):
     model = te_nnx.MoEBlock(H, **CONFIGS[config], dtype=F32, rngs=nnx.Rngs(3))
-  te_nnx.from_linen(model, {k: v for k, v in variables.items() if k in ("params", FP8)})
-  if "batch_stats" in variables:
-    model.expert_bias[...] = variables["batch_stats"]["expert_bias"]
+  te_nnx.from_linen(model, variables)  # the parameters, the FP8 state and the expert bias (batch_stats)
   return model
 
 
@@ -265,7 +263,7 @@ def test_linen_and_nnx_are_the_same(config, recipe_name):
     variables = linen.init(jax.random.key(0), x)
     variables = {**variables, "params": randomized(variables["params"])}
     model = te_nnx.MoEBlock(H, **cfg, dtype=F32, rngs=nnx.Rngs(3))
-    te_nnx.from_linen(model, {k: v for k, v in variables.items() if k in ("params", FP8)})
+    te_nnx.from_linen(model, variables)
     trained = {k: v for k, v in variables.items() if k != "batch_stats"}
 
     def linen_loss(trained, stats):
@@ -342,6 +340,29 @@ def test_the_rules_shard_the_experts_over_the_expert_axis():
   assert mesh_specs["router_kernel"] == (None, None) and mesh_specs["shared_wi_kernel"] == (None, None, None)
   with pytest.raises(ValueError, match=r"each mesh axis may serve one kind of parallelism.*expert='data'"):
     te_flax.logical_axis_rules(data="data", expert="data")
+
+
+def test_from_linen_and_to_linen_carry_the_expert_bias():
+  """batch_stats (the expert bias) goes from linen to NNX and back with the parameters and the FP8 state: the round
+  trip gives the same bits, a trained NNX bias comes back, and a missing or misshapen one raises naming it."""
+  model, variables, x = setup("deepseek")
+  with te_jax.autocast(enabled=True, recipe=RECIPES["delayed"]):
+    variables = {**model.init(jax.random.key(0), x), **{k: v for k, v in variables.items() if k != FP8}}
+    twin = te_nnx.MoEBlock(H, **CONFIGS["deepseek"], dtype=F32, rngs=nnx.Rngs(3))
+    te_nnx.from_linen(twin, variables)
+    _bits(te_nnx.to_linen(twin), variables, "round trip")
+    assert float(jnp.abs(twin.expert_bias[...]).max()) > 0
+    twin(x, deterministic=False)  # a training call moves the NNX bias
+    back = te_nnx.to_linen(twin)
+    assert not np.array_equal(back["batch_stats"]["expert_bias"], variables["batch_stats"]["expert_bias"])
+    _bits(back["batch_stats"]["expert_bias"], twin.expert_bias[...], "the trained bias")
+    _bits(model.apply(back, x, deterministic=True), twin(x, deterministic=True), "linen on the NNX variables")
+  with pytest.raises(ValueError, match=r"'batch_stats' does not match the model: missing \[\('expert_bias',\)\]"):
+    te_nnx.from_linen(twin, {k: v for k, v in variables.items() if k != "batch_stats"})
+  with pytest.raises(ValueError, match=r"'batch_stats' has other shapes or dtypes than the model: \['expert_bias"):
+    te_nnx.from_linen(twin, {**variables, "batch_stats": {"expert_bias": jnp.zeros((E + 1,), F32)}})
+  with pytest.raises(ValueError, match=r"collections \['aux_loss'\] have no NNX twin here"):
+    te_nnx.from_linen(twin, {**variables, "aux_loss": {}})
 
 
 def test_module_sizes_follow_in_features():
@@ -525,7 +546,7 @@ def test_scan_over_two_layers_in_linen_and_nnx():
     assert variables["batch_stats"]["layers"]["expert_bias"].shape == (2, E)
     assert variables[FP8]["layers"]["wi_x_amax_history"].shape == (2, E, 4)
     model = _NnxStack(nnx.Rngs(0))
-    te_nnx.from_linen(model, {k: v for k, v in variables.items() if k in ("params", FP8)})
+    te_nnx.from_linen(model, variables)
     trained = {k: v for k, v in variables.items() if k != "batch_stats"}
 
     def linen_loss(trained):

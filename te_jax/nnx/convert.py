@@ -10,6 +10,9 @@ Every NNX module names its parameters, FP8 state variables and submodules as its
 a state stacked by ``nn.scan`` / ``nnx.vmap`` converts the same way. One exception:
 ``nn.Dense(dot_general_cls=te_flax.Fp8DotGeneral)`` keeps its GEMM's state under ``Fp8DotGeneral_0``,
 ``nnx.Linear(dot_general=te_nnx.Fp8DotGeneral())`` under ``dot_general``: rename that key.
+
+Non-trained statistics travel too: linen's ``"batch_stats"`` collection is NNX's ``nnx.BatchStat`` variables (the
+expert bias of ``MoEBlock``, as Flax's own BatchNorm keeps its running statistics).
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from te_jax.nnx.fp8_state import Fp8State
 
 __all__ = ["from_linen", "to_linen"]
 
+# The linen collections and the NNX variable types that hold them, in the order the variables dict lists them.
+_COLLECTIONS = (("params", nnx.Param), (FP8_COLLECTION, Fp8State), ("batch_stats", nnx.BatchStat))
+
 
 def to_linen(model: nnx.Module) -> dict:
-  """The linen variables dict of ``model``'s twin: ``{"params": ..., te_jax.FP8_COLLECTION: ...}`` (the latter only
-  when the model has FP8 state), each a nested dict of arrays.
+  """The linen variables dict of ``model``'s twin: ``{"params": ..., te_jax.FP8_COLLECTION: ..., "batch_stats":
+  ...}`` (the latter two only when the model has FP8 state, ``nnx.BatchStat`` variables), each a nested dict of
+  arrays.
 
   >>> import jax, jax.numpy as jnp, te_jax, te_jax.flax as te_flax, te_jax.nnx as te_nnx
   >>> from flax import nnx
@@ -39,15 +46,16 @@ def to_linen(model: nnx.Module) -> dict:
   True
   """
   out = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}
-  state = nnx.to_pure_dict(nnx.state(model, Fp8State))
-  if jax.tree.leaves(state):
-    out[FP8_COLLECTION] = state
+  for collection, kind in _COLLECTIONS[1:]:
+    state = nnx.to_pure_dict(nnx.state(model, kind))
+    if jax.tree.leaves(state):
+      out[collection] = state
   return out
 
 
 def from_linen(model: nnx.Module, variables: Mapping) -> None:
   """Loads the linen variables dict of ``model``'s twin (``init``'s result: params and, under delayed scaling, the
-  FP8 collection) into ``model``, in place. Every parameter and state variable of the model must be given, with
+  FP8 collection; ``"batch_stats"`` where the model has ``nnx.BatchStat`` variables) into ``model``, in place. Every parameter and state variable of the model must be given, with
   its shape and dtype, and nothing else: a mismatch raises, naming the paths.
 
   >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax, te_jax.nnx as te_nnx
@@ -60,11 +68,11 @@ def from_linen(model: nnx.Module, variables: Mapping) -> None:
   """
   if not isinstance(variables, Mapping):
     raise TypeError(f"from_linen: variables must be the linen variables dict, got {type(variables).__name__}")
-  unknown = set(variables) - {"params", FP8_COLLECTION}
+  known = [c for c, _ in _COLLECTIONS]
+  unknown = set(variables) - set(known)
   if unknown:
-    raise ValueError(f"from_linen: collections {sorted(unknown)} have no NNX twin here (params and "
-                     f"{FP8_COLLECTION!r} do)")
-  for collection, kind in (("params", nnx.Param), (FP8_COLLECTION, Fp8State)):
+    raise ValueError(f"from_linen: collections {sorted(unknown)} have no NNX twin here ({known} do)")
+  for collection, kind in _COLLECTIONS:
     state = nnx.state(model, kind)
     want = _flat(nnx.to_pure_dict(state))
     given = _flat(dict(variables.get(collection, {})))
