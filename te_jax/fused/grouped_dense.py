@@ -55,6 +55,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax._core import scaling
+from te_jax._core.explicit import typed_vjp
 from te_jax._core.manual_axes import varying_axes
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.fused.linear import (Fp8Config, as_arrays, fp8_dims_aligned, fp8_recipe, instantiate, keep_state,
@@ -362,7 +363,7 @@ def grouped_dense_bwd(cfg: GroupedConfig, r: GroupedResiduals, g: jax.Array | Qu
   return dx, dw, dbias, new_meta
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
+_grouped.defvjp(*typed_vjp(_grouped_fwd, _grouped_bwd, nondiff_argnums=(0,)), symbolic_zeros=True)
 
 
 def check_grouped_meta(meta: DenseFp8Meta, groups: int, name: str = "fp8_meta") -> None:

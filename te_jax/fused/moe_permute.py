@@ -70,7 +70,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from te_jax._core.explicit import retype, typed_vjp
 from te_jax._core.quantized_tensor import QuantizedTensor
 
 __all__ = ["PermuteConfig", "PermutePlan", "expert_capacity", "permute", "permute_plan", "permute_ref", "unpermute",
@@ -166,7 +168,9 @@ def permute_plan(experts: jax.Array, cfg: PermuteConfig) -> tuple[PermutePlan, j
   """The plan of the permutation of ``experts`` (``(*cfg.token_shape, cfg.k)``, integer) and the groups' row counts
   (``(E,)`` int32): the definition of the layout the module's docstring describes."""
   e, a, rows = cfg.num_experts, cfg.num_assignments, cfg.rows
-  flat = experts.reshape(a).astype(jnp.int32)
+  # The plan sorts every assignment: on Explicit mesh axes, whose sort takes no sharded dim, the ids are gathered
+  # first (an Auto mesh's partitioner gathers them itself).
+  flat = retype(experts.reshape(a).astype(jnp.int32), P())
   key = jnp.where((flat >= 0) & (flat < e), flat, e)  # out-of-range ids sort last, counted for no expert
   order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted position -> assignment
   counts = jnp.bincount(key, length=e + 1).astype(jnp.int32)  # [e]: the out-of-range ids
@@ -194,17 +198,23 @@ def permute_plan(experts: jax.Array, cfg: PermuteConfig) -> tuple[PermutePlan, j
   return plan, group_sizes
 
 
+def _whole(v: jax.Array) -> jax.Array:
+  """``v`` gathered whole on Explicit mesh axes (every gather here indexes rows of any token, and jax's sharded
+  gather needs its output's layout spelled out); ``v`` itself elsewhere, where the partitioner places the gathers."""
+  return retype(v, P())
+
+
 def permute_ref(x: jax.Array | QuantizedTensor, plan: PermutePlan) -> jax.Array | QuantizedTensor:
   """``(rows, H)``: row r is the token row of its assignment, zeros for a padding row (for a ``QuantizedTensor``:
   its data and row scales so, a padding row's scales 1)."""
   cfg = plan.config
   token = plan.assignment // cfg.k
   if not isinstance(x, QuantizedTensor):
-    return jnp.take(x.reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
-  data = jnp.take(x.data.reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
+    return jnp.take(_whole(x).reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
+  data = jnp.take(_whole(x.data).reshape(cfg.num_tokens, x.shape[-1]), token, axis=0, mode="fill", fill_value=0)
   scales = x.scale_inv
   if x.mode.block is not None:
-    scales = jnp.take(scales.reshape(cfg.num_tokens, scales.shape[-1]), token, axis=0, mode="clip")
+    scales = jnp.take(_whole(scales).reshape(cfg.num_tokens, scales.shape[-1]), token, axis=0, mode="clip")
     pad = (plan.assignment == cfg.num_assignments)[:, None]
     scales = jnp.where(pad, jnp.ones((), scales.dtype), scales)
   return dataclasses.replace(x, data=data, scale_inv=scales)
@@ -212,14 +222,14 @@ def permute_ref(x: jax.Array | QuantizedTensor, plan: PermutePlan) -> jax.Array 
 
 def _choice_rows(y: jax.Array, row_of: jax.Array, cfg: PermuteConfig) -> jax.Array:
   """``(T, k, H)``: the row of each choice, zeros for a dropped one."""
-  return jnp.take(y, row_of.reshape(cfg.num_tokens, cfg.k), axis=0, mode="fill", fill_value=0)
+  return jnp.take(_whole(y), _whole(row_of).reshape(cfg.num_tokens, cfg.k), axis=0, mode="fill", fill_value=0)
 
 
 def unpermute_ref(y: jax.Array, plan: PermutePlan, weights: jax.Array) -> jax.Array:
   """``(*token_shape, H)`` in ``y``'s dtype: ``sum_j weights[t, j] * y[row of (t, j)]``, float32, in j order."""
   cfg = plan.config
   rows = _choice_rows(y, plan.row_of, cfg).astype(jnp.float32)
-  w = weights.reshape(cfg.num_tokens, cfg.k).astype(jnp.float32)
+  w = _whole(weights).reshape(cfg.num_tokens, cfg.k).astype(jnp.float32)
   out = w[:, 0, None] * rows[:, 0]
   for j in range(1, cfg.k):
     out = out + w[:, j, None] * rows[:, j]
@@ -250,7 +260,7 @@ def _permute_bwd(cfg: PermuteConfig, r: _PermuteResiduals, g):
   return dx.astype(g.dtype).reshape(*cfg.token_shape, g.shape[-1]), None, None, None
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+_permute.defvjp(*typed_vjp(_permute_fwd, _permute_bwd, nondiff_argnums=(0,)))
 
 
 class _UnpermuteResiduals(NamedTuple):
@@ -271,8 +281,8 @@ def _unpermute_fwd(cfg: PermuteConfig, y, weights, row_of, assignment, tokens_pe
 
 
 def _unpermute_bwd(cfg: PermuteConfig, r: _UnpermuteResiduals, g):
-  g = g.reshape(cfg.num_tokens, g.shape[-1]).astype(jnp.float32)
-  w_rows = jnp.take(r.weights.reshape(-1).astype(jnp.float32), r.assignment, mode="fill", fill_value=0)
+  g = _whole(g).reshape(cfg.num_tokens, g.shape[-1]).astype(jnp.float32)
+  w_rows = jnp.take(_whole(r.weights).reshape(-1).astype(jnp.float32), r.assignment, mode="fill", fill_value=0)
   g_rows = jnp.take(g, r.assignment // cfg.k, axis=0, mode="fill", fill_value=0)
   dy = (w_rows[:, None] * g_rows).astype(r.y.dtype)
   rows = _choice_rows(r.y, r.row_of, cfg).astype(jnp.float32)  # (T, k, H)
@@ -280,7 +290,7 @@ def _unpermute_bwd(cfg: PermuteConfig, r: _UnpermuteResiduals, g):
   return dy, dw.reshape(r.weights.shape).astype(r.weights.dtype), None, None, None
 
 
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+_unpermute.defvjp(*typed_vjp(_unpermute_fwd, _unpermute_bwd, nondiff_argnums=(0,)))
 
 
 # ---- the API -----------------------------------------------------------------------------------------------------

@@ -46,8 +46,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from te_jax._core.autocast import resolve_recipe
+from te_jax._core.explicit import retype
 from te_jax.fused.dense import dense
 from te_jax.fused.grouped_dense import group_align, grouped_dense
 from te_jax.fused.moe_permute import expert_capacity, permute, unpermute
@@ -323,8 +325,9 @@ def moe_block(scope: Scope, state: MoEState, o: MoEBlockOptions, inputs: jax.Arr
               recipe=recipe)
 
   if o.aux_losses:
-    scores = routing.scores.reshape(*inputs.shape[:-1], e)
-    experts = routing.experts.reshape(*inputs.shape[:-1], o.k)
+    # the loss counts the choices with a scatter, which on Explicit mesh axes takes whole operands
+    scores = retype(routing.scores, P()).reshape(*inputs.shape[:-1], e)
+    experts = retype(routing.experts, P()).reshape(*inputs.shape[:-1], o.k)
     values = {"load_balancing_loss": lambda: load_balancing_loss(scores, experts,
                                                                   per_sequence=o.load_balancing_per_sequence),
               "z_loss": lambda: z_loss(logits)}
