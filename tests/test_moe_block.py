@@ -702,3 +702,37 @@ def test_explicit_mesh_gives_the_auto_meshs_values(recipe_name):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,), devices=jax.devices("cpu")[:8])
     results[kind] = _sharded_step(mesh, rules, RECIPES[recipe_name])[0]
   _bits(results[AxisType.Explicit], results[AxisType.Auto], "Explicit against Auto")
+
+
+# The collectives of the sharded training call (kind, reduction, dtype): data parallel over "data" and the experts'
+# kernels over "expert" by the rules, on a 2 x 4 mesh. XLA's partitioner places the permutation's gathers (all-to-alls
+# of the rows) and gathers the sort's ids; current scaling's amaxes are max-reduced (as u32 bit patterns).
+EXPERT_COLLECTIVES = {
+    "delayed": {("all-gather", "", "f32"): 5, ("all-gather", "", "s32"): 1, ("all-reduce", "add", "f32"): 14,
+                ("all-reduce", "add", "s32"): 3, ("all-reduce", "maximum", "f32"): 4, ("all-to-all", "", "f32"): 16},
+    "current": {("all-gather", "", "f16"): 4, ("all-gather", "", "f32"): 17, ("all-gather", "", "s32"): 3,
+                ("all-reduce", "add", "f32"): 19, ("all-reduce", "add", "s32"): 17,
+                ("all-reduce", "maximum", "u32"): 4, ("all-to-all", "", "f32"): 16,
+                ("collective-permute", "", "s32"): 4},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_sharded_by_the_rules_is_one_device(recipe_name):
+  """On 8 devices, the tokens over ("data", "expert") and the experts' kernels over "expert" (logical_axis_rules):
+  the output and the expert bias bit for bit one device's; the gradients, FP8 state and losses (token sums split
+  over the shards) within a float32 summation bound of 64 ulps of their largest element; the compiled collectives
+  pinned."""
+  rules = te_flax.logical_axis_rules(data="data", expert="expert")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices("cpu")[:8])
+  (sharded, found), (one, _) = (_sharded_step(m, rules, RECIPES[recipe_name]) for m in (mesh, None))
+  (g_s, (y_s, new_s)), (g_1, (y_1, new_1)) = sharded, one
+  _bits(y_s, y_1, "output")
+  _bits(new_s["batch_stats"], new_1["batch_stats"], "expert bias")
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((g_s, new_s["aux_loss"])),
+                          jax.tree.leaves((g_1, new_1["aux_loss"]))):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_allclose(a, b, rtol=0, atol=64 * F32_U * max(np.abs(b).max(), 1e-30),
+                               err_msg=jax.tree_util.keystr(path))
+  assert dict(found) == EXPERT_COLLECTIVES[recipe_name], sorted(found.items())
