@@ -17,7 +17,7 @@ from flax.training import train_state
 import te_jax
 import te_jax.flax as te_flax
 from te_jax import recipe
-from te_jax.compare import PLOTS, RECIPES, cli, fp8_shares, health, report, run
+from te_jax.compare import PLOTS, RECIPES, api, cli, fp8_shares, health, report, run
 from te_jax.compare.train import Run, health_step
 from te_jax.ops.quantize import saturating_cast
 
@@ -363,3 +363,31 @@ def test_every_recipe_has_a_name():
   assert {type(cli.fp8_recipe(name)) for name in RECIPES} == set(typing.get_args(recipe.Recipe))
   assert cli.fp8_recipe("block") == recipe.Float8BlockScaling()
   assert cli.fp8_recipe("nvfp4") == recipe.NVFP4BlockScaling()
+
+
+def test_ctrl_c_keeps_the_finished_run(tmp_path, monkeypatch):
+  """Ctrl-C during the second run: report.json and the plots hold the first (FP8) run and name the missing one; the
+  command line prints one line and exits 130, with no traceback."""
+  real = api.train_run
+
+  def interrupt_bf16(run_, *args, **kwargs):
+    if run_.name == "BF16":
+      raise KeyboardInterrupt
+    return real(run_, *args, **kwargs)
+
+  monkeypatch.setattr(api, "train_run", interrupt_bf16)
+  with pytest.raises(api.Interrupted) as e:
+    run(lambda fp8: _Net(), _batches(2, 0), steps=2, eval_batches=_batches(1, 1), out=tmp_path, quiet=True)
+  assert e.value.missing == ["BF16"]
+  saved = json.loads((tmp_path / "report.json").read_text())
+  assert [r["name"] for r in saved["runs"]] == ["FP8"] and saved["missing"] == ["BF16"]
+  assert "partial report: the BF16 run did not finish" in saved["table"]
+  assert (tmp_path / "loss.png").stat().st_size > 0
+  def interrupted(*args, **kwargs):
+    raise api.Interrupted(tmp_path, ["BF16"])
+
+  monkeypatch.setattr(cli, "_compare", interrupted)
+  monkeypatch.setattr(cli.lm, "load_corpus", lambda n: (np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)))
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["--preset", "tiny", "--out", str(tmp_path)])
+  assert exit_.value.code == 130

@@ -1,6 +1,6 @@
 """``python -m te_jax.compare``: see ``te_jax.compare.cli``."""
 
-from te_jax.compare.cli import main
+from te_jax.compare.cli import console_main
 
 if __name__ == "__main__":
-  main()
+  console_main()

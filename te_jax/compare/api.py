@@ -110,17 +110,7 @@ def run(model_fn: Callable[[bool], nn.Module], batches: Iterable[tuple], *, step
   if not quiet and note:
     print(f"NOTE: {note}.")
   results = {}
-  # FP8 first: the device's peak memory only grows, so the run that needs less goes first (each run says whether it
-  # raised the peak, that is whether its figure is its own).
-  for position, (name, rec) in enumerate((("FP8", fp8_recipe), ("BF16", None))):
-    results[name] = train_run(Run(name, models[name], rec, steps), params, batches, eval_batches, loss=loss, lr=lr,
-                              eval_every=eval_every, health_every=health_every if rec is not None else 0,
-                              tokens_per_batch=tokens_in(batches[0]), position=position)
-    results[name].pop("final_variables")
-  runs = [results["BF16"], results["FP8"]]
-  results["FP8"]["ratios"] = report.ratios(results["FP8"], results["BF16"])
-  summary = report.table(runs, "BF16")
-  result = {
+  header = {
       "description": description,
       "params": n_params,
       "recipe": repr(fp8_recipe),
@@ -128,18 +118,56 @@ def run(model_fn: Callable[[bool], nn.Module], batches: Iterable[tuple], *, step
       "device": {"kind": device.device_kind, "platform": device.platform,
                  "compute_capability": getattr(device, "compute_capability", None), "count": jax.device_count()},
       "versions": _versions(),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": " ".join(sys.argv),
-      "table": summary,
-      "runs": runs,
-      "plots": dict(report.PLOTS),
-      "health_operands": dict(report.HEALTH_OPERANDS),
   }
+  order = (("FP8", fp8_recipe), ("BF16", None))
+  # FP8 first: the device's peak memory only grows, so the run that needs less goes first (each run says whether it
+  # raised the peak, that is whether its figure is its own). The report is written after each run, and on Ctrl-C
+  # with the runs that finished, so that an interrupted comparison keeps what it measured.
+  try:
+    for position, (name, rec) in enumerate(order):
+      results[name] = train_run(Run(name, models[name], rec, steps), params, batches, eval_batches, loss=loss, lr=lr,
+                                eval_every=eval_every, health_every=health_every if rec is not None else 0,
+                                tokens_per_batch=tokens_in(batches[0]), position=position)
+      results[name].pop("final_variables")
+      if len(results) < len(order):
+        _write(header, results, [n for n, _ in order if n not in results], out)
+  except KeyboardInterrupt:
+    missing = [n for n, _ in order if n not in results]
+    _write(header, results, missing, out)
+    raise Interrupted(out, missing) from None
+  result = _write(header, results, [], out)
+  summary = result["table"]
+  if not quiet:
+    print("\n" + summary)
+  return result
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C during ``run``: the report of the runs that finished was written to ``out`` (None: nowhere); ``missing``
+  names the runs that did not."""
+
+  def __init__(self, out, missing: list[str]):
+    super().__init__(f"interrupted: {', '.join(missing)} did not finish")
+    self.out, self.missing = out, missing
+
+
+def _write(header: dict, results: dict, missing: list[str], out) -> dict:
+  """The report of the finished runs (BF16 first), the FP8 run's ratios where both finished; written to ``out``
+  (report.json and the plots) unless it is None. A partial report names the runs it lacks."""
+  runs = [results[n] for n in ("BF16", "FP8") if n in results]
+  if "BF16" in results and "FP8" in results:
+    results["FP8"]["ratios"] = report.ratios(results["FP8"], results["BF16"])
+  summary = report.table(runs, "BF16") if runs else "no run finished"
+  if missing:
+    summary += f"\npartial report: the {' and '.join(missing)} run{'s' if len(missing) > 1 else ''} did not finish"
+  result = {**header, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "table": summary, "runs": runs, "missing": missing, "plots": dict(report.PLOTS),
+            "health_operands": dict(report.HEALTH_OPERANDS)}
   if out is not None:
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(result, out / "report.json")
-    report.write_plots(runs, out)
-  if not quiet:
-    print("\n" + summary)
+    if runs:
+      report.write_plots(runs, out)
   return result

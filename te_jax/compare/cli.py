@@ -19,7 +19,7 @@ import optax
 
 from te_jax import recipe as te_recipe
 from te_jax.compare import lm, report
-from te_jax.compare.api import RECIPES, emulation_note, run
+from te_jax.compare.api import RECIPES, Interrupted, emulation_note, run
 from te_jax.compare.train import Run, train_run
 
 __all__ = ["load_model_fn", "main"]
@@ -139,7 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
   seeds = list(range(args.seed, args.seed + args.seeds))
   corpus = lm.load_corpus(preset.corpus_bytes)  # (train, held out): the same bytes for every seed
   if len(seeds) == 1:
-    result = _compare(args, preset_name, corpus, seeds[0], out)
+    try:
+      result = _compare(args, preset_name, corpus, seeds[0], out)
+    except Interrupted as e:
+      kept = "report.json (no run finished)" if len(e.missing) == 2 else "the partial report and plots"
+      print(f"\ninterrupted: the {' and '.join(e.missing)} run{'s' if len(e.missing) > 1 else ''} did not finish; "
+            f"{kept} in {out.resolve()}")
+      raise SystemExit(130) from None
     print("One seed: on a GPU the held-out loss of one seed moves by up to a few percent from run to run; "
           "--seeds N gives the mean over N seeds with its standard error.")
     print(f"report and plots: {out.resolve()}")
@@ -147,7 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
   reports = []
   for seed in seeds:
     print(f"\n== seed {seed} ({len(reports) + 1} of {len(seeds)})")
-    reports.append(_compare(args, preset_name, corpus, seed, out / f"seed-{seed}"))
+    try:
+      reports.append(_compare(args, preset_name, corpus, seed, out / f"seed-{seed}"))
+    except Interrupted:
+      done = ", ".join(f"seed-{s}" for s in seeds[:len(reports)]) or "none"
+      print(f"\ninterrupted in seed {seed}: its partial report is in {(out / f'seed-{seed}').resolve()}; finished "
+            f"seeds: {done} (no seeds.json: the summary needs every seed)")
+      raise SystemExit(130) from None
   summary = report.seeds_summary(reports, seeds)
   summary["table"] = report.seeds_table(summary)
   report.write_json({"description": reports[0]["description"], "recipe": reports[0]["recipe"],
@@ -202,5 +214,10 @@ def _compare(args: argparse.Namespace, preset_name: str, corpus: tuple[np.ndarra
 
 
 def console_main() -> None:
-  """The ``te-jax-compare`` console script."""
-  main()
+  """The ``te-jax-compare`` console script (and ``python -m te_jax.compare``): Ctrl-C before any run finished is one
+  line, not a traceback."""
+  try:
+    main()
+  except KeyboardInterrupt:
+    print("\ninterrupted before any run finished: nothing was written")
+    raise SystemExit(130) from None

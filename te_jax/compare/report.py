@@ -59,7 +59,7 @@ def table(runs: list[dict], baseline: str) -> str:
     lines.append(f"| {r['name']} | {r['train_loss']:.4f} | {r['heldout_loss']:.4f} | {_num(r['tokens_per_s'], ',.0f')} | "
                  f"{_num(r['step_s_median'], '.2f', 1e3)} | {_num(r['step_s_p90'], '.2f', 1e3)} | "
                  f"{r['compile_s']:.1f} | {_mib(_memory_bytes(r))} |")
-  base = next(r for r in runs if r["name"] == baseline)
+  base = next((r for r in runs if r["name"] == baseline), runs[0])
   for r in runs:
     if r is base or "ratios" not in r:
       continue
