@@ -22,6 +22,16 @@ import pytest  # noqa: E402
 F32_U = 2.0**-24
 
 
+def assert_within_rule(ours, ref32, ref64, what):
+  """CONTRIBUTING.md's tolerance rule: ``max|ours - ref64| <= 2 max|ref32 - ref64| + 4 u max|ref64|`` (ref32 the same
+  math in float32, ref64 in float64)."""
+  ours, ref32, ref64 = (np.asarray(a, np.float64) for a in (ours, ref32, ref64))
+  assert ours.shape == ref64.shape, (what, ours.shape, ref64.shape)
+  err, err32 = np.max(np.abs(ours - ref64)), np.max(np.abs(ref32 - ref64))
+  noise = 4 * F32_U * np.max(np.abs(ref64))
+  assert err <= 2 * err32 + noise, f"{what}: error {err:.3g} > 2 * {err32:.3g} + {noise:.3g}"
+
+
 # ---- jax.random draws of rank >= 2, drawn flat ------------------------------------------------------------------
 #
 # XLA:CPU takes 1-8 s to compile jax.random.normal or truncated_normal for a new shape of rank 3 or 4 (LLVM

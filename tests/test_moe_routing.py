@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from conftest import F32_U
+from conftest import F32_U, assert_within_rule
 from te_jax.fused.grouped_dense import grouped_dense
 from te_jax.fused.moe_permute import (PermuteConfig, PermutePlan, expert_capacity, permute, permute_ref, unpermute,
                                       unpermute_ref)
@@ -44,15 +44,6 @@ unpermute_j = jax.jit(unpermute)
 
 def rng_logits(seed, shape, spread=2.0, dtype=np.float32):
   return (spread * np.random.default_rng(seed).standard_normal(shape)).astype(dtype)
-
-
-def assert_within_rule(ours, ref32, ref64, what):
-  """The tolerance rule: ``max|ours - ref64| <= 2 max|ref32 - ref64| + 4 u max|ref64|``."""
-  ours, ref32, ref64 = (np.asarray(a, np.float64) for a in (ours, ref32, ref64))
-  assert ours.shape == ref64.shape, (what, ours.shape, ref64.shape)
-  err, err32 = np.max(np.abs(ours - ref64)), np.max(np.abs(ref32 - ref64))
-  noise = 4 * F32_U * np.max(np.abs(ref64))
-  assert err <= 2 * err32 + noise, f"{what}: error {err:.3g} > 2 * {err32:.3g} + {noise:.3g}"
 
 
 # ---- NumPy references ------------------------------------------------------------------------------------------------
