@@ -64,7 +64,7 @@ def table(runs: list[dict], baseline: str) -> str:
     if r is base or "ratios" not in r:
       continue
     q = r["ratios"]
-    speed = "not measured" if q["tokens_per_s"] is None else f"{q['tokens_per_s']:.2f}x"
+    speed = _ratio(q["tokens_per_s"], "not measured")
     memory = "" if q["memory"] is None else f", peak memory {q['memory']:.2f}x"
     lines.append(f"{r['name']} vs {baseline}: held-out loss {q['heldout_loss'] - 1:+.2%}, tokens/s {speed}{memory}")
   lines += [r["timing_note"] for r in runs if r.get("timing_note")]
@@ -76,6 +76,11 @@ def table(runs: list[dict], baseline: str) -> str:
 def _num(value, spec: str, factor: float = 1.0) -> str:
   """``value * factor`` formatted with ``spec``, or "-" for a figure that was not measured (None)."""
   return "-" if value is None else format(factor * value, spec)
+
+
+def _ratio(value, missing: str = "-") -> str:
+  """A ratio as ``1.23x``, or ``missing`` for one that was not measured (None)."""
+  return missing if value is None else f"{value:.2f}x"
 
 
 def health_summary(run: dict) -> str | None:
@@ -146,13 +151,12 @@ def seeds_table(summary: dict) -> str:
   for r in summary["seeds"]:
     memory = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x"
     lines.append(f"| {r['seed']} | {r['bf16_heldout']:.4f} | {r['fp8_heldout']:.4f} | {r['heldout_ratio'] - 1:+.2%} | "
-                 f"{_num(r['tokens_per_s_ratio'], '.2f')}x | {memory} |".replace("| -x |", "| - |"))
+                 f"{_ratio(r['tokens_per_s_ratio'])} | {memory} |")
   memory = "" if summary["memory_ratio_mean"] is None else f", peak memory {summary['memory_ratio_mean']:.2f}x"
   lines.append(f"FP8 vs BF16 over {len(summary['seeds'])} seeds: held-out loss "
                f"{summary['heldout_ratio_mean'] - 1:+.2%} ± {summary['heldout_ratio_standard_error']:.2%} (mean of the "
                f"seeds' ratios ± its standard error; BF16 alone moves {summary['bf16_heldout_spread']:.2%} from seed "
-               f"to seed), tokens/s {_num(summary['tokens_per_s_ratio_mean'], '.2f')}x{memory}".replace(
-                   "tokens/s -x", "tokens/s not measured"))
+               f"to seed), tokens/s {_ratio(summary['tokens_per_s_ratio_mean'], 'not measured')}{memory}")
   return "\n".join(lines)
 
 
