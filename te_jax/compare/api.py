@@ -19,7 +19,7 @@ from te_jax._core import native
 from te_jax.compare import report
 from te_jax.compare.train import Run, check_batches, cross_entropy, tokens_in, train_run
 
-__all__ = ["RECIPES", "emulation_note", "run"]
+__all__ = ["Interrupted", "RECIPES", "emulation_note", "run"]
 
 #: ``--recipe`` names and the ``te_jax.recipe`` class each picks.
 RECIPES = {"delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,

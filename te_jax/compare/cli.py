@@ -22,7 +22,7 @@ from te_jax.compare import lm, report
 from te_jax.compare.api import RECIPES, Interrupted, emulation_note, run
 from te_jax.compare.train import Run, train_run
 
-__all__ = ["load_model_fn", "main"]
+__all__ = ["console_main", "load_model_fn", "main"]
 
 
 def load_model_fn(spec: str):
