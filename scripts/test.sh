@@ -11,9 +11,9 @@
 # output follows it, then one line with the counts of both. These runs compile with XLA's backend optimization level 0
 # (XLA_FLAGS=--xla_backend_optimization_level=0: LLVM's passes off, XLA's HLO passes and fusions as always), a third
 # less time; the files whose tests pin down numerics that LLVM's optimizations decide (a multiply and add contracted
-# into one FMA: test_norm.py, test_rope.py; MoEBlock's Explicit-mesh and Auto-mesh programs, whose load-balancing losses
-# agree bit for bit at the default level and differ by an ulp at level 0: test_moe_block.py) run at XLA's default level, as users' programs do. With arguments, and in
-# CI's slow step, everything runs at the default level.
+# into one FMA: test_norm.py, test_rope.py; MoEBlock's Explicit-mesh and Auto-mesh programs, whose load-balancing
+# losses agree bit for bit at the default level and differ by an ulp at level 0: test_moe_block.py) run at XLA's
+# default level, as users' programs do. With arguments, and in CI's slow step, everything runs at the default level.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
