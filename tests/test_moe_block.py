@@ -294,7 +294,7 @@ def _step(model, variables, x):
   return y, grads, new
 
 
-@pytest.mark.fast_cases(1)
+@pytest.mark.slow  # ~16 s a case; the quick run checks the layouts' bits at the op (test_grouped_dense's pre-aligned)
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
 @pytest.mark.parametrize("config", ["deepseek", "mixtral"])
 def test_rows_laid_out_once_are_the_padded_layouts_bits(config, recipe_name, monkeypatch):
