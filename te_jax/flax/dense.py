@@ -11,10 +11,10 @@ import jax.numpy as jnp
 
 from te_jax.flax.scope import LinenScope, builds, options_of
 from te_jax.modules.axes import Initializer
-from te_jax.modules.dense import DenseGeneralOptions, dense_general, fp8_dot_general
+from te_jax.modules.dense import DenseGeneralOptions, dense_general, fp8_dot_general, fp8_einsum
 from te_jax.recipe import Recipe
 
-__all__ = ["DenseGeneral", "Fp8DotGeneral"]
+__all__ = ["DenseGeneral", "Fp8DotGeneral", "Fp8Einsum"]
 
 
 @builds(DenseGeneralOptions)
@@ -101,8 +101,12 @@ class Fp8DotGeneral(nn.Module):
   >>> y.shape
   (4, 16)
 
-  Takes ``(lhs, rhs, dimension_numbers)`` with the contracting dims of ``rhs`` leading and no batch dims (what
-  ``nn.Dense`` and ``nn.DenseGeneral`` pass). Outside an enabled autocast it is a plain ``lax.dot_general``.
+  Takes ``lax.dot_general``'s ``(lhs, rhs, dimension_numbers)`` with any dimension numbers (``nn.DenseGeneral``'s
+  ``batch_dims`` too), lhs quantized as the GEMM's input and rhs as its kernel, through
+  ``te_jax.fused.dot_general.dot_general``: with batch dims each batch index is its own FP8 GEMM, under per-tensor
+  recipes. An instance made in a compact method is also ``jnp.einsum``'s ``_dot_general`` (one GEMM's state per
+  instance); ``Fp8Einsum`` keeps an einsum's operand roles fixed. Outside an enabled autocast it is a plain
+  ``lax.dot_general``.
 
   Attributes:
     recipe: an FP8 recipe for this GEMM, overriding autocast's.
@@ -114,3 +118,33 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     return fp8_dot_general(LinenScope(self), self.recipe, lhs, rhs, dimension_numbers, precision,
                            preferred_element_type)
+
+
+class Fp8Einsum(nn.Module):
+  """A two-operand ``jnp.einsum`` as one FP8 GEMM (``Fp8DotGeneral``'s, with its state in this module's variables):
+  the einsum of an input with a kernel (attention's ``'BTD,NDH->BTNH'``) or of two activations
+  (``'BSNH,BTNH->BNTS'``, batched over B and N).
+
+  >>> import jax, jax.numpy as jnp, te_jax
+  >>> from te_jax.flax.dense import Fp8Einsum
+  >>> q, k = jnp.ones((2, 32, 4, 16)), jnp.ones((2, 48, 4, 16))
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=16)):
+  ...   s, variables = Fp8Einsum().init_with_output(jax.random.key(0), 'BSNH,BTNH->BNTS', q, k)
+  >>> s.shape, variables[te_jax.FP8_COLLECTION]['x_amax_history'].shape
+  ((2, 4, 48, 32), (16,))
+
+  Takes ``(subscripts, lhs, rhs)``: ``'lhs,rhs->out'`` with an explicit output and one letter per dim; lhs is
+  quantized as the GEMM's input, rhs as its kernel (the order given, whichever ``jnp.einsum`` would pick). With
+  ``__call__``'s signature it is also the ``einsum_op`` of ``nnx.Einsum``-style code. Outside an enabled autocast it
+  is ``jnp.einsum``'s result computed as one ``lax.dot_general``.
+
+  Attributes:
+    recipe: an FP8 recipe for this GEMM, overriding autocast's.
+  """
+
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None):
+    return fp8_einsum(LinenScope(self), self.recipe, subscripts, lhs, rhs, precision, preferred_element_type,
+                      out_sharding)

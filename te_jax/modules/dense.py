@@ -12,12 +12,14 @@ import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense, normalize_axes
+from te_jax.fused.dot_general import dot_general
 from te_jax.fused.linear import Unstack
 from te_jax.modules.axes import Initializer, constrain, explicit_out, features_tuple, rule_shards, sequence_kept
 from te_jax.modules.scope import Scope
 from te_jax.recipe import Recipe
 
-__all__ = ["DenseGeneralOptions", "dense_general", "dense_general_params", "fp8_dot_general", "unstack_of"]
+__all__ = ["DenseGeneralOptions", "dense_general", "dense_general_params", "einsum_dims", "fp8_dot_general", "fp8_einsum",
+           "unstack_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,10 +127,9 @@ def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, resid
 
 def fp8_dot_general(scope: Scope, recipe: Recipe | None, lhs, rhs, dimension_numbers, precision=None,
                     preferred_element_type=None, out_sharding=None, **kwargs):
-  """``Fp8DotGeneral``'s call: ``lax.dot_general``'s arguments (``kwargs``: more of them), run as te_jax's FP8 dense
-  GEMM under an enabled autocast (or ``recipe``), as ``lax.dot_general`` otherwise. The FP8 GEMM takes no batch dims
-  and the contracting dims of ``rhs`` leading; ``out_sharding`` (NNX's) is ``te_jax.dense``'s."""
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  """``Fp8DotGeneral``'s call: ``lax.dot_general``'s arguments (``kwargs``: more of them), run as
+  ``te_jax.fused.dot_general.dot_general`` (any dimension numbers; lhs the GEMM's input, rhs its kernel) with the
+  scope's FP8 state under an enabled autocast (or ``recipe``), as ``lax.dot_general`` otherwise."""
   recipe = resolve_recipe(recipe)
   if recipe is None:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -136,8 +137,56 @@ def fp8_dot_general(scope: Scope, recipe: Recipe | None, lhs, rhs, dimension_num
   given = sorted(k for k, v in kwargs.items() if v is not None)
   if given:
     raise ValueError(f"Fp8DotGeneral takes no {', '.join(given)}: shard the input and the kernel instead")
-  if lhs_batch or rhs_batch or tuple(rhs_contract) != tuple(range(len(rhs_contract))):
-    raise ValueError(f"Fp8DotGeneral takes no batch dims and rhs contracting dims leading, got {dimension_numbers}")
-  lhs, (meta,) = scope.fp8_state(recipe, lhs)
-  out = dense(lhs, rhs, axis=tuple(lhs_contract), fp8_meta=meta, recipe=recipe, out_sharding=out_sharding)
-  return out if preferred_element_type is None else out.astype(preferred_element_type)
+  lhs, (meta,) = scope.fp8_state(recipe, jnp.asarray(lhs))
+  return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, fp8_meta=meta, recipe=recipe,
+                     out_sharding=out_sharding)
+
+
+def einsum_dims(subscripts, lhs_ndim: int, rhs_ndim: int):
+  """The ``dot_general`` of a two-operand einsum ``'lhs,rhs->out'`` (explicit output, one letter per dim, none
+  repeated within an operand): ``(dimension_numbers, summed, order)``, where ``summed`` are each operand's dims summed
+  away first (a letter in neither the other operand nor the output) and ``order`` transposes ``dot_general``'s
+  (batch, lhs free, rhs free) output into ``out``'s order.
+
+  >>> einsum_dims('BSNH,BTNH->BNTS', 4, 4)
+  ((((3,), (3,)), ((0, 2), (0, 2))), ((), ()), (0, 1, 3, 2))
+  """
+  if not isinstance(subscripts, str):
+    raise TypeError(f"einsum subscripts must be a str, got {type(subscripts).__name__}")
+  spec = subscripts.replace(" ", "")
+  operands, arrow, out = spec.partition("->")
+  names = operands.split(",")
+  fix = "(for another einsum, pass te_jax's Fp8DotGeneral to jnp.einsum as _dot_general)"
+  if not arrow or len(names) != 2 or "." in spec or not all(n.isalpha() for n in names + [out] if n):
+    raise ValueError(f"an FP8 einsum takes 'lhs,rhs->out' with letters only (two operands, an explicit output), got "
+                     f"{subscripts!r} {fix}")
+  ls, rs = names
+  for what, n, nd in (("lhs", ls, lhs_ndim), ("rhs", rs, rhs_ndim)):
+    if len(set(n)) != len(n) or len(n) != nd:
+      raise ValueError(f"einsum {subscripts!r}: {what} {n!r} must name each of its {nd} dims once {fix}")
+  if len(set(out)) != len(out) or not set(out) <= set(ls) | set(rs):
+    raise ValueError(f"einsum {subscripts!r}: the output {out!r} must name each dim once, from the operands")
+  summed = tuple(tuple(i for i, c in enumerate(n) if c not in other and c not in out)
+                 for n, other in ((ls, rs), (rs, ls)))
+  ls, rs = (''.join(c for i, c in enumerate(n) if i not in drop) for n, drop in zip((ls, rs), summed))
+  batch = [c for c in ls if c in rs and c in out]
+  contract = [c for c in ls if c in rs and c not in out]
+  dims = ((tuple(ls.index(c) for c in contract), tuple(rs.index(c) for c in contract)),
+          (tuple(ls.index(c) for c in batch), tuple(rs.index(c) for c in batch)))
+  produced = batch + [c for c in ls if c not in rs] + [c for c in rs if c not in ls]
+  return dims, summed, tuple(produced.index(c) for c in out)
+
+
+def fp8_einsum(scope: Scope, recipe: Recipe | None, subscripts: str, lhs, rhs, precision=None,
+               preferred_element_type=None, out_sharding=None):
+  """``Fp8Einsum``'s call: ``jnp.einsum(subscripts, lhs, rhs)`` as one ``fp8_dot_general`` (lhs the GEMM's input,
+  rhs its kernel, whatever order ``jnp.einsum`` would pick), its output transposed into ``subscripts``'s order."""
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  dims, (lsum, rsum), order = einsum_dims(subscripts, lhs.ndim, rhs.ndim)
+  lhs = jnp.sum(lhs, lsum) if lsum else lhs
+  rhs = jnp.sum(rhs, rsum) if rsum else rhs
+  if out_sharding is not None and order != tuple(range(len(order))):
+    raise ValueError(f"Fp8Einsum: out_sharding needs {subscripts!r}'s output in dot_general's (batch, lhs, rhs) order; "
+                     "constrain the output instead")
+  y = fp8_dot_general(scope, recipe, lhs, rhs, dims, precision, preferred_element_type, out_sharding)
+  return y if order == tuple(range(y.ndim)) else jnp.transpose(y, order)

@@ -1,5 +1,6 @@
-"""NNX dense layers whose GEMMs run in FP8 under ``te_jax.autocast``: ``DenseGeneral`` and ``Fp8DotGeneral`` (the
-``dot_general`` of ``nnx.Linear`` / ``nnx.LinearGeneral``), on the same fused op as ``te_jax.flax``'s."""
+"""NNX dense layers whose GEMMs run in FP8 under ``te_jax.autocast``: ``DenseGeneral``, ``Fp8DotGeneral`` (the
+``dot_general`` of ``nnx.Linear`` / ``nnx.LinearGeneral``) and ``Fp8Einsum`` (the ``einsum_op`` of ``nnx.Einsum``),
+on the same fused ops as ``te_jax.flax``'s."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from flax.core import FrozenDict
 
 from te_jax.fused.dense import normalize_axes
 from te_jax.modules.axes import Initializer, is_int
-from te_jax.modules.dense import DenseGeneralOptions, dense_general, dense_general_params, fp8_dot_general
+from te_jax.modules.dense import (DenseGeneralOptions, dense_general, dense_general_params, fp8_dot_general,
+                                  fp8_einsum)
 from te_jax.nnx.fp8_state import declare_fp8_state
 from te_jax.nnx.params import as_tuple
 from te_jax.modules.scope import fields_of
 from te_jax.nnx.scope import NnxScope, builds
 from te_jax.recipe import Recipe
 
-__all__ = ["DenseGeneral", "Fp8DotGeneral"]
+__all__ = ["DenseGeneral", "Fp8DotGeneral", "Fp8Einsum"]
 
 
 @builds(DenseGeneralOptions)
@@ -126,9 +128,11 @@ class Fp8DotGeneral(nnx.Module):
   >>> y.shape, layer.dot_general.x_amax_history.shape
   ((4, 16), (16,))
 
-  Takes ``(lhs, rhs, dimension_numbers)`` with the contracting dims of ``rhs`` leading and no batch dims (what
-  ``nnx.Linear`` and ``nnx.LinearGeneral`` without ``batch_axis`` pass). Outside an enabled autocast it is a plain
-  ``lax.dot_general``.
+  Takes ``lax.dot_general``'s ``(lhs, rhs, dimension_numbers)`` with any dimension numbers (``nnx.LinearGeneral``'s
+  ``batch_axis`` too), lhs quantized as the GEMM's input and rhs as its kernel, through
+  ``te_jax.fused.dot_general.dot_general``: with batch dims each batch index is its own FP8 GEMM, under per-tensor
+  recipes. It is also ``jnp.einsum``'s ``_dot_general``; for ``nnx.Einsum`` use ``Fp8Einsum``. Outside an enabled
+  autocast it is a plain ``lax.dot_general``.
 
   Args:
     recipe: an FP8 recipe for this GEMM, overriding autocast's (at construction and at the call).
@@ -141,3 +145,33 @@ class Fp8DotGeneral(nnx.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
     return fp8_dot_general(NnxScope(self), self.recipe, lhs, rhs, dimension_numbers, precision,
                            preferred_element_type, out_sharding=out_sharding)
+
+
+class Fp8Einsum(nnx.Module):
+  """A two-operand einsum as one FP8 GEMM, the ``einsum_op`` of ``nnx.Einsum`` (one instance per layer: it holds that
+  GEMM's FP8 state), or called on two activations (``'BSNH,BTNH->BNTS'``, batched over B and N).
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> from flax import nnx
+  >>> from te_jax.nnx.dense import Fp8Einsum
+  >>> with te_jax.autocast(enabled=True, recipe=te_jax.recipe.DelayedScaling(amax_history_len=16)):
+  ...   layer = nnx.Einsum('BTD,NDH->BTNH', (4, 32, 16), einsum_op=Fp8Einsum(), rngs=nnx.Rngs(0))
+  ...   y = layer(jnp.ones((2, 8, 32)))
+  >>> y.shape, layer.einsum_op.x_amax_history.shape
+  ((2, 8, 4, 16), (16,))
+
+  Takes ``(subscripts, lhs, rhs)``: ``'lhs,rhs->out'`` with an explicit output and one letter per dim; lhs is
+  quantized as the GEMM's input, rhs as its kernel (the order given, whichever ``jnp.einsum`` would pick). Outside an
+  enabled autocast it is ``jnp.einsum``'s result computed as one ``lax.dot_general``.
+
+  Args:
+    recipe: an FP8 recipe for this GEMM, overriding autocast's (at construction and at the call).
+  """
+
+  def __init__(self, recipe: Recipe | None = None):
+    self.recipe = recipe
+    declare_fp8_state(self, recipe)
+
+  def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None):
+    return fp8_einsum(NnxScope(self), self.recipe, subscripts, lhs, rhs, precision, preferred_element_type,
+                      out_sharding)
