@@ -194,14 +194,6 @@ def test_fp8_dot_general_in_flax_dense():
     np.testing.assert_array_equal(np.asarray(new[f"{role}_scale"]), np.float32(fp8_max(dtype)) / amax)
 
 
-def test_fp8_dot_general_rejects_batch_dims():
-  dot = te_flax.Fp8DotGeneral()
-  lhs, rhs = jnp.ones((2, 8, 32)), jnp.ones((2, 32, 16))
-  with te_jax.autocast(enabled=True, recipe=Float8CurrentScaling()):
-    with pytest.raises(ValueError, match=r"no batch dims"):
-      dot.init(jax.random.key(0), lhs, rhs, (((2,), (1,)), ((0,), (0,))))
-
-
 def test_output_axes():
   """output_axes constrains the output (a no-op without logical axis rules: the same values) and must name each of
   its dims; the row-parallel reduce-scatter it enables is checked in test_gemm and test_parallel_layers."""
