@@ -51,8 +51,9 @@ from flax.core import meta
 
 from te_jax._core.scaling import FP8_COLLECTION
 
-__all__ = ["FlaxLayout", "convert_blocks", "convert_like", "convert_train_state", "flax_block_to_te",
-           "restore_into_fp8", "te_block_to_flax"]
+__all__ = ["FlaxLayout", "TE_FP8_COLLECTION", "convert_blocks", "convert_like", "convert_train_state",
+           "flax_block_to_te", "from_transformer_engine", "restore_into_fp8", "te_block_to_flax",
+           "to_transformer_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,3 +321,153 @@ def restore_into_fp8(state, params: Mapping, opt_state: Any = None):
                        "train state")
     leaves.append(jnp.asarray(got, jnp.result_type(want)))
   return state.replace(params=new, opt_state=jax.tree.unflatten(jax.tree.structure(state.opt_state), leaves))
+
+
+# ---- from NVIDIA Transformer Engine's JAX modules ------------------------------------------------------------------
+#
+# Transformer Engine's transformer_engine.jax.flax modules keep (from its source): a LayerNorm's parameters as
+# 'scale' and 'ln_bias'; LayerNormDenseGeneral's and LayerNormMLP's norm as 'scale' and 'ln_bias' (te_jax: 'ln_scale',
+# 'ln_bias'); attention's fused projections flat over the heads, 'qkv' (hidden, 3, heads * head_dim), 'query'
+# (hidden, heads * head_dim), 'kv' (hidden, 2, groups * head_dim), 'out' (heads * head_dim, hidden) (te_jax: (hidden,
+# heads, 3, head_dim), (hidden, heads, head_dim), (hidden, groups, 2, head_dim), (heads, head_dim, hidden)); the FP8
+# state in the 'fp8_metas' collection, one '{x,kernel,grad}{postfix}_scale' of shape (1,) and '_amax_history' per
+# GEMM, postfix '' for a dense layer and '_0' / '_1' for LayerNormMLP's two GEMMs (te_jax: te_jax.FP8_COLLECTION,
+# scales of shape (), LayerNormMLP's 'wi_' / 'wo_' prefixes).
+
+TE_FP8_COLLECTION = "fp8_metas"
+_TE_MLP_GEMMS = (("_0", "wi_"), ("_1", "wo_"))
+_TE_ATTENTION = ("qkv", "query", "kv", "out")  # a module with 'out' and 'qkv' or 'query' is an attention
+
+
+def _heads_split(x, parts: int | None, head_dim: int, to_te: bool):
+  """A fused projection's trailing feature dims between TE's ((parts,) heads * head_dim) and te_jax's (heads,
+  (parts,) head_dim); ``parts`` None: no parts axis."""
+  if to_te:
+    if parts is None:
+      return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+    heads = x.shape[-3]
+    return jnp.swapaxes(x, -3, -2).reshape(*x.shape[:-3], parts, heads * head_dim)
+  if x.shape[-1] % head_dim:
+    raise ValueError(f"a fused projection's last dim {x.shape[-1]} is no multiple of head_dim={head_dim}")
+  if parts is None:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+  return jnp.swapaxes(x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim), -3, -2)
+
+
+def _attention_leaf(module: str, name: str, x, head_dim: int | None, to_te: bool, path: str, caller: str):
+  if name not in ("kernel", "bias"):
+    return x
+  if head_dim is None:
+    raise ValueError(f"{caller}: {path!r} is a fused attention projection; give head_dim= to reshape it")
+  if module == "out":
+    if name == "bias":
+      return x
+    if to_te:
+      return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return x.reshape(x.shape[0] // head_dim, head_dim, *x.shape[1:])
+  return _heads_split(x, {"qkv": 3, "kv": 2, "query": None}[module], head_dim, to_te)
+
+
+def _te_params(flat: dict, head_dim: int | None, to_te: bool, caller: str) -> dict:
+  modules: dict[str, dict[str, Any]] = {}
+  for path, leaf in flat.items():
+    parent, _, name = path.rpartition("/")
+    modules.setdefault(parent, {})[name] = leaf
+  out = {}
+  for parent, leaves in modules.items():
+    prefix = f"{parent}/" if parent else ""
+    grand, _, module = parent.rpartition("/")
+    siblings = {p.rpartition("/")[2] for p in modules if p.rpartition("/")[0] == grand}
+    attention = module in _TE_ATTENTION and "out" in siblings and bool({"qkv", "query"} & siblings)
+    if module in ("key", "value") and "out" in siblings and not to_te:
+      raise ValueError(f"{caller}: {parent!r} is a separate key / value projection (fuse_qkv_params=False), which "
+                       "te_jax's attention has no place for: build the Transformer Engine model with "
+                       "fuse_qkv_params=True (a fused 'qkv', or 'query' and 'kv')")
+    norm_key = "ln_scale" if not to_te else "scale"
+    has_gemm = "kernel" in leaves or "wi_kernel" in leaves
+    for name, x in leaves.items():
+      new = name
+      if has_gemm and name == ("scale" if not to_te else "ln_scale"):
+        new = norm_key  # the norm inside LayerNormDenseGeneral / LayerNormMLP
+      elif not has_gemm and "scale" in leaves and name == ("ln_bias" if not to_te else "bias"):
+        new = "bias" if not to_te else "ln_bias"  # LayerNorm's bias
+      if attention:
+        x = _attention_leaf(module, name, x, head_dim, to_te, prefix + name, caller)
+      out[prefix + new] = x
+  return out
+
+
+def _te_fp8(flat: dict, to_te: bool, caller: str) -> dict:
+  out = {}
+  for path, leaf in flat.items():
+    parent, _, name = path.rpartition("/")
+    prefix = f"{parent}/" if parent else ""
+    new = name
+    for te_postfix, ours in _TE_MLP_GEMMS:
+      for role in ("x", "kernel", "grad"):
+        te_name, our_name = f"{role}{te_postfix}_", f"{ours}{role}_"
+        if not to_te and name.startswith(te_name):
+          new = our_name + name[len(te_name):]
+        elif to_te and name.startswith(our_name):
+          new = te_name + name[len(our_name):]
+    if name.endswith("_scale"):
+      if np.size(leaf) != 1:
+        raise ValueError(f"{caller}: the FP8 scale {path!r} has shape {np.shape(leaf)}; a per-tensor scale is one "
+                         "value (delayed scaling's state converts, a block-scaled recipe keeps none)")
+      leaf = jnp.reshape(leaf, (1,) if to_te else ())
+    elif not name.endswith("_amax_history"):
+      raise ValueError(f"{caller}: {path!r} in the FP8 collection is neither a scale nor an amax history")
+    out[prefix + new] = leaf
+  return out
+
+
+def _te_convert(variables: Mapping, head_dim: int | None, to_te: bool, caller: str) -> dict:
+  if not isinstance(variables, Mapping) or "params" not in variables:
+    keys = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+    raise ValueError(f"{caller}: variables must be a variables dict with 'params' (model.init's), got {keys}")
+  if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+    raise ValueError(f"{caller}: head_dim must be a positive int, got {head_dim!r}")
+  src_fp8, dst_fp8 = (FP8_COLLECTION, TE_FP8_COLLECTION) if to_te else (TE_FP8_COLLECTION, FP8_COLLECTION)
+  out = {}
+  for collection, tree in variables.items():
+    if collection == "params":
+      flat = _te_params(_flat(tree, "params", caller), head_dim, to_te, caller)
+      out["params"] = traverse_util.unflatten_dict(flat, sep="/")
+    elif collection == src_fp8:
+      out[dst_fp8] = traverse_util.unflatten_dict(_te_fp8(_flat(tree, collection, caller), to_te, caller), sep="/")
+    else:
+      out[collection] = tree
+  return out
+
+
+def from_transformer_engine(variables: Mapping, *, head_dim: int | None = None) -> dict:
+  """The variables of a model of Transformer Engine's JAX modules (``transformer_engine.jax.flax``: ``LayerNorm``,
+  ``DenseGeneral``, ``LayerNormDenseGeneral``, ``LayerNormMLP``, ``MultiHeadAttention``, ``RelativePositionBiases``,
+  ``TransformerLayer``) as the same model of te_jax's modules takes them.
+
+  >>> import jax.numpy as jnp, te_jax
+  >>> from te_jax.flax.checkpoint import from_transformer_engine
+  >>> te = {"params": {"mlp": {"scale": jnp.ones(64), "ln_bias": jnp.zeros(64), "wi_kernel": jnp.zeros((64, 1, 128)),
+  ...                          "wo_kernel": jnp.zeros((128, 64))}},
+  ...       "fp8_metas": {"mlp": {"x_0_scale": jnp.ones(1), "x_0_amax_history": jnp.zeros(16)}}}
+  >>> ours = from_transformer_engine(te)
+  >>> sorted(ours["params"]["mlp"]), ours[te_jax.FP8_COLLECTION]["mlp"]["wi_x_scale"].shape
+  (['ln_bias', 'ln_scale', 'wi_kernel', 'wo_kernel'], ())
+
+  Renamed: the norms' ``scale`` inside ``LayerNormDenseGeneral`` / ``LayerNormMLP`` (``ln_scale`` here) and a
+  ``LayerNorm``'s ``ln_bias`` (``bias``); the ``fp8_metas`` collection (``te_jax.FP8_COLLECTION``), its scales
+  (shape (1,) there, () here) and ``LayerNormMLP``'s GEMM postfixes ``_0`` / ``_1`` (prefixes ``wi_`` / ``wo_``).
+  Reshaped: attention's fused projections (``qkv``, ``query``, ``kv``, ``out``: flat over the heads there, a heads
+  dim here), which needs ``head_dim``. Every other key and collection is kept as it is: the two libraries' names
+  agree there (``kernel``, ``bias``, ``wi_kernel``, ``wo_bias``, ``rel_embedding``, ``self_attention``, ``mlp``).
+
+  Raises:
+    ValueError: a tree that is not a variables dict, an attention without ``head_dim``, separate key / value
+      projections (``fuse_qkv_params=False``), or an FP8 state that is not delayed scaling's.
+  """
+  return _te_convert(variables, head_dim, to_te=False, caller="from_transformer_engine")
+
+
+def to_transformer_engine(variables: Mapping, *, head_dim: int | None = None) -> dict:
+  """The inverse of ``from_transformer_engine``: te_jax variables in Transformer Engine's layout, bit for bit."""
+  return _te_convert(variables, head_dim, to_te=True, caller="to_transformer_engine")
