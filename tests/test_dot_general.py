@@ -79,7 +79,7 @@ def _einsum_grads(spec, a, b, g, dtype):
 # ---- high precision ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.fast_cases(2)
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", list(GEMMA))
 def test_high_precision_is_lax_dot_general(name):
   spec, a, b = _operands(name)
