@@ -1,5 +1,5 @@
 """Porting from NVIDIA Transformer Engine's JAX modules: te_jax.flax.checkpoint's from_transformer_engine and
-to_transformer_engine.
+to_transformer_engine, and te_jax.flax.te_names (Transformer Engine's keyword names answered with te_jax's).
 
 Transformer Engine's variable layout is built by hand from the facts of its source (transformer_engine/jax/flax:
 the parameter names of LayerNorm, LayerNormDenseGeneral, LayerNormMLP, attention's fused 'qkv' and 'out', the
@@ -19,6 +19,7 @@ from flax import traverse_util
 import te_jax
 import te_jax.flax as te_flax
 from te_jax.flax.checkpoint import TE_FP8_COLLECTION, from_transformer_engine, to_transformer_engine
+from te_jax.flax.te_names import TE_NAMES
 from te_jax.recipe import DelayedScaling
 
 HIDDEN, HEADS, HEAD_DIM, MLP, HISTORY, BUCKETS = 64, 4, 16, 128, 8, 32
@@ -120,3 +121,30 @@ def test_bad_trees_are_named():
     from_transformer_engine(blocks)
   with pytest.raises(ValueError, match=r"is no multiple of head_dim=24"):
     from_transformer_engine(te, head_dim=24)
+
+
+# ---- Transformer Engine's keyword names ----------------------------------------------------------------------------
+
+
+def test_te_names_are_te_jax_attributes():
+  """Every te_jax name the table gives is an attribute of that te_jax module, and no Transformer Engine name in it
+  is one (it would shadow an option)."""
+  for module, names in TE_NAMES.items():
+    fields = set(getattr(te_flax, module).__dataclass_fields__)
+    for te_name, ours in names.items():
+      assert te_name not in fields, (module, te_name)
+      for name in ours.split(" and "):
+        assert name in fields, (module, te_name, name)
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"])
+def test_te_keywords_raise_naming_te_jax_names(module):
+  cls = getattr(te_flax, module)
+  args = (32,) if module == "LayerNormDenseGeneral" else ()
+  for te_name, ours in TE_NAMES[module].items():
+    with pytest.raises(TypeError, match=rf"{module} takes {ours} where Transformer Engine's takes {te_name}: pass "
+                                        rf"{ours}='v'"):
+      cls(*args, **{te_name: "v"})
+  # te_jax's own names still construct, and a clone goes through the same constructor.
+  layer = cls(*args, norm_type="rmsnorm")
+  assert layer.clone().norm_type == "rmsnorm"

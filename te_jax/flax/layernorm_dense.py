@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.flax.scope import LinenScope, builds, options_of
+from te_jax.flax.te_names import te_names
 from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_dense import LayerNormDenseGeneralOptions, layernorm_dense_general
 from te_jax.recipe import Recipe
@@ -17,6 +18,7 @@ from te_jax.recipe import Recipe
 __all__ = ["LayerNormDenseGeneral"]
 
 
+@te_names
 @builds(LayerNormDenseGeneralOptions)
 class LayerNormDenseGeneral(nn.Module):
   """LayerNorm/RMSNorm then a dense layer over the last dim; under FP8 the norm writes the GEMM's FP8 input.

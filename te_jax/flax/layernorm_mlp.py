@@ -12,12 +12,15 @@ import jax.numpy as jnp
 
 from te_jax.flax.params import resolve_deterministic
 from te_jax.flax.scope import LinenScope, builds, options_of
+from te_jax.flax.te_names import te_names
 from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_mlp import LayerNormMLPOptions, layernorm_mlp_block
 from te_jax.recipe import Recipe
 
 __all__ = ["LayerNormMLP"]
 
+
+@te_names
 @builds(LayerNormMLPOptions)
 class LayerNormMLP(nn.Module):
   """LayerNorm/RMSNorm -> fc1 -> activation -> fc2 over the last dim; under FP8 every GEMM is FP8 and each cast is

@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.flax.scope import LinenScope, builds, options_of
+from te_jax.flax.te_names import te_names
 from te_jax.modules.axes import Initializer
 from te_jax.modules.layernorm_dense import LayerNormOptions, layer_norm
 
 __all__ = ["LayerNorm"]
 
 
+@te_names
 @builds(LayerNormOptions)
 class LayerNorm(nn.Module):
   """LayerNorm or RMSNorm over the last dim, in float32 whatever the input and parameter dtypes.
