@@ -106,7 +106,7 @@ ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
 }
 
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool,
-                           int, int, int64_t, int64_t>;
+                           int, int, int64_t, int64_t, bool>;
 
 // Everything cuBLASLt needs for one problem, built once.
 struct Plan {
@@ -147,6 +147,8 @@ struct Problem {
   int align_residual;
   int parts;  // output buffers: 1, or the parts of a (parts, n, k) rhs
   ScalingMode lhs_mode = ScalingMode::kPerTensor, rhs_mode = ScalingMode::kPerTensor;
+  // The heuristic's first candidate, never timed: the same algorithm (and bits) in every process.
+  bool deterministic = false;
 
   bool batched() const { return parts > 1; }
   bool block() const { return lhs_mode != ScalingMode::kPerTensor; }
@@ -220,7 +222,7 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
                     p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
                     p.residual,  p.align_residual, p.parts, static_cast<int64_t>(p.lhs_mode),
-                    static_cast<int64_t>(p.rhs_mode)};
+                    static_cast<int64_t>(p.rhs_mode), p.deterministic};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
 
@@ -397,7 +399,8 @@ size_t FastestAlgorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates, siz
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale_inv,
                     ffi::AnyBuffer rhs_scale_inv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
                     ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets out_rets, bool transpose_lhs,
-                    bool transpose_rhs, bool fast_accum, int64_t lhs_scaling_mode, int64_t rhs_scaling_mode) {
+                    bool transpose_rhs, bool fast_accum, int64_t lhs_scaling_mode, int64_t rhs_scaling_mode,
+                    bool deterministic) {
   const size_t parts = out_rets.size();
   if (parts < 1 || parts > static_cast<size_t>(kMaxGemmParts)) {
     return ffi::Error::InvalidArgument("gemm: 1 to " + std::to_string(kMaxGemmParts) + " outputs, got " +
@@ -484,6 +487,7 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   p.transpose_rhs = transpose_rhs;
   p.bias = bias.element_count() > 0;
   p.fast_accum = fast_accum;
+  p.deterministic = deterministic;
   // Batched, each part of rhs starts n * k elements after the one before: its alignment is also that step's.
   const size_t rhs_step = p.n * p.k * ffi::ByteWidth(rhs.element_type());
   p.align_lhs = Alignment(lhs.untyped_data());
@@ -564,11 +568,12 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   };
   if (!plan->candidates.empty()) {
     // Chosen once, at the problem's first call, so that the algorithm (and with it the bits) never changes under a
-    // program that already ran it.
+    // program that already ran it. Timing picks the fastest, which near-ties can make another one in another
+    // process; deterministic runs keep the heuristic's first (rank 0), which depends only on the problem.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TE_JAX_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "gemm: stream capture status");
     plan->captured = capture != cudaStreamCaptureStatusNone;
-    if (plan->candidates.size() > 1) {
+    if (plan->candidates.size() > 1 && !p.deterministic) {
       plan->chosen = static_cast<int>(
           FastestAlgorithm(plan->candidates, out->size_bytes(), p.parts, workspace_bytes, run));
     }
@@ -607,7 +612,7 @@ std::vector<GemmPlanInfo> GemmPlans() {
   for (const auto& [key, plan] : cache.plans) {
     infos.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key), std::get<16>(key),
                      TypeName(std::get<4>(key)), TypeName(std::get<5>(key)), TypeName(std::get<6>(key)),
-                     std::get<10>(key), plan->offered, plan->chosen, plan->captured});
+                     std::get<10>(key), plan->offered, plan->chosen, std::get<19>(key), plan->captured});
   }
   return infos;
 }
@@ -627,7 +632,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
                                   .Attr<bool>("fast_accum")                  // FP8 fast accumulation
                                   .Attr<int64_t>("lhs_scaling_mode")         // ScalingMode of lhs's scales
-                                  .Attr<int64_t>("rhs_scaling_mode"),        // ScalingMode of rhs's scales
+                                  .Attr<int64_t>("rhs_scaling_mode")         // ScalingMode of rhs's scales
+                                  .Attr<bool>("deterministic"),              // heuristic's algorithm, untimed
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

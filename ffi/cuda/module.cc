@@ -109,6 +109,7 @@ NB_MODULE(_te_cuda, m) {
       d["fast_accum"] = p.fast_accum;
       d["candidates"] = p.candidates;
       d["chosen"] = p.chosen;
+      d["deterministic"] = p.deterministic;
       d["captured"] = p.captured;
       plans.append(d);
     }

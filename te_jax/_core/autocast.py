@@ -15,6 +15,7 @@ import typing
 import jax
 import numpy as np
 
+from te_jax._core import determinism
 from te_jax.recipe import DelayedScaling, Recipe
 
 __all__ = [
@@ -32,6 +33,8 @@ class AutocastState:
   allow_emulation: bool = False
   # Inside ``calibration_pass``: delayed-scaling tensors are cast by their own amax, the state still updated.
   calibrating: bool = False
+  # Repeatable runs (``te_jax._core.determinism``): te_jax's GEMMs take cuBLASLt's heuristic choice, never timed.
+  deterministic: bool = False
 
   @property
   def fp8_recipe(self) -> Recipe | None:
@@ -39,7 +42,9 @@ class AutocastState:
     return self.recipe if self.enabled else None
 
 
-_STATE = jax.make_user_context(AutocastState())
+if determinism.env_requested():  # XLA reads XLA_FLAGS when JAX starts its backends: importing te_jax is earlier
+  determinism.request_xla_deterministic()
+_STATE = jax.make_user_context(AutocastState(deterministic=determinism.env_requested()))
 
 
 def get_autocast_state() -> AutocastState:
@@ -93,6 +98,7 @@ def autocast(
     recipe: Recipe | None = None,
     *,
     allow_emulation: bool = False,
+    deterministic: bool | None = None,
 ) -> Iterator[AutocastState]:
   """Runs te_jax ops and modules inside with FP8 under ``recipe`` (or in high precision when not ``enabled``).
 
@@ -107,14 +113,22 @@ def autocast(
     recipe: the FP8 recipe; ``DelayedScaling()`` when None.
     allow_emulation: on a GPU without FP8 tensor cores (compute capability < 8.9), run the FP8 numerics on the
       pure-JAX path instead of raising.
+    deterministic: repeatable runs (FP8 or not): te_jax's GEMMs take cuBLASLt's heuristic algorithm instead of the
+      fastest one timed at the first call; on a GPU, XLA must run its own ops deterministically too
+      (``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` when JAX starts, or ``TE_JAX_DETERMINISTIC=1``), else this
+      raises. None: the enclosing autocast's choice (``TE_JAX_DETERMINISTIC`` outside any).
   """
-  for name, flag in (("enabled", enabled), ("allow_emulation", allow_emulation)):
+  if deterministic is None:
+    deterministic = get_autocast_state().deterministic
+  for name, flag in (("enabled", enabled), ("allow_emulation", allow_emulation), ("deterministic", deterministic)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"autocast: {name} must be a bool, got {flag!r}")
   recipe = check_recipe(DelayedScaling() if recipe is None else recipe)
   if enabled:
     check_fp8_support(allow_emulation)
-  state = AutocastState(bool(enabled), recipe, bool(allow_emulation))
+  if deterministic:
+    determinism.check_xla_deterministic()
+  state = AutocastState(bool(enabled), recipe, bool(allow_emulation), deterministic=bool(deterministic))
   with _STATE(state):
     yield state
 

@@ -13,7 +13,7 @@ import jax
 from jax._src import config as _config
 from jax._src import dispatch as _dispatch
 
-__all__ = ["apply_primitive", "check_vma_enabled", "cudnn_attention", "differentiated_from_outside",
+__all__ = ["apply_primitive", "backends_are_initialized", "check_vma_enabled", "cudnn_attention", "differentiated_from_outside",
            "enable_eager_extended_dtype_add", "require_devices_during_lowering"]
 
 
@@ -21,6 +21,14 @@ def apply_primitive(primitive):
   """The eager implementation of ``primitive`` (compile and run it alone), as jax's own primitives use: what
   ``primitive.def_impl`` takes."""
   return functools.partial(_dispatch.apply_primitive, primitive)
+
+
+def backends_are_initialized() -> bool:
+  """Whether JAX has started its backends (and XLA has read ``XLA_FLAGS``): flags added to the environment later
+  change nothing in this process."""
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+  return bool(xla_bridge.backends_are_initialized())
 
 
 def require_devices_during_lowering(primitive) -> None:

@@ -18,6 +18,8 @@ import numpy as np
 import optax
 
 from te_jax import recipe as te_recipe
+from te_jax._core import determinism
+from te_jax._core.autocast import autocast
 from te_jax.compare import lm, report
 from te_jax.compare.api import RECIPES, Interrupted, emulation_note, run
 from te_jax.compare.train import Run, train_run
@@ -82,6 +84,9 @@ def _parser():
                            "--out, then seeds.json and a table of the means): a held-out difference of a percent needs "
                            "it, as runs of one seed vary by a few percent on a GPU")
   parser.add_argument("--out", default=None, help="the report's folder (default: a fresh compare-<date> folder)")
+  parser.add_argument("--deterministic", action="store_true",
+                      help="repeatable runs: the same seed gives the same bits on the same machine (te_jax's GEMMs "
+                           "untimed, XLA's deterministic ops; slower)")
   return parser
 
 
@@ -127,6 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.error(f"--amax-history-len must be at least 1, got {args.amax_history_len}")
   if args.lr is not None and not args.lr > 0:
     parser.error(f"--lr must be positive, got {args.lr}")
+  if args.deterministic and not determinism.request_xla_deterministic():
+    parser.error(f"--deterministic: JAX started before XLA could be told; run with XLA_FLAGS='{determinism.XLA_FLAG}'")
+  with autocast(deterministic=True if args.deterministic else None):
+    return _main(args, parser)
+
+
+def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
   on_gpu = jax.default_backend() == "gpu"
   preset_name = args.preset or ("gpt-small" if on_gpu else "tiny")
   preset = lm.PRESETS[preset_name]
@@ -146,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
       print(f"\ninterrupted: the {' and '.join(e.missing)} run{'s' if len(e.missing) > 1 else ''} did not finish; "
             f"{kept} in {out.resolve()}")
       raise SystemExit(130) from None
-    print("One seed: on a GPU the held-out loss of one seed moves by up to a few percent from run to run; "
-          "--seeds N gives the mean over N seeds with its standard error.")
+    if not args.deterministic:
+      print("One seed: on a GPU the held-out loss of one seed moves by up to a few percent from run to run "
+            "(--deterministic makes it repeatable); --seeds N gives the mean over N seeds with its standard error.")
     print(f"report and plots: {out.resolve()}")
     return result
   reports = []
@@ -202,7 +215,8 @@ def _compare(args: argparse.Namespace, preset_name: str, corpus: tuple[np.ndarra
   description = (f"{what}; {batch} x {seq} tokens a step, {steps} steps; corpus {len(train_data) / 1e6:.1f} MB of "
                  f"Python standard library source; preset {preset_name}"
                  + ("; FP8 GEMMs with fast accumulation" if args.fast_accumulation else "")
-                 + (f"; amax history {args.amax_history_len} steps" if args.amax_history_len else ""))
+                 + (f"; amax history {args.amax_history_len} steps" if args.amax_history_len else "")
+                 + ("; deterministic" if args.deterministic else ""))
   print(description)
   result = run(model_fn, train, steps=steps, eval_batches=held_out,
                recipe=fp8_recipe(args.recipe, args.fast_accumulation, args.amax_history_len), lr=lr,

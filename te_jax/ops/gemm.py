@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core import native
+from te_jax._core.autocast import get_autocast_state
 from te_jax._core.dtypes import HP_DTYPES
 from te_jax._core.explicit import constrain, retype
 from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
@@ -87,6 +88,8 @@ class GemmConfig:
       (``te_jax.ops.gemm_block.kernel_scales``), both block-scaled or neither.
     out_spec: the output's sharding a caller asked for (``out_sharding``): on Explicit mesh axes the output's type is
       what ``_partition`` makes of it (a reduce-scatter onto it where K's axes shard it).
+    deterministic: cuBLASLt's heuristic algorithm, never the fastest one timed at the first call (whose choice can
+      differ from one process to the next): ``autocast(deterministic=True)``.
   """
 
   out_dtype: np.dtype
@@ -101,6 +104,7 @@ class GemmConfig:
   lhs_mode: ScalingMode = ScalingMode.PER_TENSOR
   rhs_mode: ScalingMode = ScalingMode.PER_TENSOR
   out_spec: P | None = None
+  deterministic: bool = False
 
 
 def _split(shape, transposed: bool, k_dims: int, parts: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -197,6 +201,7 @@ def _attributes(config: GemmConfig) -> dict:
       "fast_accum": np.bool_(config.fast_accum),
       "lhs_scaling_mode": np.int64(config.lhs_mode.value),
       "rhs_scaling_mode": np.int64(config.rhs_mode.value),
+      "deterministic": np.bool_(config.deterministic),
   }
 
 
@@ -547,7 +552,8 @@ def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype,
   own = len(rhs_rows) == 1 and tuple(out_rows or _split(a.shape, transpose_lhs, contract_dims)[0]) == tuple(lhs_rows)
   config = GemmConfig(gemm_dtype, bool(transpose_lhs), bool(transpose_rhs), fuse_bias, bool(fast_accum),
                       fuse_residual, out_rows=out_rows, k_dims=contract_dims, lhs_mode=modes[0], rhs_mode=modes[1],
-                      out_spec=P(*out_spec) if own and out_spec is not None else None)
+                      out_spec=P(*out_spec) if own and out_spec is not None else None,
+                      deterministic=get_autocast_state().deterministic)
   if block:  # the logical scales folded as the data is, then in cuBLASLt's layout
     scales = []
     for x, folded, s, mode in ((lhs, a, lhs_scale_inv, modes[0]), (rhs, b, rhs_scale_inv, modes[1])):
@@ -618,7 +624,8 @@ def _gemm_parts(lhs, rhs, lhs_scale_inv, rhs_scale_inv, bias, residual, out_dtyp
   gemm_dtype, _ = _native_output(jnp.dtype(lhs.dtype), jnp.dtype(out_dtype), fp8)
   if k == 0:
     return tuple(jnp.zeros(part_out.shape, out_dtype) for _ in range(n_parts))
-  config = GemmConfig(gemm_dtype, bool(transpose_lhs), False, False, bool(fast_accum), False, n_parts)
+  config = GemmConfig(gemm_dtype, bool(transpose_lhs), False, False, bool(fast_accum), False, n_parts,
+                      deterministic=get_autocast_state().deterministic)
   outs = _GEMM.bind(a, rhs.reshape(n_parts, n, k), *_scales(fp8, lhs_scale_inv, rhs_scale_inv), config=config)
   return tuple(o.astype(out_dtype).reshape(part_out.shape) for o in outs)
 

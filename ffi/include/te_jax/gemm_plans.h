@@ -15,7 +15,8 @@ struct GemmPlanInfo {
   std::string lhs_type, rhs_type, out_type;  // JAX dtype names
   bool fast_accum;
   int candidates;                            // algorithms the heuristic offered (all timed when more than one)
-  int chosen;                                // the fastest one's rank in the heuristic's order
+  int chosen;                                // the chosen one's rank in the heuristic's order
+  bool deterministic;                        // chosen untimed: the heuristic's first
   bool captured;                             // the first call ran while XLA's stream was being captured
 };
 
