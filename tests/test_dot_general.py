@@ -164,6 +164,15 @@ def test_fp8_unaligned_batched_runs_high_precision_and_keeps_state():
   jax.tree.map(np.testing.assert_array_equal, new, meta)
 
 
+def test_a_step_that_leaves_the_state_out_raises():
+  """Differentiating rhs (the kernel) but not the delayed-scaling state would freeze it: raises, as te_jax.dense."""
+  spec, a, b = _operands("logits")
+  dims, _ = _dims(spec, a, b)
+  meta, recipe = DenseFp8Meta.create(HISTORY), DelayedScaling(amax_history_len=HISTORY)
+  with pytest.raises(ValueError, match=r"differentiates an FP8 layer's kernel but not its delayed-scaling state"):
+    jax.grad(lambda b: jnp.sum(dot_general(a, b, dims, fp8_meta=meta, recipe=recipe)))(b)
+
+
 def test_bad_arguments_are_named():
   a, b = jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16))
   with pytest.raises(TypeError, match=r"dimension_numbers must be"):

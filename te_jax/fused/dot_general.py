@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import (Fp8Config, fp8_dims_aligned, fp8_recipe, instantiate, keep_state, keeps_state,
-                                 state_as_float32, state_like)
+                                 primal_values, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.gemm import FP8_ALIGN, gemm
 from te_jax.recipe import Recipe
@@ -128,10 +128,14 @@ def _swapped(t: QuantizedTensor) -> QuantizedTensor:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _batched_fp8(cfg: _BatchedConfig, lhs, rhs, meta):
-  return _batched_fp8_fwd(cfg, lhs, rhs, meta)[0]
+  return _batched_forward(cfg, lhs, rhs, meta)[0]
 
 
-def _batched_fp8_fwd(cfg: _BatchedConfig, lhs, rhs, meta_in):
+def _batched_fp8_fwd(cfg: _BatchedConfig, *primals):
+  return _batched_forward(cfg, *primal_values(primals, trained=(1,), states=(2,)))
+
+
+def _batched_forward(cfg: _BatchedConfig, lhs, rhs, meta_in):
   fp8 = cfg.fp8
   meta = state_as_float32(meta_in)
   q = fp8.quantizer
@@ -157,7 +161,7 @@ def _batched_fp8_bwd(cfg: _BatchedConfig, r: _BatchedResiduals, g):
   return dlhs, drhs, new_meta
 
 
-_batched_fp8.defvjp(_batched_fp8_fwd, _batched_fp8_bwd)
+_batched_fp8.defvjp(_batched_fp8_fwd, _batched_fp8_bwd, symbolic_zeros=True)
 
 
 def _batched(lhs, rhs, d: DotGeneralDims, meta, recipe: Recipe):
