@@ -27,6 +27,7 @@ from te_jax.fused.context_parallel import to_zigzag as to_zigzag
 from te_jax.fused.context_parallel import zigzag_order as zigzag_order
 from te_jax.fused.dense import dense as dense
 from te_jax.fused.expert_parallel import expert_parallel_moe as expert_parallel_moe
+from te_jax.fused.grouped_dense import group_align as group_align
 from te_jax.fused.grouped_dense import grouped_dense as grouped_dense
 from te_jax.fused.layernorm_dense import layernorm_dense as layernorm_dense
 from te_jax.fused.layernorm_mlp import layernorm_mlp as layernorm_mlp
@@ -49,10 +50,10 @@ from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_uppe
 __all__ = [
     "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
     "attention_backend", "autocast", "context_parallel_attention", "context_parallel_backend", "dense",
-    "dot_product_attention", "expert_capacity", "expert_parallel_moe", "from_zigzag", "grouped_dense", "layernorm",
-    "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "make_attention_mask", "ops", "permute", "recipe",
-    "rope_frequencies", "route", "scaled_masked_softmax", "scaled_softmax", "scaled_upper_triang_masked_softmax",
-    "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
+    "dot_product_attention", "expert_capacity", "expert_parallel_moe", "from_zigzag", "group_align", "grouped_dense",
+    "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "make_attention_mask", "ops", "permute",
+    "recipe", "rope_frequencies", "route", "scaled_masked_softmax", "scaled_softmax",
+    "scaled_upper_triang_masked_softmax", "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
 ]
 
 __version__ = "0.1.0"
