@@ -164,6 +164,27 @@ def test_fp8_unaligned_batched_runs_high_precision_and_keeps_state():
   jax.tree.map(np.testing.assert_array_equal, new, meta)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_batched_sharded_over_the_batch_is_unsharded_bit_for_bit(axis_type):
+  """A batched product data parallel over 8 devices: the unsharded values and gradients bit for bit, the output and
+  the gradients sharded over the batch, no all-gather (the per-tensor amaxes are all-reduced: one scale for the whole
+  operand)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  a, b = _draw((8, 16, 4, 16), 0), _draw((8, 32, 4, 16), 1)
+  dims = (((3,), (3,)), ((0, 2), (0, 2)))
+  recipe = Float8CurrentScaling()
+  step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(dot_general(a, b, dims, recipe=recipe) ** 2), (0, 1)))
+  want = step(a, b)
+  sharded = [jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))) for x in (a, b)]
+  with jax.set_mesh(mesh):
+    got = step(*sharded)
+    hlo = step.lower(*sharded).compile().as_text()
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert all(g.sharding.spec[0] == "data" for g in got[1])
+  assert "all-gather" not in hlo
+
+
 def test_a_step_that_leaves_the_state_out_raises():
   """Differentiating rhs (the kernel) but not the delayed-scaling state would freeze it: raises, as te_jax.dense."""
   spec, a, b = _operands("logits")

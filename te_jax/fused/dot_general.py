@@ -6,10 +6,14 @@ nothing; the others are one transpose of the high-precision operand, before its 
 
 - No batch dims: the GEMM of ``te_jax.dense`` (lhs the layer input, rhs the kernel, every recipe), rhs reordered
   to (contracting, free) in lhs's contracting order.
-- Batch dims (attention's ``'BSNH,BTNH->BNTS'``): a batched GEMM of its own below, each operand quantized once,
-  with one scale for the whole operand (per-tensor recipes: ``DelayedScaling``, ``Float8CurrentScaling``), each batch
-  index its own FP8 GEMM. The backward quantizes the output gradient once and runs the dgrad and wgrad GEMMs per
-  batch index, on the forward's FP8 operands transposed.
+- Batch dims (attention's ``'BSNH,BTNH->BNTS'``): a batched GEMM of its own below, each operand quantized once by
+  te_jax's quantize, with one scale for the whole operand (per-tensor recipes: ``DelayedScaling``,
+  ``Float8CurrentScaling``), each batch index its own FP8 GEMM. te_jax's GEMM op has no batched form (a loop of it,
+  ``vmap``'s, runs the batch one index after the other and cannot take a sharded batch), so the batched GEMM is a
+  ``dot_general`` of the FP8 arrays in float32, scaled once: XLA runs it as batched FP8 GEMMs on Hopper and
+  partitions it over a sharded batch (accumulating as XLA's FP8 GEMMs do: the recipe's ``fp8_gemm_*`` settings are
+  ``te_jax.dense``'s). The backward quantizes the output gradient once and runs the dgrad and wgrad
+  on the forward's FP8 operands.
 
 The roles of the state are those of ``te_jax.dense``: lhs is ``"x"``, rhs ``"kernel"``, the output gradient
 ``"grad"``; the updated state leaves the backward pass as ``fp8_meta``'s gradient, as it does there.
@@ -33,7 +37,6 @@ from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import (Fp8Config, fp8_dims_aligned, fp8_recipe, instantiate, keep_state, keeps_state,
                                  primal_values, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
-from te_jax.ops.gemm import FP8_ALIGN, gemm
 from te_jax.recipe import Recipe
 
 __all__ = ["DotGeneralDims", "dot_general"]
@@ -98,12 +101,6 @@ def _reorder(x: jax.Array, order: tuple[int, ...]) -> jax.Array:
 # ---- the batched FP8 GEMM ----------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _BatchedConfig:
-  fp8: Fp8Config
-  rows: int  # M before padding to the GEMM's row multiple
-
-
 class _BatchedResiduals(NamedTuple):
   lhs: QuantizedTensor  # (B, M, K) FP8
   rhs: QuantizedTensor  # (B, N, K) FP8
@@ -112,49 +109,39 @@ class _BatchedResiduals(NamedTuple):
   meta: DenseFp8Meta | None  # as the caller passed it (its dtype is the update's)
 
 
-def _per_batch_gemm(lhs: QuantizedTensor, rhs: QuantizedTensor, *, dtype, fast_accum: bool) -> jax.Array:
-  """``lhs[b] @ rhs[b]^T`` for each b of the (B, M, K) and (B, N, K) per-tensor FP8 operands: (B, M, N)."""
-  def one(a, b):
-    return gemm(QuantizedTensor(a, lhs.scale_inv), QuantizedTensor(b, rhs.scale_inv), dtype=dtype,
-                fast_accum=fast_accum)
-
-  return jax.vmap(one)(lhs.data, rhs.data)
-
-
-def _swapped(t: QuantizedTensor) -> QuantizedTensor:
-  """The (B, K, M) FP8 operand of a (B, M, K) one: the same bytes transposed, the same per-tensor scale."""
-  return QuantizedTensor(jnp.swapaxes(t.data, 1, 2), t.scale_inv)
+def _batched_gemm(lhs: QuantizedTensor, rhs: QuantizedTensor, contract: tuple[int, int], dtype) -> jax.Array:
+  """The batched product of two (B, ., .) per-tensor FP8 operands, contracting dim ``contract[0]`` of lhs with
+  ``contract[1]`` of rhs, batch dim 0 of both: each batch index one GEMM of the FP8 values accumulated in float32,
+  scaled by the two reciprocal scales, cast to ``dtype``. It is a ``dot_general`` of the FP8 arrays, which XLA runs
+  as batched FP8 GEMMs where the device has them (Hopper's cuBLASLt) and partitions like any ``dot_general``."""
+  out = jax.lax.dot_general(lhs.data, rhs.data, (((contract[0],), (contract[1],)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)
+  return (out * (lhs.scale_inv * rhs.scale_inv)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _batched_fp8(cfg: _BatchedConfig, lhs, rhs, meta):
+def _batched_fp8(cfg: Fp8Config, lhs, rhs, meta):
   return _batched_forward(cfg, lhs, rhs, meta)[0]
 
 
-def _batched_fp8_fwd(cfg: _BatchedConfig, *primals):
+def _batched_fp8_fwd(cfg: Fp8Config, *primals):
   return _batched_forward(cfg, *primal_values(primals, trained=(1,), states=(2,)))
 
 
-def _batched_forward(cfg: _BatchedConfig, lhs, rhs, meta_in):
-  fp8 = cfg.fp8
+def _batched_forward(fp8: Fp8Config, lhs, rhs, meta_in):
   meta = state_as_float32(meta_in)
   q = fp8.quantizer
   ql = q.quantize("x", meta and meta.x, lhs, fp8.fwd_dtype)
   qr = q.quantize("kernel", meta and meta.kernel, rhs, fp8.fwd_dtype, shard_axes=fp8.kernel_axes)
-  out = _per_batch_gemm(ql.out, qr.out, dtype=fp8.out_dtype,
-                        fast_accum=not fp8.recipe.fp8_gemm_fprop.use_split_accumulator)
+  out = _batched_gemm(ql.out, qr.out, (2, 2), fp8.out_dtype)  # (B, M, K) x (B, N, K) -> (B, M, N)
   return out, _BatchedResiduals(ql.out, qr.out, ql.amax, qr.amax, meta_in)
 
 
-def _batched_fp8_bwd(cfg: _BatchedConfig, r: _BatchedResiduals, g):
-  fp8, recipe = cfg.fp8, cfg.fp8.recipe
+def _batched_fp8_bwd(fp8: Fp8Config, r: _BatchedResiduals, g):
   meta = state_as_float32(r.meta)
   qg = fp8.quantizer.quantize("grad", meta and meta.grad, instantiate(g), fp8.bwd_dtype)  # (B, M, N)
-  # dlhs[b] = g[b] @ rhs[b]: (M, N) x (K, N)^T;  drhs[b] = g[b]^T @ lhs[b]: (N, M) x (K, M)^T.
-  dlhs = _per_batch_gemm(qg.out, _swapped(r.rhs), dtype=fp8.out_dtype,
-                         fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator)
-  drhs = _per_batch_gemm(_swapped(qg.out), _swapped(r.lhs), dtype=fp8.kernel_dtype,
-                         fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
+  dlhs = _batched_gemm(qg.out, r.rhs, (2, 1), fp8.out_dtype)  # g[b] @ rhs[b]: (M, N) x (N, K)
+  drhs = _batched_gemm(qg.out, r.lhs, (1, 1), fp8.kernel_dtype)  # g[b]^T @ lhs[b]: (N, M) x (M, K)
   new_meta = None
   if meta is not None:
     new_meta = state_like(fp8.quantizer.update([(meta, r.amax_lhs, r.amax_rhs, qg.amax)])[0], r.meta)
@@ -178,11 +165,8 @@ def _batched(lhs, rhs, d: DotGeneralDims, meta, recipe: Recipe):
                                                                                        d.lhs_contract)
   l3 = jnp.reshape(_reorder(lhs, d.lhs_batch + d.lhs_free + d.lhs_contract), (b, m, k))
   r3 = jnp.reshape(_reorder(rhs, d.rhs_batch + d.rhs_free + d.rhs_contract), (b, n, k))
-  pad = -m % FP8_ALIGN
-  if pad:  # zero rows: no amax, no weight gradient changes
-    l3 = jnp.pad(l3, ((0, 0), (0, pad), (0, 0)))
-  out = _batched_fp8(_BatchedConfig(cfg, m), l3, r3, meta if keeps_state(recipe) else None)
-  return jnp.reshape(out[:, :m], batch + lhs_rows + rhs_rows)
+  out = _batched_fp8(cfg, l3, r3, meta if keeps_state(recipe) else None)
+  return jnp.reshape(out, batch + lhs_rows + rhs_rows)
 
 
 # ---- the op ------------------------------------------------------------------------------------------------------
