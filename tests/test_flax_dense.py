@@ -413,6 +413,30 @@ def test_accumulated_micro_batches_give_the_full_batchs_state():
     te_flax.accumulate_gradients({FP8: {"other": jnp.ones(2)}}, {FP8: {"other": jnp.ones(2)}})
 
 
+def test_micro_batches_in_a_scan_give_the_full_batchs_state():
+  """Gradient accumulation as a jitted step writes it: a jax.lax.scan over the micro-batches, the sum started from
+  zeros. The FP8 state equals the full batch's bit for bit, as with the Python loop above; the parameters' within
+  float32 summation order."""
+  model = te_flax.DenseGeneral(32, dtype=jnp.float32)
+  x = _x(shape=(4, 16, 32)) * jnp.exp2(jnp.arange(4.0))[::-1, None, None]
+  with te_jax.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=3)):
+    variables = model.init(jax.random.key(0), x[0])
+    grad = jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2))
+    full = jax.jit(grad)(variables, x.reshape(64, 32))
+
+    @jax.jit
+    def accumulated(variables, x):
+      def body(total, mb):
+        return te_flax.accumulate_gradients(total, grad(variables, mb)), None
+      return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, variables), x)[0]
+
+    total = accumulated(variables, x)
+  for name, want in full[FP8].items():
+    np.testing.assert_array_equal(np.asarray(total[FP8][name]), np.asarray(want), err_msg=name)
+  for a, b in zip(jax.tree.leaves(total["params"]), jax.tree.leaves(full["params"]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(b)).max()))
+
+
 def test_module_left_unused_in_a_step_starts_over():
   """A module a train step does not apply gets a zero gradient for its FP8 state, which apply_gradients writes over
   it (scale 0). Its next application acts as with a fresh state (history 0, scale 1), bit for bit, not with NaNs."""

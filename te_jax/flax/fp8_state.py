@@ -171,7 +171,9 @@ def accumulate_gradients(total, grads):
   way autodiff combines those of a module applied twice: amax histories by max, scales by min (the scale of the
   max-combined history). A plain sum would add them, into histories of summed amaxes and summed scales under which
   the next step's tensors saturate. ``total`` None: ``grads`` (the first micro-batch). Both are gradients w.r.t. the
-  whole variables dict; the FP8 collection holds ``*_amax_history`` and ``*_scale`` leaves only.
+  whole variables dict; the FP8 collection holds ``*_amax_history`` and ``*_scale`` leaves only. Zeros are the
+  identity (a zero scale is one no micro-batch updated), so a ``jax.lax.scan`` over micro-batches may start from
+  ``jax.tree.map(jnp.zeros_like, variables)``.
 
   >>> import jax.numpy as jnp
   >>> g = lambda amax, scale, w: {FP8_COLLECTION: {"x_amax_history": jnp.array([amax, 0.0]),
@@ -189,7 +191,11 @@ def accumulate_gradients(total, grads):
     how = state_combine(str(getattr(path[-1], "key", "")))
     if how is None:
       raise ValueError(f"accumulate_gradients: {jax.tree_util.keystr(path)} is not an FP8 amax history or scale")
-    return jnp.maximum(a, b) if how == "max" else jnp.minimum(a, b)
+    if how == "max":
+      return jnp.maximum(a, b)
+    # A scale's update is positive; 0 is "not updated" (a micro-batch that did not reach the module, or the zeros a
+    # `jax.lax.scan` over micro-batches starts its sum from): the other's, so that zeros are the sum's identity.
+    return jnp.where(a == 0, b, jnp.where(b == 0, a, jnp.minimum(a, b)))
 
   return jax.tree_util.tree_map_with_path(combine, total, grads)
 
