@@ -152,6 +152,24 @@ def test_fp8_against_quantize_then_dot(name, recipe):
   _check_fp8_step(spec, a * 3, b, recipe, new)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["logits", "encoded", "q_proj"])
+def test_gpu_fp8_gemms_run_on_the_gpu(name):
+  """On the GPU the batched product's three GEMMs are XLA's cuBLASLt FP8 GEMMs (their custom call in the compiled
+  HLO), the unbatched one's te_jax's, and the values are quantize-then-dot's within the tolerance rule."""
+  spec, a, b = _operands(name)
+  recipe = DelayedScaling(amax_history_len=HISTORY)
+  dims, order = _dims(spec, a, b)
+  step = jax.jit(lambda a, b, m: jax.value_and_grad(lambda a, b, m: jnp.sum(
+      jnp.transpose(dot_general(a, b, dims, fp8_meta=m, recipe=recipe), order) * 1.0), (0, 1, 2))(a, b, m))
+  hlo = step.lower(a, b, DenseFp8Meta.create(HISTORY)).compile().as_text()
+  if dims[1][0]:  # batched: XLA's FP8 GEMMs (forward, dgrad, wgrad)
+    assert hlo.count("__cublas$lt$matmul$f8") >= 3
+  else:
+    assert "te_gemm_cuda" in hlo
+  _check_fp8_step(spec, a, b, recipe, DenseFp8Meta.create(HISTORY))
+
+
 def test_fp8_unaligned_batched_runs_high_precision_and_keeps_state():
   """A batched product whose K is not a multiple of 16 runs as jax.lax.dot_general, its state handed back as it was."""
   a, b = _draw((2, 8, 12), 0), _draw((2, 16, 12), 1)
