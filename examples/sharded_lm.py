@@ -1,7 +1,7 @@
 """Trains the byte-level decoder LM of examples/train_lm.py (te_jax.compare.lm) sharded over every device, with the
 parallelism chosen by flags: data (--dp), fully sharded data (--fsdp), tensor (--tp), sequence parallelism (--sp,
 over the tensor axis) and context parallelism (--cp: the sequence sharded through the attention too, which exchanges
-keys and values between the shards, --cp-strategy all_gather or ring, load balanced in zig-zag order), in FP8 or BF16.
+keys and values between the shards, --cp-strategy all_gather, ring or all_to_all, load balanced in zig-zag order), in FP8 or BF16.
 The mesh is (data, fsdp, context, tensor); te_flax.logical_axis_rules maps the model's logical axis names onto it, and
 the parameters, the optimizer state and each batch are laid out with NamedSharding before the jitted step runs.
 
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "sharded over the tensor-parallel axis")
   parser.add_argument("--cp", type=int, default=1, help="context-parallel size (the sequence sharded through the "
                       "attention; tokens in zig-zag order)")
-  parser.add_argument("--cp-strategy", choices=("all_gather", "ring"), default="all_gather",
+  parser.add_argument("--cp-strategy", choices=("all_gather", "ring", "all_to_all"), default="all_gather",
                       help="how the attention exchanges keys and values between the --cp shards")
   precision = parser.add_mutually_exclusive_group()
   precision.add_argument("--fp8", dest="fp8", action="store_true", default=True, help="FP8 GEMMs (the default)")

@@ -48,7 +48,7 @@ def _segment_ids(seed: int) -> np.ndarray:
 
 # ---- reading the compiled program's collectives --------------------------------------------------------------------
 
-_COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
 
 
 def _groups(line: str) -> list[set[int]]:
@@ -90,6 +90,10 @@ def _collectives(hlo: str, mesh: Mesh, within_cp: bool = True) -> list[tuple[str
 def _check_collectives(hlo: str, mesh: Mesh, strategy: str, grad: bool):
   found = _collectives(hlo, mesh)
   kinds = {kind for kind, _ in found}
+  if strategy == "all_to_all":  # Q, K, V and the output (dO, dQ, dK, dV): all-to-alls; the segment ids gathered
+    assert "all-to-all" in kinds and kinds <= {"all-to-all", "all-gather"}, found
+    assert all(len(re.search(r"\[([\d,]*)\]", r).group(1).split(",")) == 2 for k, r in found if k == "all-gather"), found
+    return
   if strategy == "ring":
     assert kinds == {"collective-permute"}, found
   else:
@@ -162,8 +166,11 @@ def check_against_unsharded(dp, cp, strategy, load_balanced, mask_type):
 
 
 FAST = [(1, 4, "ring", True, "padding_causal"), (1, 4, "ring", False, "causal"), (2, 4, "ring", True, "causal"),
-        (2, 4, "all_gather", True, "padding_causal"), (1, 2, "all_gather", False, "no_mask")]
-ALL = [(dp, cp, strategy, lb, mask) for dp, cp in ((1, 2), (1, 4), (1, 8), (2, 4)) for strategy in ("all_gather", "ring")
+        (2, 4, "all_gather", True, "padding_causal"), (1, 2, "all_gather", False, "no_mask"),
+        (2, 4, "all_to_all", True, "padding_causal")]
+# all_to_all splits the H = 4 query heads over the devices: up to cp = 4 (the 2 K/V heads repeated onto 4)
+ALL = [(dp, cp, strategy, lb, mask) for dp, cp in ((1, 2), (1, 4), (1, 8), (2, 4))
+       for strategy in ("all_gather", "ring", "all_to_all") if not (strategy == "all_to_all" and cp > H)
        for lb in (True, False) for mask in ("causal", "no_mask", "padding_causal", "padding")]
 CASES = FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in ALL if c not in FAST]
 
@@ -203,6 +210,7 @@ BAD = [
     (dict(batch_axes="tp"), "batch_axes=\\('tp',\\)"),
     (dict(head_axes="cp"), "includes the context-parallel axis"),
     (dict(seq=12), "multiples of 2 \\* cp = 8"),
+    (dict(strategy="all_to_all", mesh_shape=(1, 8)), "4 query heads per device are not a multiple of 8"),
 ]
 
 
@@ -255,7 +263,7 @@ def _fp8_steps(layer, variables, x, positions, segment_ids, steps: int):
 
 
 @pytest.mark.slow  # ~8 s on 2 cores; the quick run keeps the context-parallel layers of test_examples' LM
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
 def test_transformer_layer_dp2_cp4_matches_unsharded(strategy):
   """A decoder TransformerLayer (GQA, RoPE, packed sequences) with context_parallel="cp" on a dp2 x cp4 mesh, inputs,
   segment ids and RoPE positions in zig-zag order: two FP8 (DelayedScaling) train steps give the unsharded layer's
@@ -276,7 +284,7 @@ def test_transformer_layer_dp2_cp4_matches_unsharded(strategy):
       got, got_state, hlo = _fp8_steps(sharded, variables, xs, jnp.asarray(order), ids_s, steps=2)
   # besides the attention's, all-reduces: the FP8 amaxes and the weight gradients, over dp and cp
   kinds = {kind for kind, _ in _collectives(hlo, mesh, within_cp=False)}
-  assert ("collective-permute" if strategy == "ring" else "all-gather") in kinds, kinds
+  assert {"ring": "collective-permute", "all_gather": "all-gather", "all_to_all": "all-to-all"}[strategy] in kinds, kinds
   for i, ((y, g), (y_want, g_want)) in enumerate(zip(got, want, strict=True)):
     _assert_close(te_jax.from_zigzag(y, 4), y_want, f"step {i}: output")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g["params"]), jax.tree.leaves(g_want["params"]),

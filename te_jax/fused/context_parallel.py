@@ -4,8 +4,8 @@ parallelism, CP), and the zig-zag order that balances causal attention's work ov
 Under ``jax.jit``, query, key and value are global (B, S, H, D) arrays whose sequence axis is sharded over the mesh
 axis ``axis`` (P devices, each holding S / P tokens); the batch may be sharded over other axes (``batch_axes``, by
 default every other mesh axis) and the heads too (``head_axes``). The attention runs in a ``jax.shard_map`` with
-those specs, collectives over ``axis`` only, each device computing the output of its own queries, in one of two
-strategies:
+those specs, collectives over ``axis`` only, each device computing the output of its own queries (all-to-all: of
+its heads), in one of three strategies:
 
 - ``"all_gather"``: every device gathers the whole K and V (and the key segment ids) over ``axis`` and attends its
   queries to them, the causal mask shifted to its queries' positions (``te_jax.dot_product_attention`` with the mask
@@ -20,6 +20,12 @@ strategies:
   496 MiB for JAX's autodiff of the forward loop (it keeps every step's probabilities) and 262 MiB for
   "all_gather". Causal blocks that are fully masked are skipped (``lax.switch``), which is where load balancing
   pays.
+- ``"all_to_all"`` (DeepSpeed-Ulysses, arXiv 2309.14509): one all-to-all per Q, K and V trades the sequence shard
+  for a head shard, so each device holds the whole sequence for H / P of the heads and runs ordinary attention on
+  it (any backend, cuDNN's causal mask included: no offsets, nothing spelled out densely); a last all-to-all trades
+  the output back. The backward is the same collectives transposed. It needs the local query heads to be a
+  multiple of P; K/V heads that are fewer than P (GQA, MQA) are repeated onto the devices of their query heads
+  first (P a multiple of their count). Communication per device is about 4 / P of the activations, whatever P.
 
 **Load balancing (zig-zag).** With a causal mask, device i of a contiguous split owns queries that see i + 1 of the
 P key blocks: the last device does P times the first one's work. ``load_balanced=True`` takes the sequence in
@@ -38,7 +44,7 @@ Backends: the ring's per-block attention is te_jax's unfused math (``attention_u
 softmax kernels): JAX's cuDNN call returns no log-sum-exp to merge blocks with. ``"all_gather"`` takes ``backend``
 through to ``te_jax.dot_product_attention``, so on a GPU it may run cuDNN; JAX's cuDNN call has no causal mask with
 an offset, so there the shifted causal mask (and the segment ids) go in as a dense additive bias (T/P * S per
-example) and cuDNN does not skip the masked half.
+example) and cuDNN does not skip the masked half. ``"all_to_all"`` takes ``backend`` through too, with the plain causal mask.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ from te_jax.fused.attention_unfused import unfused_with_lse
 __all__ = ["CP_MASK_TYPES", "CP_STRATEGIES", "check_layer_options", "context_parallel_attention",
            "context_parallel_backend", "from_zigzag", "resolve_cp_mesh", "to_zigzag", "zigzag_order"]
 
-CP_STRATEGIES = ("all_gather", "ring")
+CP_STRATEGIES = ("all_gather", "ring", "all_to_all")
 CP_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal")
 _CP_LAYOUTS = tuple(name for name, (fmt, _) in QKV_LAYOUTS.items() if fmt == "BSHD")
 
@@ -258,7 +264,7 @@ def context_parallel_attention(query: jax.Array, key: jax.Array | None = None, v
     value: (B, S, Hk, Dv); None when packed.
     axis: the mesh axis the sequence is sharded over.
     mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh``) with ``axis``; None: the mesh set by ``jax.set_mesh``.
-    strategy: "all_gather" or "ring" (``CP_STRATEGIES``).
+    strategy: "all_gather", "ring" or "all_to_all" (``CP_STRATEGIES``).
     load_balanced: the sequence is in zig-zag order (``to_zigzag``); only causal masks depend on it.
     attn_mask_type: "no_mask", "padding", "causal" or "padding_causal" (``CP_MASK_TYPES``).
     segment_ids: int (B, S) or a pair (q_ids (B, T), kv_ids (B, S)), sharded (and ordered) as the sequence: tokens
@@ -291,8 +297,12 @@ def context_parallel_attention(query: jax.Array, key: jax.Array | None = None, v
   plan = _Plan(axis=axis, cp=cp, causal="causal" in attn_mask_type, load_balanced=load_balanced,
                q_local=cfg.q_len // cp, kv_local=cfg.kv_len // cp, scale=cfg.scale, backend=backend, batch=batch,
                heads=heads)
+  if strategy == "all_to_all":
+    _check_heads_split(cfg.heads, cfg.kv_heads, mesh, heads, cp)
   if strategy == "all_gather":
     return _all_gather(q, k, v, segs, plan, mesh)
+  if strategy == "all_to_all":
+    return _all_to_all(q, k, v, segs, plan, mesh)
   return _ring(q, k, v, segs, plan, mesh)
 
 
@@ -320,6 +330,10 @@ def context_parallel_backend(query, key=None, value=None, *, strategy: str = "al
     raise ValueError(f"qkv_layout={qkv_layout!r}: context parallel attention takes a batch-first layout, one of "
                      f"{_CP_LAYOUTS}")
   q, k, v = (unpack_shapes if QKV_LAYOUTS[qkv_layout][1] else unpack)(query, key, value, qkv_layout)
+  if strategy == "all_to_all":  # the whole sequence, a share of the heads: the mask as given
+    choice = attention_backend(q, k, v, None, None, segment_ids=segment_ids, attn_mask_type=attn_mask_type,
+                               backend=backend, mask_convention="te")
+    return AttentionBackend(choice.name, f"context parallel all_to_all: {choice.reason}")
   causal = "causal" in attn_mask_type
   mask = jax.ShapeDtypeStruct((1, 1, q.shape[1], k.shape[1]), jnp.bool_) if causal else None
   mask_type = "arbitrary" if causal else attn_mask_type
@@ -362,6 +376,45 @@ def _all_gather_body(q, k, v, *segs, plan: _Plan):
   mask_type = "arbitrary" if mask is not None else ("padding" if segs else "no_mask")
   return dot_product_attention(q, k, v, mask=mask, segment_ids=segment_ids, attn_mask_type=mask_type,
                                scale_factor=plan.scale, backend=plan.backend, mask_convention="te")
+
+
+# ---- all-to-all (Ulysses) ------------------------------------------------------------------------------------
+
+
+def _check_heads_split(heads: int, kv_heads: int, mesh, head_axes: tuple[str, ...], cp: int) -> None:
+  shards = int(np.prod([mesh.shape[a] for a in head_axes]))
+  local, kv_local = heads // shards, kv_heads // shards
+  if local % cp:
+    raise ValueError(f"strategy='all_to_all' splits the heads over the {cp} devices of the context-parallel axis: "
+                     f"{local} query heads per device are not a multiple of {cp}; use strategy='ring' or "
+                     "'all_gather'")
+  if kv_local % cp and cp % kv_local:
+    raise ValueError(f"strategy='all_to_all': {kv_local} key/value heads per device neither split over nor repeat "
+                     f"onto the {cp} devices of the context-parallel axis; use strategy='ring' or 'all_gather'")
+
+
+def _all_to_all(q, k, v, segs, plan: _Plan, mesh):
+  return _sharded(_all_to_all_body, plan, mesh, (4, 4, 4) + (2,) * len(segs), (4,))(q, k, v, *segs)
+
+
+def _all_to_all_body(q, k, v, *segs, plan: _Plan):
+  if k.shape[2] % plan.cp:  # fewer K/V heads than devices: each onto the devices of its query heads
+    k, v = (jnp.repeat(x, plan.cp // k.shape[2], axis=2) for x in (k, v))
+  to_heads = functools.partial(jax.lax.all_to_all, axis_name=plan.axis, split_axis=2, concat_axis=1, tiled=True)
+  q, k, v = to_heads(q), to_heads(k), to_heads(v)  # (B, S, H / P, D): the sequence in the devices' order
+  ids = tuple(jax.lax.all_gather(x, plan.axis, axis=1, tiled=True) for x in segs)
+  zigzag = plan.causal and plan.load_balanced
+  if zigzag:  # attend in the natural order, where the causal mask is the plain one
+    order = zigzag_order(q.shape[1], plan.cp)
+    natural = np.argsort(order)
+    q, k, v = (x[:, natural] for x in (q, k, v))
+    ids = tuple(x[:, natural] for x in ids)
+  mask_type = ("padding_causal" if ids else "causal") if plan.causal else ("padding" if ids else "no_mask")
+  out = dot_product_attention(q, k, v, segment_ids=ids or None, attn_mask_type=mask_type, scale_factor=plan.scale,
+                              backend=plan.backend, mask_convention="te")
+  if zigzag:
+    out = out[:, order]
+  return jax.lax.all_to_all(out, plan.axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 # ---- ring: blocks --------------------------------------------------------------------------------------------------
