@@ -159,7 +159,7 @@ def test_transformer_layer_parity(variant):
   if variant == "gpt":
     kw.update(layer_type="decoder", activation_type=("silu", "linear"), num_gqa_groups=2, enable_rotary_pos_emb=True)
   else:
-    kw.update(output_layernorm=True, use_bias=True)
+    kw.update(post_layernorm=True, use_bias=True)
   nnx_kw = dict(kw)
   args = [nnx_kw.pop(k) for k in ("hidden_size", "intermediate_dim", "num_attention_heads")]
   _parity(te_flax.TransformerLayer(**kw), lambda r: te_nnx.TransformerLayer(*args, rngs=r, **nnx_kw), (2, 16, 64),

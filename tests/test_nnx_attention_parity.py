@@ -83,7 +83,7 @@ def _train_both(linen, variables, model, batches, kw):
 
 LAYERS = {
     "gpt": dict(layer_type="decoder", num_gqa_groups=2, activation_type=("silu", "linear"), enable_rotary_pos_emb=True),
-    "post-ln": dict(output_layernorm=True, use_bias=True),
+    "post-ln": dict(post_layernorm=True, use_bias=True),
     "relative": dict(layer_type="decoder", enable_relative_embedding=True),
 }
 # The GEMMs of each variant: every one keeps its FP8 state under a DelayedScaling recipe.

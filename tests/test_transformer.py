@@ -200,7 +200,7 @@ def test_cross_attention_and_padding_mask_match_reference():
 
 
 def test_post_ln_layer_matches_reference():
-  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, output_layernorm=True,
+  layer = te_flax.TransformerLayer(hidden_size=32, intermediate_dim=64, num_attention_heads=2, post_layernorm=True,
                                    layer_type="encoder", dtype=jnp.float32, backend="unfused")
   x = _x((2, 5, 32), 4)
   v = layer.init(jax.random.key(5), x, deterministic=True)

@@ -225,6 +225,8 @@ class MultiHeadAttention(nn.Module):
     fuse_qkv_params: one QKV kernel (self attention), else separate query / key / value kernels.
     use_bias: biases on the projections.
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
+    scale_attn_logits: False leaves the logits unscaled (``q . k``, Transformer Engine's default, which scales the
+      query kernel's initialization instead); not with a ``scale_factor``.
     window_size: a sliding window (left, right), -1 = unbounded.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     kernel_init, bias_init: the projections' initializers; a fused kernel's q, k and v (or k and v) parts are each
@@ -267,6 +269,7 @@ class MultiHeadAttention(nn.Module):
   fuse_qkv_params: bool = True
   use_bias: bool = False
   scale_factor: float | None = None
+  scale_attn_logits: bool = True
   window_size: tuple[int, int] | None = None
   transpose_batch_sequence: bool = False
   kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")

@@ -29,7 +29,10 @@ class TransformerLayer(nn.Module):
   """One Transformer layer: self attention, (decoder) cross attention, MLP, each with dropout and a residual.
 
   Pre-LN (default): ``x + Attn(LN(x))``, then ``x + MLP(LN(x))``, the norms fused into the FP8 GEMMs after them.
-  Post-LN (``output_layernorm=True``, the original Transformer and BERT): ``LN(x + Attn(x))``, ``LN(x + MLP(x))``.
+  Post-LN (``post_layernorm=True``, the original Transformer and BERT): ``LN(x + Attn(x))``, ``LN(x + MLP(x))``.
+  ``output_layernorm=True`` (Transformer Engine's option of that name): pre-LN with the self attention's input norm
+  moved to the output, ``y = x + Attn(x)``, ``LN_out(y + MLP(LN(y)))`` (a decoder's cross attention keeps its input
+  norm), the norm's parameters under ``output_layernorm``.
 
   >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax
   >>> layer = te_flax.TransformerLayer(hidden_size=64, intermediate_dim=128, num_attention_heads=4)
@@ -54,7 +57,11 @@ class TransformerLayer(nn.Module):
     use_bias: biases on every projection.
     apply_residual_connection_post_layernorm: each block's residual is its normalized input instead of its input
       (Megatron's option; self attention, cross attention and MLP alike), pre-LN only.
-    output_layernorm: post-LN.
+    post_layernorm: post-LN, a norm after each residual add (te_jax's ``output_layernorm`` before it took
+      Transformer Engine's meaning).
+    output_layernorm: Transformer Engine's: no norm before the self attention, one on the layer's output (above);
+      not with ``post_layernorm`` or ``apply_residual_connection_post_layernorm``.
+    scale_attn_logits: False leaves both attentions' logits unscaled (``q . k``; Transformer Engine's default).
     enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
     window_size: sliding window of self attention.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
@@ -89,7 +96,9 @@ class TransformerLayer(nn.Module):
   activation_type: Sequence[str] = ("gelu",)
   use_bias: bool = False
   apply_residual_connection_post_layernorm: bool = False
+  post_layernorm: bool = False
   output_layernorm: bool = False
+  scale_attn_logits: bool = True
   enable_rotary_pos_emb: bool = False
   rotary_base: float = 10000.0
   rotary_percent: float = 1.0

@@ -201,6 +201,7 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
   fuse_qkv_params: bool
   use_bias: bool
   scale_factor: float | None
+  scale_attn_logits: bool
   window_size: tuple[int, int] | None
   transpose_batch_sequence: bool
   kernel_init: Initializer
@@ -218,6 +219,9 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
       raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
     if self.enable_rotary_pos_emb and self.rotary_dim < 2:
       raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} leaves no feature pair")
+    if not self.scale_attn_logits and self.scale_factor is not None:
+      raise ValueError(f"scale_attn_logits=False leaves the logits unscaled, and scale_factor={self.scale_factor} "
+                       "asks for a scale: give one of the two (scale_factor=1.0 is scale_attn_logits=False)")
     check_mask_convention(self.mask_convention)
 
   @property
@@ -257,7 +261,8 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
         head_dim=self.head_dim, num_attention_heads=self.num_attention_heads, num_gqa_groups=self.kv_heads,
         attn_mask_type=self.attn_mask_type, attn_bias_type=self.attn_bias_type,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name, qkv_layout="BSHD",
-        scale_factor=self.scale_factor, window_size=self.window_size, transpose_batch_sequence=False, dtype=None,
+        scale_factor=self.scale_factor if self.scale_attn_logits else 1.0, window_size=self.window_size,
+        transpose_batch_sequence=False, dtype=None,
         **{**self.run_options(), "mask_convention": "te"})
 
   def output(self, hidden: int) -> DenseGeneralOptions:

@@ -1,5 +1,6 @@
 """The body of ``TransformerLayer`` (``te_jax.flax``, ``te_jax.nnx``): self attention, (decoder) cross attention and
-an MLP, each with dropout and a residual connection, pre-LN (norms fused into the FP8 GEMMs after them) or post-LN;
+an MLP, each with dropout and a residual connection, pre-LN (norms fused into the FP8 GEMMs after them), post-LN
+(``post_layernorm``) or pre-LN with the first norm moved to the output (``output_layernorm``, Transformer Engine's);
 the residual stream's sharding pinned to its logical names."""
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class TransformerLayerOptions(AttentionRunOptions):
   activation_type: Sequence[str]
   use_bias: bool
   apply_residual_connection_post_layernorm: bool
+  post_layernorm: bool
   output_layernorm: bool
+  scale_attn_logits: bool
   enable_rotary_pos_emb: bool
   rotary_base: float
   rotary_percent: float
@@ -72,8 +75,15 @@ class TransformerLayerOptions(AttentionRunOptions):
     if self.head_dim is None and self.hidden_size % self.num_attention_heads:
       raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
                        f"{self.num_attention_heads}: give head_dim")
+    if self.post_layernorm and self.output_layernorm:
+      raise ValueError("post_layernorm=True (a norm after every residual add, BERT's) and output_layernorm=True (one "
+                       "norm on the layer's output in place of the self attention's input norm, Transformer "
+                       "Engine's) are two architectures: give one of the two")
+    if self.apply_residual_connection_post_layernorm and self.post_layernorm:
+      raise ValueError("apply_residual_connection_post_layernorm is a pre-LN option; post_layernorm=True is post-LN")
     if self.apply_residual_connection_post_layernorm and self.output_layernorm:
-      raise ValueError("apply_residual_connection_post_layernorm is a pre-LN option; output_layernorm=True is post-LN")
+      raise ValueError("apply_residual_connection_post_layernorm=True takes each block's residual from its input "
+                       "norm, and output_layernorm=True leaves the self attention without one: give one of the two")
     if self.enable_relative_embedding and self.self_attn_bias_type not in (None, "post_scale_bias"):
       raise ValueError(f"enable_relative_embedding=True makes the relative biases the self attention's bias; "
                        f"self_attn_bias_type={self.self_attn_bias_type!r} asks for another")
@@ -97,16 +107,17 @@ class TransformerLayerOptions(AttentionRunOptions):
         head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
         num_attention_heads=self.num_attention_heads, num_gqa_groups=self.num_gqa_groups,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
-        input_layernorm=not self.output_layernorm, norm_type=self.norm_type, epsilon=self.epsilon,
-        zero_centered_gamma=self.zero_centered_gamma,
+        input_layernorm=not self.post_layernorm and (cross or not self.output_layernorm), norm_type=self.norm_type,
+        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
         return_layernorm_output=self.apply_residual_connection_post_layernorm, rotary_base=self.rotary_base,
         rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved, fuse_qkv_params=True,
-        use_bias=self.use_bias, scale_factor=None, transpose_batch_sequence=self.transpose_batch_sequence,
+        use_bias=self.use_bias, scale_factor=None, scale_attn_logits=self.scale_attn_logits,
+        transpose_batch_sequence=self.transpose_batch_sequence,
         kernel_init=self.kernel_init, bias_init=_zeros, logical_axes=self.logical_axes, dtype=self.dtype,
         param_dtype=self.param_dtype, **{**self.run_options(), **own})
 
   def norm(self) -> LayerNormOptions:
-    """The options of a post-LN norm."""
+    """The options of a post-LN norm, or of ``output_layernorm``'s."""
     return LayerNormOptions(epsilon=self.epsilon, norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma,
                             scale_init=None, scale_axes=self.axes(EMBED), bias_init=_zeros,
                             bias_axes=self.axes(EMBED), dtype=self.dtype, param_dtype=self.param_dtype)
@@ -144,6 +155,7 @@ class LayerParts(NamedTuple):
   wi: Any
   wo: Any
   mlp: Any
+  output_layernorm: Any
 
 
 def transformer_layer_params(scope: Scope, o: TransformerLayerOptions, cross_attention: bool,
@@ -160,12 +172,12 @@ def transformer_layer_params(scope: Scope, o: TransformerLayerOptions, cross_att
         embedding_axes=o.axes(HEADS, None), dtype=jnp.float32))
   self_attention = scope.submodule("self_attention", o.attention(cross=False), hidden, attention_type="self",
                                    decode=decode)
-  cross = cross_norm = self_norm = mlp_norm = wi = wo = mlp = None
+  cross = cross_norm = self_norm = mlp_norm = wi = wo = mlp = out_norm = None
   if cross_attention:
     cross = scope.submodule("encoder_decoder_attention", o.attention(cross=True), hidden, attention_type="cross")
-    if o.output_layernorm:
+    if o.post_layernorm:
       cross_norm = scope.submodule("encoder_decoder_attention_layernorm", o.norm(), hidden)
-  if o.output_layernorm:
+  if o.post_layernorm:
     self_norm = scope.submodule("self_attention_layernorm", o.norm(), hidden)
     mlp_norm = scope.submodule("mlp_layernorm", o.norm(), hidden)
     n_act = 2 if len(o.activation_type) == 2 else 1
@@ -175,8 +187,10 @@ def transformer_layer_params(scope: Scope, o: TransformerLayerOptions, cross_att
     scope.declare_dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name)
   else:
     mlp = scope.submodule("mlp", o.mlp(), hidden)
+    if o.output_layernorm:
+      out_norm = scope.submodule("output_layernorm", o.norm(), hidden)
   scope.declare_dropout("dropout", o.hidden_dropout, o.dropout_rng_name)
-  return LayerParts(relpos, self_attention, cross, cross_norm, self_norm, mlp_norm, wi, wo, mlp)
+  return LayerParts(relpos, self_attention, cross, cross_norm, self_norm, mlp_norm, wi, wo, mlp, out_norm)
 
 
 def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Array, encoded=None, attention_mask=None,
@@ -234,16 +248,18 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
   kw = dict(segment_ids=segment_ids, positions=positions, decode=decode, deterministic=deterministic,
             attn_mask_type=mask_type)
   x = residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **kw), x)
-  if o.output_layernorm:
+  if o.post_layernorm:
     x = parts.self_attention_layernorm(x)
   if encoded is not None:
     cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
     x = residual_block(lambda r: parts.cross_attention(x, encoded, encoder_decoder_mask, deterministic=deterministic,
                                                        residual=r, attn_mask_type=cross_type), x)
-    if o.output_layernorm:
+    if o.post_layernorm:
       x = parts.cross_attention_layernorm(x)
-  if not o.output_layernorm:
-    return residual_block(lambda r: parts.mlp(x, deterministic=deterministic, residual=r), x)
+  if not o.post_layernorm:
+    x = residual_block(lambda r: parts.mlp(x, deterministic=deterministic, residual=r), x)
+    # output_layernorm: the self attention read the input as it is; its norm is here, on the layer's output.
+    return parts.output_layernorm(x) if o.output_layernorm else x
   # Post-LN: the input is normalized already; the MLP is fc1, activation, fc2.
   h = parts.wi(x)
   a = activation(h if len(o.activation_type) == 2 else h[..., 0, :], o.activation_type)
