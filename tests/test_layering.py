@@ -149,7 +149,7 @@ PUBLIC = {
     "te_jax": {
         "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
         "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_product_attention", "expert_capacity", "expert_parallel_moe",
-        "grouped_dense", "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "ops", "permute",
+        "group_align", "grouped_dense", "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "ops", "permute",
         "recipe", "route", "scaled_softmax", "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
     },
     "te_jax.flax": {
