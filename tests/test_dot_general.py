@@ -188,8 +188,9 @@ def test_batched_sharded_over_the_batch_is_unsharded_bit_for_bit(axis_type):
   """A batched product data parallel over 8 devices: the unsharded values and gradients bit for bit, the output and
   the gradients sharded over the batch, no all-gather (the per-tensor amaxes are all-reduced: one scale for the whole
   operand)."""
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
-  a, b = _draw((8, 16, 4, 16), 0), _draw((8, 32, 4, 16), 1)
+  cpu = jax.devices("cpu")  # the 8 CPU devices tests/conftest.py provides, on a GPU machine too
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),), devices=cpu)
+  a, b = (jax.device_put(x, cpu[0]) for x in (_draw((8, 16, 4, 16), 0), _draw((8, 32, 4, 16), 1)))
   dims = (((3,), (3,)), ((0, 2), (0, 2)))
   recipe = Float8CurrentScaling()
   step = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(dot_general(a, b, dims, recipe=recipe) ** 2), (0, 1)))
