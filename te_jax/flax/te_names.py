@@ -31,7 +31,7 @@ TE_NAMES: Mapping[str, Mapping[str, str]] = {
                      "intermediate_dropout_rng_name": "dropout_rng_name",
                      "intermediate_dropout_rate": "intermediate_dropout"},
     "DotProductAttention": _CONTEXT,
-    "MultiHeadAttention": {**_NORM, "layernorm_epsilon": "epsilon", **_ROTARY, "scale_attn_logits": "scale_factor"},
+    "MultiHeadAttention": {**_NORM, "layernorm_epsilon": "epsilon", **_ROTARY},
     "TransformerLayer": {**_NORM, "layernorm_epsilon": "epsilon", "mlp_hidden_size": "intermediate_dim",
                          "mha_kernel_init": "kernel_init", "mlp_kernel_init": "kernel_init",
                          "mlp_activations": "activation_type",
@@ -43,7 +43,6 @@ TE_NAMES: Mapping[str, Mapping[str, str]] = {
 _HOW = {
     "rotary_pos_emb_windows": "windows (1, b) are rotary_base=b",
     "rotary_pos_emb_group_method": "'consecutive' is rotary_interleaved=True, 'alternate' False",
-    "scale_attn_logits": "False is scale_factor=1.0, True the default None (1 / sqrt(head_dim))",
     "relative_embedding": "give the bucket count and the maximum distance",
 }
 
