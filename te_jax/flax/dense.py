@@ -103,7 +103,7 @@ class Fp8DotGeneral(nn.Module):
 
   Takes ``lax.dot_general``'s ``(lhs, rhs, dimension_numbers)`` with any dimension numbers (``nn.DenseGeneral``'s
   ``batch_dims`` too), lhs quantized as the GEMM's input and rhs as its kernel, through
-  ``te_jax.fused.dot_general.dot_general``: with batch dims each batch index is its own FP8 GEMM, under per-tensor
+  ``te_jax.fused.dot_general.dot_general``: with batch dims one batched product of the FP8 operands, under per-tensor
   recipes. An instance made in a compact method is also ``jnp.einsum``'s ``_dot_general`` (one GEMM's state per
   instance); ``Fp8Einsum`` keeps an einsum's operand roles fixed. Outside an enabled autocast it is a plain
   ``lax.dot_general``.

@@ -130,7 +130,7 @@ class Fp8DotGeneral(nnx.Module):
 
   Takes ``lax.dot_general``'s ``(lhs, rhs, dimension_numbers)`` with any dimension numbers (``nnx.LinearGeneral``'s
   ``batch_axis`` too), lhs quantized as the GEMM's input and rhs as its kernel, through
-  ``te_jax.fused.dot_general.dot_general``: with batch dims each batch index is its own FP8 GEMM, under per-tensor
+  ``te_jax.fused.dot_general.dot_general``: with batch dims one batched product of the FP8 operands, under per-tensor
   recipes. It is also ``jnp.einsum``'s ``_dot_general``; for ``nnx.Einsum`` use ``Fp8Einsum``. Outside an enabled
   autocast it is a plain ``lax.dot_general``.
 
