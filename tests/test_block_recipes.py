@@ -21,6 +21,7 @@ from te_jax.ops.quantize_block import quantize_block_ref, quantize_nvfp4_ref
 
 BF16 = jnp.bfloat16
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+FP8_ACCUM_U = 2.0**-14  # Hopper's FP8 MMA accumulator (tests/test_gemm.py)
 
 # Exact references below need NVFP4 without its random parts; they are tested on their own.
 RECIPES = {
@@ -273,7 +274,10 @@ def test_a_block_straddling_shards_raises():
 def test_block_scaled_dense_runs_native_on_the_gpu(gpu):
   """On the GPU, Float8BlockScaling's three GEMMs run through te_gemm_cuda (cuBLASLt's block-scaled kernels on
   compute capability 9.0) and each is within the tolerance rule of the float64 product of its dequantized operands,
-  against the emulated GEMM (bfloat16 dequantization) as the same math at our precision."""
+  against the emulated GEMM (bfloat16 dequantization) as the same math at our precision, plus the noise term of
+  Hopper's FP8 MMA accumulator (about 14 bits kept within each 128-wide K block before the float32 promotion), as in
+  tests/test_gemm_block.py: ``sqrt(K) * 2**-14 * max sum|a||b|``. The float32 wgrad shows it; the bfloat16 outputs'
+  rounding hides it."""
   r = recipe.Float8BlockScaling()
   m, k, n = 1024, 512, 768
   x = jax.device_put(jax.random.normal(jax.random.key(0), (m, k), BF16), gpu)
@@ -302,4 +306,6 @@ def test_block_scaled_dense_runs_native_on_the_gpu(gpu):
     if got.dtype == BF16:  # rounded to the output dtype, as the layer's output is
       same_math = np.asarray(jnp.asarray(same_math, jnp.float32).astype(BF16), np.float64)
     err, ref_err = np.max(np.abs(ours - exact)), np.max(np.abs(same_math - exact))
-    assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)
+    k = f64(a).shape[-1]
+    noise = np.sqrt(k) * FP8_ACCUM_U * float((np.abs(f64(a)) @ np.abs(f64(b)).T).max())
+    assert err <= 2 * ref_err + noise, (name, err, ref_err, noise)
