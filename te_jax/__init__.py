@@ -26,6 +26,7 @@ from te_jax.fused.context_parallel import from_zigzag as from_zigzag
 from te_jax.fused.context_parallel import to_zigzag as to_zigzag
 from te_jax.fused.context_parallel import zigzag_order as zigzag_order
 from te_jax.fused.dense import dense as dense
+from te_jax.fused.dot_general import dot_general as dot_general
 from te_jax.fused.expert_parallel import expert_parallel_moe as expert_parallel_moe
 from te_jax.fused.grouped_dense import group_align as group_align
 from te_jax.fused.grouped_dense import grouped_dense as grouped_dense
@@ -49,7 +50,7 @@ from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_uppe
 
 __all__ = [
     "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
-    "attention_backend", "autocast", "context_parallel_attention", "context_parallel_backend", "dense",
+    "attention_backend", "autocast", "context_parallel_attention", "context_parallel_backend", "dense", "dot_general",
     "dot_product_attention", "expert_capacity", "expert_parallel_moe", "from_zigzag", "group_align", "grouped_dense",
     "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "make_attention_mask", "ops", "permute",
     "recipe", "rope_frequencies", "route", "scaled_masked_softmax", "scaled_softmax",

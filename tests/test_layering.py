@@ -148,20 +148,21 @@ def test_files_stay_small(module):
 PUBLIC = {
     "te_jax": {
         "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
-        "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_product_attention", "expert_capacity", "expert_parallel_moe",
-        "group_align", "grouped_dense", "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "ops", "permute",
-        "recipe", "route", "scaled_softmax", "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
+        "attention_backend", "autocast", "context_parallel_attention", "dense", "dot_general", "dot_product_attention",
+        "expert_capacity", "expert_parallel_moe", "group_align", "grouped_dense", "layernorm", "layernorm_dense",
+        "layernorm_mlp", "load_balancing_loss", "ops", "permute", "recipe", "route", "scaled_softmax", "to_zigzag",
+        "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
     },
     "te_jax.flax": {
-        "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
+        "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "Fp8Einsum", "LOGICAL_AXES", "LayerNorm",
         "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
         "accumulate_gradients", "calibrate", "convert_blocks", "convert_train_state", "flax_block_to_te",
         "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
     },
     "te_jax.nnx": {
-        "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm", "LayerNormDenseGeneral",
-        "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "calibrate", "from_linen",
-        "grad", "to_linen", "update_fp8_state", "value_and_grad",
+        "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8Einsum", "Fp8State", "LayerNorm",
+        "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer",
+        "calibrate", "from_linen", "grad", "to_linen", "update_fp8_state", "value_and_grad",
     },
     "te_jax.ops": {"activation", "gemm", "norm", "quantize", "quantize_interleaved", "rope", "scale_update", "softmax"},
 }

@@ -12,6 +12,7 @@ from te_jax.flax.checkpoint import restore_into_fp8 as restore_into_fp8
 from te_jax.flax.checkpoint import te_block_to_flax as te_block_to_flax
 from te_jax.flax.dense import DenseGeneral as DenseGeneral
 from te_jax.flax.dense import Fp8DotGeneral as Fp8DotGeneral
+from te_jax.flax.dense import Fp8Einsum as Fp8Einsum
 from te_jax.flax.fp8_state import accumulate_gradients as accumulate_gradients
 from te_jax.flax.fp8_state import calibrate as calibrate
 from te_jax.flax.fp8_state import split_fp8_state as split_fp8_state
@@ -24,7 +25,7 @@ from te_jax.flax.sharding import logical_axis_rules as logical_axis_rules
 from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
-    "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "LOGICAL_AXES", "LayerNorm",
+    "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "Fp8Einsum", "LOGICAL_AXES", "LayerNorm",
     "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
     "TransformerLayer", "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state",
     "flax_block_to_te", "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",

@@ -8,6 +8,7 @@ from te_jax.nnx.convert import from_linen as from_linen
 from te_jax.nnx.convert import to_linen as to_linen
 from te_jax.nnx.dense import DenseGeneral as DenseGeneral
 from te_jax.nnx.dense import Fp8DotGeneral as Fp8DotGeneral
+from te_jax.nnx.dense import Fp8Einsum as Fp8Einsum
 from te_jax.nnx.fp8_state import Fp8State as Fp8State
 from te_jax.nnx.fp8_state import calibrate as calibrate
 from te_jax.nnx.fp8_state import grad as grad
@@ -21,7 +22,7 @@ from te_jax.nnx.moe import MoEBlock as MoEBlock
 from te_jax.nnx.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
-    "AuxLoss", "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8State", "LayerNorm",
+    "AuxLoss", "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8Einsum", "Fp8State", "LayerNorm",
     "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
     "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen", "update_fp8_state", "value_and_grad",
 ]
