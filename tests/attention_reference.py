@@ -17,21 +17,45 @@ B, H, D = 2, 4, 8
 # ---- the naive reference -------------------------------------------------------------------------------------------
 
 
+def _sequence_diagonals(b, t, s, mask, segment_ids):
+  """(b, t, s) key position minus its query's diagonal under "padding_causal_bottom_right": each sequence aligned at
+  its own lengths, ``(j - start_kv) - (i - start_q) - (s_seq - t_seq)``, from the segments' starts and lengths found
+  one token at a time (the sequences of a padding mask: its attended rows and columns, from position 0)."""
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+  else:
+    attend = np.broadcast_to(np.asarray(mask, bool), (b, 1, t, s))[:, 0]
+    q_ids, kv_ids = attend.any(axis=2).astype(int), attend.any(axis=1).astype(int)
+  out = np.zeros((b, t, s), np.int64)
+  for n in range(b):
+    for i in range(t):
+      for j in range(s):
+        seg = q_ids[n, i]
+        q_start, kv_start = list(q_ids[n]).index(seg), (list(kv_ids[n]).index(seg) if seg in kv_ids[n] else 0)
+        t_seq, s_seq = int(np.sum(q_ids[n] == seg)), int(np.sum(kv_ids[n] == seg))
+        out[n, i, j] = (j - kv_start) - (i - q_start) - (s_seq - t_seq)
+  return out
+
+
 def naive_mask(b, h, t, s, mask_type, mask=None, segment_ids=None, window=None):
   """True = masked out, (b, h, t, s), numpy, from the definitions (positions compared one condition at a time);
   ``mask`` is the caller's, in Flax's convention (True = attend)."""
   i = np.arange(t)[:, None]
   j = np.arange(s)[None, :]
   diag = i + (s - t) if mask_type.endswith("bottom_right") else i  # the key position on each query's diagonal
+  rel = (j - diag)[None, None]  # key position minus the diagonal's
+  if mask_type == "padding_causal_bottom_right":  # the diagonal of each sequence at its own lengths
+    rel = _sequence_diagonals(b, t, s, mask, segment_ids)[:, None]
   out = np.zeros((b, h, t, s), bool)
   if "causal" in mask_type:
-    out |= (j > diag)[None, None]
+    out |= rel > 0
   if window is not None:
     left, right = window
     if left >= 0:
-      out |= (j < diag - left)[None, None]
+      out |= rel < -left
     if right >= 0:
-      out |= (j > diag + right)[None, None]
+      out |= rel > right
   if mask is not None:
     out |= np.broadcast_to(~np.asarray(mask, bool), out.shape)
   if segment_ids is not None:

@@ -80,9 +80,8 @@ def test_alibi_slopes_follow_the_paper():
 WINDOWS = [(3, 0), (0, 0), (2, 2), (-1, 1), (4, -1)]
 
 
-# A causal mask allows no right window (an error, tested below): those pairs are left out.
-WINDOW_CASES = [(w, m) for w in WINDOWS for m in ("no_mask", "causal", "causal_bottom_right", "padding")
-                if not ("causal" in m and w[1] > 0)]
+# With a causal mask a right window is accepted (as Transformer Engine accepts it) and bounded by the causal mask.
+WINDOW_CASES = [(w, m) for w in WINDOWS for m in ("no_mask", "causal", "causal_bottom_right", "padding")]
 
 
 @pytest.mark.parametrize("t,s", SEQS)
@@ -262,7 +261,11 @@ BAD = [
     (dict(attn_bias_type="relative"), ValueError, "attn_bias_type must be"),
     (dict(window_size=(2,)), ValueError, "window_size must be"),
     (dict(window_size=(-2, 0)), ValueError, "window_size must be"),
-    (dict(window_size=(2, 1), attn_mask_type="causal"), ValueError, "window_size\\[1\\] must be 0 or -1"),
+    (dict(softmax_type="sink"), ValueError, "softmax_type must be one of"),
+    (dict(softmax_type="learnable"), ValueError, "needs softmax_offset"),
+    (dict(softmax_offset=jnp.zeros((1, H, 1, 1))), ValueError, "takes none"),
+    (dict(softmax_type="learnable", softmax_offset=jnp.zeros((1, H, 1, 2))), ValueError, "softmax_offset must be"),
+    (dict(attn_bias_type="pre_scale_bias"), ValueError, "needs a bias"),
     (dict(dropout_rate=0.1), ValueError, "needs a dropout_rng"),
     (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate must be in"),
     (dict(qkv_layout="BHSD"), ValueError, "qkv_layout must be one of"),

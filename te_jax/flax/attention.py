@@ -35,8 +35,7 @@ from te_jax.flax.scope import LinenKVCache, LinenScope, builds, options_of
 from te_jax.fused.attention import AttentionBackend
 from te_jax.modules.attention import (DotProductAttentionOptions, MultiHeadAttentionOptions,
                                       RelativePositionBiasesOptions, attention_backend_for,
-                                      dot_product_attention_block, dot_product_attention_params, multi_head_attention,
-                                      relative_position_biases)
+                                      dot_product_attention_block, multi_head_attention, relative_position_biases)
 from te_jax.modules.axes import Initializer
 from te_jax.modules.relative_position import relative_position_bucket
 from te_jax.recipe import Recipe
@@ -66,13 +65,18 @@ class DotProductAttention(nn.Module):
     num_attention_heads: H, the query heads.
     num_gqa_groups: the key/value heads (GQA; 1 is MQA); None means H.
     attn_mask_type: one of ``te_jax.fused.attention.ATTN_MASK_TYPES`` (default "causal").
-    attn_bias_type: None (from the ``bias`` argument), "no_bias", "post_scale_bias" or "alibi".
+    attn_bias_type: None (from the ``bias`` argument), "no_bias", "pre_scale_bias" (the bias added before the
+      logits' scale), "post_scale_bias" (after it) or "alibi".
     attention_dropout: the dropout rate on the attention probabilities.
     dropout_rng_name: the rng stream of the dropout mask.
     qkv_layout: "BSHD", "BS3HD" or "BSHD_BS2HD" (or their "SB" forms); with ``transpose_batch_sequence`` the "BS"
       forms mean sequence-first tensors.
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
-    window_size: a sliding window (left, right), -1 = unbounded.
+    window_size: a sliding window (left, right), -1 = unbounded (with a causal mask type the causal mask bounds the
+      right side).
+    softmax_type: "vanilla" (default); "off_by_one", one more logit of 0 in each softmax denominator; "learnable",
+      a learned sink logit per head there, the parameter ``softmax_offset`` (1, H, 1, 1), float32, zeros at first
+      (Transformer Engine's). Both run unfused (cuDNN has no sink).
     transpose_batch_sequence: inputs and output are (S, B, H, D).
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype: the compute dtype (q, k, v are cast to it); None keeps the query's.
@@ -104,6 +108,7 @@ class DotProductAttention(nn.Module):
   qkv_layout: str = "BSHD"
   scale_factor: float | None = None
   window_size: tuple[int, int] | None = None
+  softmax_type: str = "vanilla"
   transpose_batch_sequence: bool = False
   deterministic: bool | None = None
   dtype: Any = None
@@ -134,7 +139,7 @@ class DotProductAttention(nn.Module):
       query, key, value: in ``qkv_layout`` (sequence-first with ``transpose_batch_sequence``).
       mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
         padding or the "arbitrary" mask.
-      bias: the post-scale bias, broadcastable to (B, H, T, S).
+      bias: the bias of ``attn_bias_type`` (by default post-scale), broadcastable to (B, H, T, S).
       segment_ids: (B, S) or (q_ids, kv_ids) packed-sequence ids, 0 = padding.
       deterministic: no dropout.
       attn_mask_type, attn_bias_type, window_size: this call's, in place of the module's (None: the module's;
@@ -145,9 +150,8 @@ class DotProductAttention(nn.Module):
     """
     options = options_of(self, DotProductAttentionOptions)
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
-    scope = LinenScope(self)
-    dot_product_attention_params(scope, options)
-    return dot_product_attention_block(scope, options, query, key, value, mask, bias, segment_ids=segment_ids,
+    return dot_product_attention_block(LinenScope(self), options, query, key, value, mask, bias,
+                                       segment_ids=segment_ids,
                                        deterministic=deterministic, attn_mask_type=attn_mask_type,
                                        attn_bias_type=attn_bias_type, window_size=window_size)
 
@@ -218,16 +222,19 @@ class MultiHeadAttention(nn.Module):
     return_layernorm_output: also return the normalized input (the residual of
       ``apply_residual_connection_post_layernorm``).
     attn_mask_type: one of ``te_jax.fused.attention.ATTN_MASK_TYPES``; attn_bias_type: None, "no_bias",
-      "post_scale_bias" or "alibi".
+      "pre_scale_bias", "post_scale_bias" or "alibi".
     enable_rotary_pos_emb: rotate queries and keys (RoPE); rotary_base: its wavelength base; rotary_percent: the
       fraction of each head's features that rotate; rotary_interleaved: GPT-J pairs (2i, 2i+1) instead of the
-      half-split pairs (i, i + R/2) of GPT-NeoX and Llama.
+      half-split pairs (i, i + R/2) of GPT-NeoX and Llama. In cross attention the queries rotate at their positions
+      and the keys at ``arange(S)`` of their own sequence.
     fuse_qkv_params: one QKV kernel (self attention), else separate query / key / value kernels.
     use_bias: biases on the projections.
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
     scale_attn_logits: False leaves the logits unscaled (``q . k``, Transformer Engine's default, which scales the
       query kernel's initialization instead); not with a ``scale_factor``.
     window_size: a sliding window (left, right), -1 = unbounded.
+    softmax_type: "vanilla", "off_by_one" or "learnable" (see ``DotProductAttention``; the learnable sink logits are
+      ``attention/softmax_offset``).
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     kernel_init, bias_init: the projections' initializers; a fused kernel's q, k and v (or k and v) parts are each
       initialized as a kernel of its own (one projection's fan, as Flax's separate query, key and value kernels).
@@ -271,6 +278,7 @@ class MultiHeadAttention(nn.Module):
   scale_factor: float | None = None
   scale_attn_logits: bool = True
   window_size: tuple[int, int] | None = None
+  softmax_type: str = "vanilla"
   transpose_batch_sequence: bool = False
   kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
   bias_init: Initializer = nn.initializers.zeros_init()
@@ -299,7 +307,7 @@ class MultiHeadAttention(nn.Module):
       inputs_kv: (B, S, hidden) for cross attention; None (or ``inputs_q``) for self attention.
       mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
         padding of a padding mask type or the "arbitrary" mask (``nn.make_attention_mask`` makes one).
-      bias: a post-scale bias, broadcastable to (B, H, T, S).
+      bias: the bias of ``attn_bias_type`` (by default post-scale), broadcastable to (B, H, T, S).
       segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding.
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
       decode: use and update the KV cache (self attention only), which holds as many positions as the input it was

@@ -62,8 +62,10 @@ class TransformerLayer(nn.Module):
     output_layernorm: Transformer Engine's: no norm before the self attention, one on the layer's output (above);
       not with ``post_layernorm`` or ``apply_residual_connection_post_layernorm``.
     scale_attn_logits: False leaves both attentions' logits unscaled (``q . k``; Transformer Engine's default).
-    enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention.
-    window_size: sliding window of self attention.
+    softmax_type: both attentions' softmax, "vanilla", "off_by_one" or "learnable" (see DotProductAttention).
+    enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention, and in a
+      decoder's cross attention (queries at their positions, keys at the encoder output's), as in Transformer Engine.
+    window_size: sliding window of self attention and of a decoder's cross attention.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype, param_dtype, backend, logical_axes, fp8_dpa, mask_convention: as in MultiHeadAttention; kernel_init:
@@ -99,6 +101,7 @@ class TransformerLayer(nn.Module):
   post_layernorm: bool = False
   output_layernorm: bool = False
   scale_attn_logits: bool = True
+  softmax_type: str = "vanilla"
   enable_rotary_pos_emb: bool = False
   rotary_base: float = 10000.0
   rotary_percent: float = 1.0

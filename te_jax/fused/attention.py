@@ -4,6 +4,7 @@ The math, per batch ``b`` and query head ``h`` (key/value head ``h // (H // Hk)`
 
     logits[i, j] = scale * <q[i], k[j]> (+ bias[i, j])          scale defaults to 1 / sqrt(D)
     P[i, :]      = softmax(logits[i, :] over the j not masked)   a fully masked row gives P[i, :] = 0 (output 0)
+                   (+ one sink logit in the denominator: ``softmax_type`` "off_by_one" 0, "learnable" a_h)
     P            = P * keep / (1 - rate)                         dropout, keep ~ Bernoulli(1 - rate)
     out[i]       = sum_j P[i, j] v[j]
 
@@ -17,13 +18,18 @@ pass them with ``mask_convention="te"``. The convention is never guessed from th
   every pair in different segments or touching a token of segment 0 (padding); packed sequences attend within their
   segment only.
 - ``"causal"``: ``j > i`` (top-left aligned); ``"causal_bottom_right"``: ``j > i + (S - T)`` (the last query sees
-  every key, as in decoding with a KV cache); ``"padding_causal"``, ``"padding_causal_bottom_right"``: both.
+  every key, as in decoding with a KV cache); ``"padding_causal"``: both; ``"padding_causal_bottom_right"``: the
+  padding and the bottom-right causal mask aligned per sequence at its actual lengths (``j > i + (s - t)``, ``t``
+  and ``s`` the sequence's queries and keys that are not padding, positions within the sequence), as Transformer
+  Engine and cuDNN align it.
 - ``"arbitrary"``: where the explicit ``mask`` does not attend (plus ``segment_ids`` when given).
 - ``window_size=(left, right)``: keys outside ``i + a - left <= j <= i + a + right`` (``a = S - T`` for the bottom-right
-  types, else 0; -1 leaves that side unbounded). With a causal type ``right`` must be 0 or -1.
+  types, else 0; -1 leaves that side unbounded). With a causal type the causal mask bounds the right side, so any
+  ``right`` is accepted (as Transformer Engine accepts it) and changes nothing.
 
-Bias: ``"post_scale_bias"`` adds ``bias`` (broadcastable to ``(B, H, T, S)``) after the scaling, and its gradient
-flows; ``"alibi"`` adds ``-slope_h * |j - i - a|`` with the geometric slopes of Press et al. (ALiBi, 2022),
+Bias: ``"post_scale_bias"`` adds ``bias`` (broadcastable to ``(B, H, T, S)``) after the scaling, ``"pre_scale_bias"``
+before it (``scale * (<q, k> + bias)``), and its gradient flows; ``"alibi"`` adds ``-slope_h * |j - i - a|`` with
+the geometric slopes of Press et al. (ALiBi, 2022),
 ``slope_h = 2^(-8 (h + 1) / n)`` for ``n`` a power of two (see ``alibi_slopes``).
 
 Two backends compute the same function:
@@ -52,14 +58,15 @@ from te_jax._core import native
 from te_jax._core.autocast import resolve_recipe
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.attention_config import (ATTN_BIAS_TYPES, ATTN_MASK_TYPES, BACKENDS, MASK_CONVENTIONS, QKV_LAYOUTS,
-                                           AttentionConfig, configure, masked_out, unpack, unpack_shapes)
+                                           SOFTMAX_TYPES, AttentionConfig, configure, masked_out, unpack,
+                                           unpack_shapes)
 from te_jax.fused.attention_cudnn import (fp8_attention, fp8_attention_support, fp8_unsupported, fused, fused_reason,
                                           fused_unsupported, native_window)
-from te_jax.fused.attention_masks import band_mask, combine, segment_mask
+from te_jax.fused.attention_masks import combine, layer_band, segment_mask
 from te_jax.fused.attention_unfused import unfused
 from te_jax.recipe import Recipe
 
-__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "MASK_CONVENTIONS", "QKV_LAYOUTS",
+__all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionBackend", "MASK_CONVENTIONS", "QKV_LAYOUTS", "SOFTMAX_TYPES",
            "attention_backend", "backend_report", "dot_product_attention", "fp8_dpa_enabled", "layout_for",
            "make_attention_mask"]
 
@@ -91,7 +98,8 @@ def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, 
                   scale_factor=None, dropout_rate=0.0, window_size=window_size,
                   tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False, mask_convention=mask_convention)
   seg = None if segment_ids is None else segment_mask(segment_ids, cfg)
-  out = combine(masked_out(mask, mask_convention), seg, band_mask(cfg))
+  mask = masked_out(mask, mask_convention)
+  out = combine(mask, seg, layer_band(cfg, mask, segment_ids))
   return out if out is None or mask_convention == "te" else jnp.logical_not(out)
 
 
@@ -127,7 +135,8 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
                       attn_mask_type: str = "no_mask", attn_bias_type: str | None = None,
                       scale_factor: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
                       window_size: tuple[int, int] | None = None, qkv_layout: str = "BSHD", backend: str = "auto",
-                      fp8_dpa: bool = False, mask_convention: str = "flax") -> AttentionBackend:
+                      fp8_dpa: bool = False, mask_convention: str = "flax", softmax_type: str = "vanilla",
+                      softmax_offset=None) -> AttentionBackend:
   """The backend ``dot_product_attention`` runs with these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read).
@@ -146,7 +155,8 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
     q, k, v = unpack_shapes(query, key, value, qkv_layout)
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
-                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa, mask_convention=mask_convention)
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa, mask_convention=mask_convention,
+                  softmax_type=softmax_type, softmax_offset=softmax_offset)
   return _choose(cfg, backend)
 
 
@@ -157,7 +167,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
                           scale_factor: float | None = None, dropout_rate: float = 0.0,
                           dropout_rng: jax.Array | None = None, window_size: tuple[int, int] | None = None,
                           qkv_layout: str = "BSHD", backend: str = "auto", fp8_dpa: bool = False,
-                          mask_convention: str = "flax") -> jax.Array:
+                          mask_convention: str = "flax", softmax_type: str = "vanilla",
+                          softmax_offset: jax.Array | None = None) -> jax.Array:
   """Scaled dot-product attention (see the module docstring for the math and the mask conventions).
 
   >>> import jax, jax.numpy as jnp, te_jax
@@ -172,7 +183,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     key: (B, S, Hk, D) with Hk dividing H (GQA; Hk = 1 is MQA); (B, S, 2, Hk, D) packed k, v for "BSHD_BS2HD" /
       "SBHD_SB2HD" (then value is None).
     value: (B, S, Hk, Dv).
-    bias: the "post_scale_bias", broadcastable to (B, H, T, S) (each of B and H full or 1); float.
+    bias: the "post_scale_bias" or "pre_scale_bias", broadcastable to (B, H, T, S) (each of B and H full or 1);
+      float.
     mask: bool, int or float, **True (nonzero) = attend** (Flax's convention; see ``mask_convention``),
       broadcastable to (B, H, T, S) (each of B, H and T full or 1; (B, 1, 1, S) masks padded keys for every query):
       the padding of a padding mask type, or the mask of "arbitrary". ``nn.make_attention_mask(q_valid, kv_valid)``
@@ -181,7 +193,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
       within their segment; id 0 is padding. An alternative to ``mask`` for the padding mask types (packed sequences),
       or combined with "arbitrary"'s mask.
     attn_mask_type: one of ``ATTN_MASK_TYPES``.
-    attn_bias_type: None (from ``bias``), "no_bias", "post_scale_bias" or "alibi".
+    attn_bias_type: None (from ``bias``: "post_scale_bias"), "no_bias", "pre_scale_bias" (added before the scale),
+      "post_scale_bias" (after it) or "alibi".
     scale_factor: the logits' scale; None is 1 / sqrt(D).
     dropout_rate: dropout on the attention probabilities (inverted: kept ones scaled by 1 / (1 - rate)).
     dropout_rng: the PRNG key of the dropout mask (required when dropout_rate > 0); the same key gives the same mask.
@@ -194,6 +207,10 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     fp8_dpa: the forward pass in FP8 through cuDNN (see ``fp8_attention_support``); the backward in the input precision.
     mask_convention: what ``mask`` means: "flax" (default), True or nonzero = attend; "te" (NVIDIA Transformer
       Engine's), True or nonzero = masked out. One of ``MASK_CONVENTIONS``.
+    softmax_type: one of ``SOFTMAX_TYPES``: "vanilla"; "off_by_one", a logit of 0 more in every row's denominator;
+      "learnable", the logit ``softmax_offset[0, h, 0, 0]`` there (an attention sink per head). The sink is never
+      masked; a row with every key masked still gives 0. cuDNN has no sink: these run unfused.
+    softmax_offset: "learnable"'s sink logits, float32 (1, H, 1, 1), differentiable; None otherwise.
 
   Returns:
     The attention output in the query's layout ((B, T, H, Dv) or (T, B, H, Dv)) and dtype.
@@ -202,7 +219,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
   tensor_format = QKV_LAYOUTS[qkv_layout][0]
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
-                  tensor_format=tensor_format, fp8_dpa=fp8_dpa, mask_convention=mask_convention)
+                  tensor_format=tensor_format, fp8_dpa=fp8_dpa, mask_convention=mask_convention,
+                  softmax_type=softmax_type, softmax_offset=softmax_offset)
   mask = masked_out(mask, mask_convention)  # from here on, one representation: True = masked out
   if cfg.dropout_rate > 0 and dropout_rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng (a jax PRNG key)")
@@ -213,10 +231,11 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     out = fp8_attention(*to_common_varying(q, k, v), cfg)
   elif choice.name == "fused":
     causal, window = native_window(cfg)
-    band = None if (causal and (window is not None or cfg.lo == -math.inf)) else band_mask(cfg)
+    band = None if (causal and (window is not None or cfg.lo == -math.inf)) else layer_band(cfg, mask, segment_ids)
     out = fused(q, k, v, bias, combine(mask, seg, band), cfg)
   else:
-    out = unfused(q, k, v, bias, combine(mask, seg, band_mask(cfg)), dropout_rng, cfg)
+    out = unfused(q, k, v, bias, combine(mask, seg, layer_band(cfg, mask, segment_ids)), dropout_rng, cfg,
+                  softmax_offset)
   return _to_bshd(out, tensor_format)
 
 

@@ -13,12 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionConfig", "BACKENDS", "BOTTOM_RIGHT_TYPES", "CAUSAL_TYPES",
-           "MASK_CONVENTIONS", "PADDING_TYPES", "QKV_LAYOUTS", "check_mask_convention", "configure", "masked_out",
-           "segment_pair", "unpack", "unpack_shapes"]
+           "MASK_CONVENTIONS", "PADDING_TYPES", "QKV_LAYOUTS", "SOFTMAX_TYPES", "check_mask_convention",
+           "check_softmax_type", "configure", "masked_out", "segment_pair", "unpack", "unpack_shapes"]
 
 ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
                    "padding_causal_bottom_right", "arbitrary")
-ATTN_BIAS_TYPES = ("no_bias", "post_scale_bias", "alibi")
+ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+#: The attention softmax (Transformer Engine's ``softmax_type``): "vanilla" ``exp(z_j) / sum_k exp(z_k)``;
+#: "off_by_one" one more logit of 0 in the denominator, ``exp(z_j) / (1 + sum_k exp(z_k))``; "learnable" a learned
+#: logit per head ``a_h`` there, ``exp(z_j) / (exp(a_h) + sum_k exp(z_k))`` (an attention sink, as in recent open
+#: models), from the ``softmax_offset`` array (1, H, 1, 1), float32.
+SOFTMAX_TYPES = ("vanilla", "off_by_one", "learnable")
 #: layout -> (tensor format, packing): "qkv" packs (B, S, 3, H, D) in ``query``; "kv" packs (B, S, 2, H, D) in ``key``.
 QKV_LAYOUTS = {
     "BSHD": ("BSHD", None), "SBHD": ("SBHD", None),
@@ -57,10 +62,17 @@ class AttentionConfig:
   hi: float
   tensor_format: str
   fp8_dpa: bool
+  softmax_type: str = "vanilla"
 
   @property
   def align(self) -> int:
     return self.kv_len - self.q_len if self.mask_type in BOTTOM_RIGHT_TYPES else 0
+
+  @property
+  def per_sequence(self) -> bool:
+    """The band is aligned per sequence, at each one's actual kv length minus its q length (the padding's), not at
+    the padded lengths: "padding_causal_bottom_right", as in Transformer Engine and cuDNN."""
+    return self.mask_type == "padding_causal_bottom_right"
 
 
 
@@ -87,17 +99,36 @@ def unpack(query, key, value, qkv_layout: str):
   return query, key, value
 
 
-def _check_window(window_size, mask_type: str) -> tuple[int, int] | None:
+def _check_window(window_size) -> tuple[int, int] | None:
+  """``(left, right)``; with a causal mask type any ``right`` is accepted, as Transformer Engine accepts it: the causal
+  mask bounds the right side (no key right of the diagonal), so ``right`` then changes nothing."""
   if window_size is None:
     return None
   if (not isinstance(window_size, Sequence) or len(window_size) != 2
       or not all(isinstance(w, (int, np.integer)) and w >= -1 for w in window_size)):
     raise ValueError(f"window_size must be None or (left, right) with ints >= -1 (-1: unbounded), got {window_size!r}")
-  left, right = int(window_size[0]), int(window_size[1])
-  if mask_type in CAUSAL_TYPES and right not in (0, -1):
-    raise ValueError(f"window_size={window_size!r} with attn_mask_type={mask_type!r}: a causal mask allows no key "
-                     "right of the diagonal, so window_size[1] must be 0 or -1")
-  return left, right
+  return int(window_size[0]), int(window_size[1])
+
+
+def check_softmax_type(softmax_type: str) -> str:
+  if not isinstance(softmax_type, str) or softmax_type not in SOFTMAX_TYPES:
+    raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+  return softmax_type
+
+
+def _check_softmax_offset(softmax_type: str, softmax_offset, heads: int) -> None:
+  check_softmax_type(softmax_type)
+  if softmax_type != "learnable":
+    if softmax_offset is not None:
+      raise ValueError(f"softmax_offset is the learnable softmax's; softmax_type={softmax_type!r} takes none (give "
+                       "softmax_type='learnable')")
+    return
+  if softmax_offset is None:
+    raise ValueError(f"softmax_type='learnable' needs softmax_offset, the per-head sink logits of shape "
+                     f"(1, H, 1, 1) = (1, {heads}, 1, 1), float32")
+  if tuple(softmax_offset.shape) != (1, heads, 1, 1) or jnp.dtype(softmax_offset.dtype) != jnp.float32:
+    raise ValueError(f"softmax_offset must be float32 of shape (1, H, 1, 1) = (1, {heads}, 1, 1), got "
+                     f"{jnp.dtype(softmax_offset.dtype).name} {tuple(softmax_offset.shape)}")
 
 
 def _check_broadcastable(name: str, shape, full: tuple[int, int, int, int], query_broadcast: bool = False):
@@ -145,7 +176,8 @@ def masked_out(mask, mask_convention: str):
 
 
 def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_type, scale_factor, dropout_rate,
-               window_size, tensor_format, fp8_dpa, mask_convention) -> AttentionConfig:
+               window_size, tensor_format, fp8_dpa, mask_convention, softmax_type: str = "vanilla",
+               softmax_offset=None) -> AttentionConfig:
   """Checks every argument (clear errors before XLA sees anything) and returns the static configuration."""
   check_mask_convention(mask_convention)
   for name, x in (("query", q), ("key", k), ("value", v)):
@@ -174,9 +206,9 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
     attn_bias_type = "post_scale_bias" if bias is not None else "no_bias"
   if attn_bias_type not in ATTN_BIAS_TYPES:
     raise ValueError(f"attn_bias_type must be None or one of {ATTN_BIAS_TYPES}, got {attn_bias_type!r}")
-  if attn_bias_type == "post_scale_bias":
+  if attn_bias_type in ("pre_scale_bias", "post_scale_bias"):
     if bias is None:
-      raise ValueError("attn_bias_type='post_scale_bias' needs a bias")
+      raise ValueError(f"attn_bias_type={attn_bias_type!r} needs a bias")
     if not jnp.issubdtype(bias.dtype, jnp.floating):
       raise TypeError(f"bias must be a floating-point array, got {bias.dtype}")
     _check_broadcastable("bias", bias.shape, (b, h, t, s))
@@ -204,7 +236,8 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
     raise ValueError("attn_mask_type='arbitrary' needs a `mask`")
   if not 0.0 <= float(dropout_rate) < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-  window = _check_window(window_size, attn_mask_type)
+  window = _check_window(window_size)
+  _check_softmax_offset(softmax_type, softmax_offset, h)
   align = s - t if attn_mask_type in BOTTOM_RIGHT_TYPES else 0
   lo, hi = -math.inf, math.inf
   if attn_mask_type in CAUSAL_TYPES:
@@ -221,7 +254,7 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
                  bias_shape=None if bias is None else tuple(bias.shape),
                  mask_shape=None if mask is None else tuple(mask.shape), has_segment_ids=segment_ids is not None,
                  scale=scale, dropout_rate=float(dropout_rate), lo=lo, hi=hi, tensor_format=tensor_format,
-                 fp8_dpa=bool(fp8_dpa))
+                 fp8_dpa=bool(fp8_dpa), softmax_type=softmax_type)
 
 
 

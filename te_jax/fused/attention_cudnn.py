@@ -40,6 +40,8 @@ def _gpu_compute_capability() -> tuple[int, int] | None:
 def native_window(cfg: AttentionConfig) -> tuple[bool, int | None]:
   """(cuDNN's causal mask, cuDNN's sliding window length) for the band ``lo <= j - i <= hi``, where cuDNN can express
   it: cuDNN's causal mask is top-left (j <= i), its window ``(i - w, i]`` comes with the causal mask."""
+  if cfg.per_sequence:  # aligned at each sequence's lengths: a dense mask of the data
+    return False, None
   if cfg.hi == 0 and (cfg.align == 0 or cfg.mask_type not in BOTTOM_RIGHT_TYPES):
     if cfg.lo == -math.inf:
       return True, None
@@ -71,6 +73,8 @@ def fused_unsupported(cfg: AttentionConfig) -> str | None:
     return f"query/key head dim {cfg.head_dim} != value head dim {cfg.v_head_dim}"
   if cfg.head_dim > max_d or cfg.head_dim % 8:
     return f"head dim {cfg.head_dim}: cuDNN needs a multiple of 8 up to {max_d} on compute capability {cc[0]}.{cc[1]}"
+  if cfg.softmax_type != "vanilla":
+    return f"softmax_type={cfg.softmax_type!r}: JAX's cuDNN call has no softmax sink"
   if cfg.dropout_rate > 0:
     return ("dropout: JAX's cuDNN call takes its dropout seed as a compile-time constant, so a traced PRNG key cannot "
             "drive it (every step would drop the same entries)")
@@ -99,11 +103,15 @@ def fused(q, k, v, bias, dense_mask, cfg: AttentionConfig):
   causal, window = native_window(cfg)
   h, t, s = cfg.heads, cfg.q_len, cfg.kv_len
   total = None
-  has_dbias = cfg.bias_type == "post_scale_bias"
+  has_dbias = cfg.bias_type in ("pre_scale_bias", "post_scale_bias")
   if has_dbias:
     # cuDNN's dbias has the bias's shape with all H heads; autodiff sums it back over broadcast heads. JAX's own test
     # (fused_attention_stablehlo_test.py, test_sdpa_dbias) notes an all-zero dbias for batch > 1 with older cuDNN;
     # the GPU tests check dbias against the unfused gradient for bias batch 1 and 2 on every run.
+    # cuDNN adds its bias after the scale: a pre-scale bias b, scale * (q.k + b), is the post-scale bias scale * b
+    # (its gradient through the product).
+    if cfg.bias_type == "pre_scale_bias":
+      bias = bias.astype(jnp.float32) * jnp.float32(cfg.scale)
     total = jnp.broadcast_to(bias.astype(q.dtype), (bias.shape[0], h, t, s))
   elif cfg.bias_type == "alibi":
     total = alibi_bias(cfg).astype(q.dtype)
@@ -164,6 +172,8 @@ def fp8_unsupported(cfg: AttentionConfig) -> str | None:
   causal, window = native_window(cfg)
   if cfg.bias_type != "no_bias" or cfg.mask_shape is not None or cfg.has_segment_ids or cfg.dropout_rate > 0:
     return "cuDNN FP8 attention takes no bias, mask, segment ids or dropout"
+  if cfg.softmax_type != "vanilla":
+    return f"softmax_type={cfg.softmax_type!r}: cuDNN FP8 attention has only the vanilla softmax"
   if window is not None or (_band_mask_needed(cfg) and not causal):
     return "cuDNN FP8 attention takes no sliding window and only the top-left causal mask"
   if cfg.head_dim != cfg.v_head_dim:

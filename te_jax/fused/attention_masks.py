@@ -11,7 +11,8 @@ import numpy as np
 
 from te_jax.fused.attention_config import AttentionConfig, segment_pair
 
-__all__ = ["alibi_bias", "alibi_bias_at", "alibi_slopes", "band_mask", "combine", "segment_mask"]
+__all__ = ["alibi_bias", "alibi_bias_at", "alibi_slopes", "band_mask", "combine", "layer_band", "segment_mask",
+           "sequence_band_mask"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -38,17 +39,54 @@ def alibi_bias(cfg: AttentionConfig) -> jax.Array:
   return alibi_bias_at(cfg.heads, jnp.arange(cfg.q_len) + cfg.align, jnp.arange(cfg.kv_len))
 
 
+def _outside(rel: jax.Array, lo: float, hi: float) -> jax.Array:
+  out = jnp.zeros(rel.shape, bool)
+  if lo != -math.inf:
+    out = out | (rel < lo)
+  if hi != math.inf:
+    out = out | (rel > hi)
+  return out
+
+
 def band_mask(cfg: AttentionConfig) -> jax.Array | None:
-  """True where ``j - i`` is outside ``[lo, hi]`` (causal mask and window), shape (1, 1, T, S); None if unbounded."""
-  if cfg.lo == -math.inf and cfg.hi == math.inf:
+  """True where ``j - i`` is outside ``[lo, hi]`` (causal mask and window), shape (1, 1, T, S); None if unbounded,
+  and None where the band is aligned per sequence (``cfg.per_sequence``: ``sequence_band_mask``, from the data)."""
+  if (cfg.lo == -math.inf and cfg.hi == math.inf) or cfg.per_sequence:
     return None
   rel = jnp.arange(cfg.kv_len)[None, :] - jnp.arange(cfg.q_len)[:, None]
-  out = jnp.zeros(rel.shape, bool)
-  if cfg.lo != -math.inf:
-    out = out | (rel < cfg.lo)
-  if cfg.hi != math.inf:
-    out = out | (rel > cfg.hi)
-  return out[None, None]
+  return _outside(rel, cfg.lo, cfg.hi)[None, None]
+
+
+def _from_end(ids: jax.Array) -> jax.Array:
+  """For each token (B, L), how many tokens of its segment (its id) stand at or after it: ``length - position`` in a
+  contiguous segment."""
+  same = ids[:, :, None] == ids[:, None, :]
+  later = jnp.arange(ids.shape[1])[None, :] >= jnp.arange(ids.shape[1])[:, None]
+  return jnp.sum(same & later[None], axis=-1)
+
+
+def sequence_band_mask(cfg: AttentionConfig, mask: jax.Array | None, segment_ids) -> jax.Array:
+  """The causal band (and window) of "padding_causal_bottom_right" aligned per sequence, True = masked out,
+  (B, 1, T, S): query ``i`` and key ``j`` of one sequence (segment) with ``t`` queries and ``s`` keys are masked where
+  ``j - i`` is outside ``[lo, hi]`` shifted by ``s - t`` (their positions taken within the sequence), as Transformer
+  Engine and cuDNN align it, where ``band_mask`` takes the padded lengths' ``S - T``. The sequences are the segments
+  of ``segment_ids``, else the attended rows and columns of ``mask`` (True = masked out), as Transformer Engine
+  reads a padding mask's lengths."""
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_pair(segment_ids, cfg.batch, cfg.q_len, cfg.kv_len)
+  else:
+    attend = ~jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], cfg.q_len, cfg.kv_len))
+    q_ids = jnp.any(attend, axis=(1, 3)).astype(jnp.int32)
+    kv_ids = jnp.any(attend, axis=(1, 2)).astype(jnp.int32)
+  # j - i - (s - t) within a sequence is (t - i) - (s - j): the queries after i less the keys after j, each counted
+  # from its sequence's end.
+  rel = _from_end(q_ids)[:, :, None] - _from_end(kv_ids)[:, None, :]
+  return _outside(rel, cfg.lo - cfg.align, cfg.hi - cfg.align)[:, None]
+
+
+def layer_band(cfg: AttentionConfig, mask: jax.Array | None, segment_ids) -> jax.Array | None:
+  """The band a call applies: ``sequence_band_mask`` where it is aligned per sequence, else ``band_mask``."""
+  return sequence_band_mask(cfg, mask, segment_ids) if cfg.per_sequence else band_mask(cfg)
 
 
 def segment_mask(segment_ids, cfg: AttentionConfig) -> jax.Array:

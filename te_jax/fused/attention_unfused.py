@@ -11,24 +11,44 @@ from te_jax.fused.attention_config import AttentionConfig
 from te_jax.fused.attention_masks import alibi_bias
 from te_jax.ops.softmax import scaled_masked_softmax, scaled_softmax
 
-__all__ = ["unfused", "unfused_with_lse"]
+__all__ = ["softmax_sink", "unfused", "unfused_with_lse"]
 
 
-def _probabilities(logits: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
+def _probabilities(logits: jax.Array, mask: jax.Array | None, scale: float, sink=None) -> jax.Array:
   """``softmax(scale * logits)`` over the last axis, masked (True = masked out), in float32; 0 on fully masked rows.
 
   The one place the unfused path computes its softmax: te_jax's fused softmax kernels (``te_jax.softmax``: one pass
   forward, one backward, only the probabilities saved), which share this mask convention and the zero rows.
+
+  ``sink`` (the "off_by_one" and "learnable" softmax types): one more logit, never masked, broadcastable to
+  (B, H, T, 1), in the denominator only: the softmax runs over the scaled logits with the sink appended as a last
+  key, whose probability is dropped (so a row with every key masked gives zeros, as in Transformer Engine).
   """
   logits = logits.astype(jnp.float32)
+  if sink is not None:
+    b, h, t, s = logits.shape
+    z = logits * jnp.float32(scale) if scale != 1.0 else logits
+    z = jnp.concatenate([z, jnp.broadcast_to(jnp.asarray(sink, jnp.float32), (b, h, t, 1))], axis=-1)
+    if mask is not None:
+      mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, 1)], constant_values=False)
+    return _probabilities(z, mask, 1.0)[..., :s]
   if mask is None:
     return scaled_softmax(logits, scale_factor=float(scale))
   return scaled_masked_softmax(logits, mask, scale_factor=float(scale))
 
 
+def softmax_sink(cfg: AttentionConfig, softmax_offset):
+  """The extra logit of ``cfg.softmax_type``: None ("vanilla"), 0 ("off_by_one"), the (1, H, 1, 1) ``softmax_offset``
+  ("learnable")."""
+  if cfg.softmax_type == "off_by_one":
+    return jnp.zeros((), jnp.float32)
+  return softmax_offset if cfg.softmax_type == "learnable" else None
+
+
 def _logits(q, k, bias, cfg: AttentionConfig) -> tuple[jax.Array, float]:
-  """``<q_i, k_j>`` per head (B, H, T, S) in float32, and the scale the softmax still has to apply (the bias, when
-  there is one, is added after the scaling, so the scale is applied here and 1 is left)."""
+  """``<q_i, k_j>`` per head (B, H, T, S) in float32, and the scale the softmax still has to apply (a post-scale bias
+  or ALiBi is added after the scaling, so the scale is applied here and 1 is left; a pre-scale bias is added before
+  it, and the softmax applies the scale)."""
   b, t, h, d = q.shape
   s = k.shape[1]  # explicit sizes, not -1: a reshape cannot infer a dim of an empty array
   hk, g = cfg.kv_heads, cfg.heads // cfg.kv_heads
@@ -36,6 +56,8 @@ def _logits(q, k, bias, cfg: AttentionConfig) -> tuple[jax.Array, float]:
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32).reshape(b, h, t, s)
   if cfg.bias_type == "no_bias":
     return logits, cfg.scale
+  if cfg.bias_type == "pre_scale_bias":
+    return logits + bias.astype(jnp.float32), cfg.scale
   extra = alibi_bias(cfg) if cfg.bias_type == "alibi" else bias.astype(jnp.float32)
   return logits * jnp.float32(cfg.scale) + extra, 1.0
 
@@ -49,10 +71,11 @@ def _attend(probs, v, cfg: AttentionConfig) -> jax.Array:
   return out.reshape(b, t, h, dv)
 
 
-def unfused(q, k, v, bias, mask, dropout_rng, cfg: AttentionConfig):
-  """BSHD q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, T, H, Dv)."""
+def unfused(q, k, v, bias, mask, dropout_rng, cfg: AttentionConfig, softmax_offset=None):
+  """BSHD q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, T, H, Dv); ``softmax_offset``: the learnable
+  softmax's (1, H, 1, 1) sink logits."""
   logits, scale = _logits(q, k, bias, cfg)
-  probs = _probabilities(logits, mask, scale)
+  probs = _probabilities(logits, mask, scale, softmax_sink(cfg, softmax_offset))
   if cfg.dropout_rate > 0:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - cfg.dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / jnp.float32(1.0 - cfg.dropout_rate), 0.0)
@@ -81,8 +104,8 @@ def unfused_with_lse(q, k, v, bias, mask, cfg: AttentionConfig) -> tuple[jax.Arr
   ``unfused``; the log-sum-exp is a second pass over the logits (the kernel keeps neither the row maximum nor the
   sum), differentiable, so a block's gradient through both outputs is ``jax.vjp`` of this function.
   """
-  if cfg.dropout_rate > 0:
-    raise ValueError("unfused_with_lse takes no dropout")
+  if cfg.dropout_rate > 0 or cfg.softmax_type != "vanilla":
+    raise ValueError("unfused_with_lse takes no dropout and only the vanilla softmax")
   logits, scale = _logits(q, k, bias, cfg)
   out = _attend(_probabilities(logits, mask, scale), v, cfg)
   lse = _masked_logsumexp(logits * jnp.float32(scale), mask)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
                                     dot_product_attention, fp8_dpa_enabled, layout_for)
-from te_jax.fused.attention_config import check_mask_convention, masked_out
+from te_jax.fused.attention_config import check_mask_convention, check_softmax_type, masked_out
 from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention, context_parallel_backend
 from te_jax.modules.attention_cache import (KVCache, check_fits_cache, decode_mask_and_bias, mark_overflow,
                                            query_positions)
@@ -67,15 +67,18 @@ class DotProductAttentionOptions(AttentionRunOptions):
   qkv_layout: str
   scale_factor: float | None
   window_size: tuple[int, int] | None
+  softmax_type: str
   transpose_batch_sequence: bool
   dtype: Any
 
   def __post_init__(self):
     check_mask_convention(self.mask_convention)
     layout_for(self.qkv_layout, self.transpose_batch_sequence)
+    check_softmax_type(self.softmax_type)
     if self.context_parallel is not None:
       check_layer_options(attn_bias_type=self.attn_bias_type, window_size=self.window_size, fp8_dpa=self.fp8_dpa,
                           transpose_batch_sequence=self.transpose_batch_sequence)
+      _check_context_parallel_softmax(self.softmax_type)
 
   @property
   def layout(self) -> str:
@@ -83,9 +86,20 @@ class DotProductAttentionOptions(AttentionRunOptions):
     return layout_for(self.qkv_layout, self.transpose_batch_sequence)
 
 
-def dot_product_attention_params(scope: Scope, o: DotProductAttentionOptions) -> None:
-  """The module's variables: only the dropout's key stream (NNX: ``rngs``), with attention dropout."""
+def _check_context_parallel_softmax(softmax_type: str) -> None:
+  if softmax_type != "vanilla":
+    raise ValueError(f"softmax_type: context_parallel attention does not support softmax_type={softmax_type!r} (only "
+                     "'vanilla')")
+
+
+def dot_product_attention_params(scope: Scope, o: DotProductAttentionOptions) -> jax.Array | None:
+  """The module's variables: the dropout's key stream (NNX: ``rngs``), with attention dropout; the learnable
+  softmax's ``softmax_offset`` (1, H, 1, 1), float32, zeros at first (Transformer Engine's name, shape and
+  initialization), which it returns (None for the other softmax types)."""
   scope.declare_rng("rngs", o.dropout_rng_name, o.attention_dropout > 0)
+  if o.softmax_type != "learnable":
+    return None
+  return scope.param("softmax_offset", _zeros, (1, o.num_attention_heads, 1, 1), jnp.float32)
 
 
 def _check_heads(o: DotProductAttentionOptions, query, key, layout: str) -> None:
@@ -108,14 +122,15 @@ def _attention_kwargs(o: DotProductAttentionOptions, segment_ids, rate: float, a
   return dict(segment_ids=segment_ids, dropout_rate=rate, attn_mask_type=attn_mask_type or o.attn_mask_type,
               attn_bias_type=attn_bias_type or o.attn_bias_type, scale_factor=o.scale_factor,
               window_size=o.window_size if window_size is None else window_size, qkv_layout=o.layout,
-              backend=o.backend, mask_convention=o.mask_convention)
+              backend=o.backend, mask_convention=o.mask_convention, softmax_type=o.softmax_type)
 
 
 def _context_parallel_kwargs(o: DotProductAttentionOptions, kw: dict, bias) -> dict:
   """The arguments of ``context_parallel_attention`` from the call's, checked for what it does not combine with."""
   check_layer_options(bias=bias, attn_bias_type=kw["attn_bias_type"], window_size=kw["window_size"],
                       fp8_dpa=o.fp8_dpa, transpose_batch_sequence=o.transpose_batch_sequence)
-  kw = {k: v for k, v in kw.items() if k not in ("attn_bias_type", "window_size", "mask_convention")}
+  kw = {k: v for k, v in kw.items()
+        if k not in ("attn_bias_type", "window_size", "mask_convention", "softmax_type", "softmax_offset")}
   return dict(axis=o.context_parallel, mesh=o.mesh, strategy=o.cp_strategy, load_balanced=o.cp_load_balanced,
               **context_parallel_axes(), **kw)
 
@@ -128,6 +143,7 @@ def dot_product_attention_block(scope: Scope, o: DotProductAttentionOptions, que
   ``attn_mask_type``, ``attn_bias_type``, ``window_size``: this call's, None for the module's."""
   rate = 0.0 if deterministic else o.attention_dropout
   kw = _attention_kwargs(o, segment_ids, rate, attn_mask_type, attn_bias_type, window_size)
+  kw["softmax_offset"] = dot_product_attention_params(scope, o)
   _check_heads(o, query, key, kw["qkv_layout"])
   if o.dtype is not None:
     query, key, value = (None if x is None else x.astype(o.dtype) for x in (query, key, value))
@@ -143,6 +159,8 @@ def attention_backend_for(o: DotProductAttentionOptions, query, key=None, value=
   """Which backend the call with these arguments (arrays or ``jax.ShapeDtypeStruct``) runs on, and why."""
   cast = [None if x is None else jax.ShapeDtypeStruct(x.shape, o.dtype or query.dtype) for x in (query, key, value)]
   kw = _attention_kwargs(o, segment_ids, 0.0 if deterministic else o.attention_dropout, None, None, None)
+  if o.softmax_type == "learnable":
+    kw["softmax_offset"] = jax.ShapeDtypeStruct((1, o.num_attention_heads, 1, 1), jnp.float32)
   if o.context_parallel is not None:
     return context_parallel_backend(*cast, strategy=o.cp_strategy, **kw)
   fp8_dpa = fp8_dpa_enabled(o.fp8_dpa, *cast, bias, mask, **kw, recipe=o.recipe)
@@ -203,6 +221,7 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
   scale_factor: float | None
   scale_attn_logits: bool
   window_size: tuple[int, int] | None
+  softmax_type: str
   transpose_batch_sequence: bool
   kernel_init: Initializer
   bias_init: Initializer
@@ -223,6 +242,9 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
       raise ValueError(f"scale_attn_logits=False leaves the logits unscaled, and scale_factor={self.scale_factor} "
                        "asks for a scale: give one of the two (scale_factor=1.0 is scale_attn_logits=False)")
     check_mask_convention(self.mask_convention)
+    check_softmax_type(self.softmax_type)
+    if self.context_parallel is not None:
+      _check_context_parallel_softmax(self.softmax_type)
 
   @property
   def kv_heads(self) -> int:
@@ -262,7 +284,7 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
         attn_mask_type=self.attn_mask_type, attn_bias_type=self.attn_bias_type,
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name, qkv_layout="BSHD",
         scale_factor=self.scale_factor if self.scale_attn_logits else 1.0, window_size=self.window_size,
-        transpose_batch_sequence=False, dtype=None,
+        softmax_type=self.softmax_type, transpose_batch_sequence=False, dtype=None,
         **{**self.run_options(), "mask_convention": "te"})
 
   def output(self, hidden: int) -> DenseGeneralOptions:
@@ -316,13 +338,15 @@ def _split_projection(out, want_norm_output: bool, pass_input: bool):
   return y, ln_out, (rest.pop(0) if pass_input else None)
 
 
-def _rope(o: MultiHeadAttentionOptions, q, k, positions, offset):
-  """RoPE of q and k (batch first) at ``positions`` (B, S) / (S,), else ``offset + arange(S)``."""
+def _rope(o: MultiHeadAttentionOptions, q, k, positions, offset, self_attention: bool):
+  """RoPE of q and k (batch first): the queries at ``positions`` (B, T) / (T,), else ``offset + arange(T)``; the keys
+  of self attention at the queries' positions, those of cross attention at ``arange(S)`` (their own sequence)."""
   if positions is None:
     positions = query_positions(q.shape[1], offset)
-  freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), o.rotary_dim, o.rotary_base)
-  rope = functools.partial(apply_rope, freqs=freqs, interleaved=o.rotary_interleaved)
-  return rope(q), rope(k)
+  rope = functools.partial(apply_rope, interleaved=o.rotary_interleaved)
+  q_freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), o.rotary_dim, o.rotary_base)
+  k_freqs = q_freqs if self_attention else rope_frequencies(query_positions(k.shape[1]), o.rotary_dim, o.rotary_base)
+  return rope(q, freqs=q_freqs), rope(k, freqs=k_freqs)
 
 
 def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: jax.Array, inputs_kv=None, mask=None,
@@ -338,6 +362,10 @@ def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: j
     raise ValueError("decode=True does not take segment_ids")
   if o.context_parallel is not None:
     check_layer_options(decode=decode)
+    if o.enable_rotary_pos_emb and o.cp_load_balanced and not self_attention:
+      raise ValueError("enable_rotary_pos_emb: with context_parallel and cp_load_balanced=True the keys of cross "
+                       "attention are in zig-zag order, and RoPE takes them at arange(S): give cp_load_balanced=False "
+                       "(or no RoPE)")
     if o.enable_rotary_pos_emb and o.cp_load_balanced and positions is None:
       raise ValueError("positions: with context_parallel and cp_load_balanced=True the sequence is in zig-zag order, "
                        "so RoPE needs its tokens' positions: pass positions=te_jax.zigzag_order(seq_len, cp) (or "
@@ -394,7 +422,7 @@ def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: j
     k, v = parts.kv(ln_out if kv_from_norm else stream(xkv))
 
   if o.enable_rotary_pos_emb:
-    q, k = _rope(o, q, k, positions, offset)
+    q, k = _rope(o, q, k, positions, offset, self_attention)
   bias_type = window = None  # the attention's own
   if decode:
     cached_k, cached_v = cache.append(k, v)

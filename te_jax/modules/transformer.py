@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.modules.attention import AttentionRunOptions, MultiHeadAttentionOptions, RelativePositionBiasesOptions
-from te_jax.modules.attention_cache import KVCache, check_fits_cache
+from te_jax.modules.attention_cache import KVCache, check_fits_cache, query_positions
 from te_jax.modules.axes import ACT, ACT_EMBED, BATCH, EMBED, HEADS, MLP, SEQ, Initializer, axes, constrain
 from te_jax.modules.dense import DenseGeneralOptions
 from te_jax.modules.layernorm_dense import LayerNormOptions
@@ -57,6 +57,7 @@ class TransformerLayerOptions(AttentionRunOptions):
   post_layernorm: bool
   output_layernorm: bool
   scale_attn_logits: bool
+  softmax_type: str
   enable_rotary_pos_emb: bool
   rotary_base: float
   rotary_percent: float
@@ -84,8 +85,9 @@ class TransformerLayerOptions(AttentionRunOptions):
     if self.apply_residual_connection_post_layernorm and self.output_layernorm:
       raise ValueError("apply_residual_connection_post_layernorm=True takes each block's residual from its input "
                        "norm, and output_layernorm=True leaves the self attention without one: give one of the two")
-    if self.enable_relative_embedding and self.self_attn_bias_type not in (None, "post_scale_bias"):
-      raise ValueError(f"enable_relative_embedding=True makes the relative biases the self attention's bias; "
+    if self.enable_relative_embedding and self.self_attn_bias_type not in (None, "pre_scale_bias", "post_scale_bias"):
+      raise ValueError(f"enable_relative_embedding=True makes the relative biases the self attention's bias (added "
+                       f"after the logits' scale, or before it with self_attn_bias_type='pre_scale_bias'); "
                        f"self_attn_bias_type={self.self_attn_bias_type!r} asks for another")
 
   def axes(self, *names: str | None) -> tuple[str | None, ...]:
@@ -96,12 +98,13 @@ class TransformerLayerOptions(AttentionRunOptions):
     return self.self_attn_mask_type or ("causal" if self.layer_type == "decoder" else "padding")
 
   def attention(self, cross: bool) -> MultiHeadAttentionOptions:
-    """The options of the self attention, or of a decoder's cross attention (``cross``)."""
-    own = dict(attn_mask_type="padding", attn_bias_type=None, enable_rotary_pos_emb=False, window_size=None,
-               context_parallel=None) if cross else dict(
+    """The options of the self attention, or of a decoder's cross attention (``cross``): both with the layer's RoPE,
+    sliding window and softmax type, as in Transformer Engine; the self attention's bias, mask type and context
+    parallelism its own."""
+    relative = self.self_attn_bias_type if self.self_attn_bias_type == "pre_scale_bias" else "post_scale_bias"
+    own = dict(attn_mask_type="padding", attn_bias_type=None, context_parallel=None) if cross else dict(
         attn_mask_type=self.self_mask_type,
-        attn_bias_type="post_scale_bias" if self.enable_relative_embedding else self.self_attn_bias_type,
-        enable_rotary_pos_emb=self.enable_rotary_pos_emb, window_size=self.window_size,
+        attn_bias_type=relative if self.enable_relative_embedding else self.self_attn_bias_type,
         context_parallel=self.context_parallel)
     return MultiHeadAttentionOptions(
         head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
@@ -109,10 +112,11 @@ class TransformerLayerOptions(AttentionRunOptions):
         attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
         input_layernorm=not self.post_layernorm and (cross or not self.output_layernorm), norm_type=self.norm_type,
         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-        return_layernorm_output=self.apply_residual_connection_post_layernorm, rotary_base=self.rotary_base,
+        return_layernorm_output=self.apply_residual_connection_post_layernorm,
+        enable_rotary_pos_emb=self.enable_rotary_pos_emb, window_size=self.window_size, rotary_base=self.rotary_base,
         rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved, fuse_qkv_params=True,
         use_bias=self.use_bias, scale_factor=None, scale_attn_logits=self.scale_attn_logits,
-        transpose_batch_sequence=self.transpose_batch_sequence,
+        softmax_type=self.softmax_type, transpose_batch_sequence=self.transpose_batch_sequence,
         kernel_init=self.kernel_init, bias_init=_zeros, logical_axes=self.logical_axes, dtype=self.dtype,
         param_dtype=self.param_dtype, **{**self.run_options(), **own})
 
@@ -252,8 +256,11 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
     x = parts.self_attention_layernorm(x)
   if encoded is not None:
     cross_type = "padding" if encoder_decoder_mask is not None else "no_mask"
-    x = residual_block(lambda r: parts.cross_attention(x, encoded, encoder_decoder_mask, deterministic=deterministic,
-                                                       residual=r, attn_mask_type=cross_type), x)
+    # RoPE: the queries at their positions (when decoding, the cache index's), the keys at the encoder's arange.
+    q_positions = positions if positions is not None or offset is None else query_positions(length, offset)
+    x = residual_block(lambda r: parts.cross_attention(x, encoded, encoder_decoder_mask, positions=q_positions,
+                                                       deterministic=deterministic, residual=r,
+                                                       attn_mask_type=cross_type), x)
     if o.post_layernorm:
       x = parts.cross_attention_layernorm(x)
   if not o.post_layernorm:

@@ -43,7 +43,8 @@ class DotProductAttention(nnx.Module):
   te_jax.flax.DotProductAttention, whose arguments these are; dropout masks come from ``rngs``'
   ``dropout_rng_name`` stream). ``context_parallel``, ``cp_strategy``, ``cp_load_balanced`` and ``mesh``: context
   parallelism, as in te_jax.flax.DotProductAttention. ``recipe``: an FP8 recipe for this layer, overriding
-  autocast's: with ``fp8_dpa=None``, its ``fp8_dpa`` decides FP8 attention.
+  autocast's: with ``fp8_dpa=None``, its ``fp8_dpa`` decides FP8 attention. ``softmax_type="learnable"``: the
+  ``softmax_offset`` parameter, created from ``rngs``.
 
   >>> import jax.numpy as jnp, te_jax.nnx as te_nnx
   >>> attn = te_nnx.DotProductAttention(32, 4, num_gqa_groups=2)
@@ -55,7 +56,8 @@ class DotProductAttention(nnx.Module):
   def __init__(self, head_dim: int, num_attention_heads: int, *, num_gqa_groups: int | None = None,
                attn_mask_type: str = "causal", attn_bias_type: str | None = None, attention_dropout: float = 0.0,
                dropout_rng_name: str = "dropout", qkv_layout: str = "BSHD", scale_factor: float | None = None,
-               window_size: tuple[int, int] | None = None, transpose_batch_sequence: bool = False,
+               window_size: tuple[int, int] | None = None, softmax_type: str = "vanilla",
+               transpose_batch_sequence: bool = False,
                deterministic: bool | None = None, dtype: Any = None, backend: str = "auto",
                fp8_dpa: bool | None = None, mask_convention: str = "flax", context_parallel: str | None = None,
                cp_strategy: str = "all_gather", cp_load_balanced: bool = True, mesh: Any = None,
@@ -65,9 +67,12 @@ class DotProductAttention(nnx.Module):
         head_dim=head_dim, num_attention_heads=num_attention_heads, num_gqa_groups=num_gqa_groups,
         attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type, attention_dropout=attention_dropout,
         dropout_rng_name=dropout_rng_name, qkv_layout=qkv_layout, scale_factor=scale_factor, window_size=window_size,
-        transpose_batch_sequence=transpose_batch_sequence, dtype=dtype, backend=backend, fp8_dpa=fp8_dpa,
+        softmax_type=softmax_type, transpose_batch_sequence=transpose_batch_sequence, dtype=dtype, backend=backend,
+        fp8_dpa=fp8_dpa,
         mask_convention=mask_convention, context_parallel=context_parallel, cp_strategy=cp_strategy,
         cp_load_balanced=cp_load_balanced, mesh=mesh, recipe=recipe))
+    if softmax_type == "learnable" and rngs is None:
+      raise ValueError("softmax_type='learnable' makes the parameter softmax_offset: give rngs (its 'params' stream)")
     dot_product_attention_params(NnxScope(self, rngs, building=True), self.options)
 
   @classmethod
@@ -139,7 +144,8 @@ class MultiHeadAttention(nnx.Module):
                attn_mask_type: str = "causal", attn_bias_type: str | None = None, enable_rotary_pos_emb: bool = False,
                rotary_base: float = 10000.0, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
                fuse_qkv_params: bool = True, use_bias: bool = False, scale_factor: float | None = None,
-               scale_attn_logits: bool = True, window_size: tuple[int, int] | None = None, transpose_batch_sequence: bool = False,
+               scale_attn_logits: bool = True, window_size: tuple[int, int] | None = None,
+               softmax_type: str = "vanilla", transpose_batch_sequence: bool = False,
                kernel_init: Initializer = nnx.initializers.variance_scaling(1.0, "fan_in", "normal"),
                bias_init: Initializer = nnx.initializers.zeros_init(), logical_axes: bool = False,
                deterministic: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32,
@@ -156,7 +162,8 @@ class MultiHeadAttention(nnx.Module):
         attn_bias_type=attn_bias_type, enable_rotary_pos_emb=enable_rotary_pos_emb, rotary_base=rotary_base,
         rotary_percent=rotary_percent, rotary_interleaved=rotary_interleaved, fuse_qkv_params=fuse_qkv_params,
         use_bias=use_bias, scale_factor=scale_factor, scale_attn_logits=scale_attn_logits, window_size=window_size,
-        transpose_batch_sequence=transpose_batch_sequence, kernel_init=kernel_init, bias_init=bias_init,
+        softmax_type=softmax_type, transpose_batch_sequence=transpose_batch_sequence, kernel_init=kernel_init,
+        bias_init=bias_init,
         logical_axes=logical_axes, dtype=dtype, param_dtype=param_dtype, backend=backend, fp8_dpa=fp8_dpa,
         mask_convention=mask_convention, context_parallel=context_parallel, cp_strategy=cp_strategy,
         cp_load_balanced=cp_load_balanced, mesh=mesh, recipe=recipe))
