@@ -336,3 +336,62 @@ def test_window_right_side_with_a_causal_mask_is_accepted():
   q, k, v = _qkv(70, t=6, s=6)
   run = lambda w: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=w, backend="unfused")
   np.testing.assert_array_equal(np.asarray(run((2, 3))), np.asarray(run((2, 0))))
+
+
+# ---- layer options: drop_path, hidden_dropout_dims ----------------------------------------------------------------
+
+
+def _pre_ln_branches_ref(p, x, m1, m2):
+  """The pre-LN layer with its two residual branches multiplied by ``m1`` (attention) and ``m2`` (MLP)."""
+  a = p["self_attention"]
+  y = x + m1 * _attention(a, _ln(x, a["qkv"]["ln_scale"], a["qkv"]["ln_bias"]), True)
+  m = p["mlp"]
+  h = _gelu(np.einsum("bsh,hf->bsf", _ln(y, m["ln_scale"], m["ln_bias"]), m["wi_kernel"][:, 0, :]))
+  return y + m2 * (h @ m["wo_kernel"])
+
+
+def _branch_masks(ours, p, x, keep, shape):
+  """For each element of ``shape`` (the examples, or one for the whole batch), which (m1, m2) of {0, keep}^2 the
+  output is (checked against the reference within the tolerance rule); the pairs found."""
+  found = []
+  for idx in np.ndindex(*shape):
+    sel = (slice(None),) if shape == () else idx
+    errs = {}
+    for m1 in (0.0, keep):
+      for m2 in (0.0, keep):
+        ref = _pre_ln_branches_ref(_np(p, np.float64), np.asarray(x, np.float64), m1, m2)
+        errs[(m1, m2)] = np.max(np.abs(np.asarray(ours, np.float64)[sel] - ref[sel]))
+    best = min(errs, key=errs.get)
+    assert errs[best] < 1e-4 < min(e for k, e in errs.items() if k != best), (idx, errs)
+    found.append(best)
+  return found
+
+
+def test_drop_path_drops_whole_branches_per_example():
+  layer = _layer(drop_path=0.5)
+  x = random_normal(80, (16, 3, H))
+  v = layer.init(jax.random.key(8), x, deterministic=True)
+  plain = _layer().apply(v, x, deterministic=True)
+  np.testing.assert_array_equal(np.asarray(layer.apply(v, x, deterministic=True)), np.asarray(plain))
+  ours = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(9)})
+  found = [pair for b in range(16) for pair in _branch_masks(ours[b:b + 1], v["params"], x[b:b + 1], 2.0, ())]
+  assert {m1 for m1, _ in found} == {0.0, 2.0} and {m2 for _, m2 in found} == {0.0, 2.0}, found
+  model = te_nnx.TransformerLayer(H, F, HEADS, drop_path=0.5, dtype=jnp.float32, backend="unfused",
+                                  rngs=nnx.Rngs(0, dropout=1))
+  out, params = model(x, deterministic=False), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  found = [pair for b in range(16) for pair in _branch_masks(out[b:b + 1], params, x[b:b + 1], 2.0, ())]
+  assert {m1 for m1, _ in found} == {0.0, 2.0} and {m2 for _, m2 in found} == {0.0, 2.0}, found
+
+
+def test_hidden_dropout_dims_share_the_mask():
+  """With every dim broadcast, each hidden dropout draws one value for the whole stream."""
+  layer = _layer(hidden_dropout=0.5, hidden_dropout_dims=(0, 1, -1))
+  x = random_normal(81, (2, 3, H))
+  v = layer.init(jax.random.key(10), x, deterministic=True)
+  for seed in range(3):
+    ours = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+    _branch_masks(ours, v["params"], x, 2.0, ())
+  with pytest.raises(ValueError, match="hidden_dropout_dims must be"):
+    _layer(hidden_dropout_dims=(3,)).init(jax.random.key(0), x, deterministic=True)
+  with pytest.raises(ValueError, match="drop_path must be"):
+    _layer(drop_path=1.0).init(jax.random.key(0), x, deterministic=True)

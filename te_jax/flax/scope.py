@@ -62,12 +62,14 @@ class LinenScope(Scope):
   def fp8_state(self, recipe, x, prefixes=("",), *, groups=None):
     return fp8_state(self.module, recipe, x, prefixes, groups=groups)
 
-  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
-    del name, rate, rng_name  # linen creates the dropout at the call
+  def declare_dropout(self, name: str, rate: float, rng_name: str, broadcast_dims: tuple[int, ...] = ()) -> None:
+    del name, rate, rng_name, broadcast_dims  # linen creates the dropout at the call
 
-  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False) -> jax.Array:
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False,
+              broadcast_dims: tuple[int, ...] = ()) -> jax.Array:
     del name  # linen names it as any inline submodule of the calling module (Dropout_0, ...)
-    return nn.Dropout(rate, rng_collection=rng_name)(x, deterministic=deterministic)
+    return nn.Dropout(rate, broadcast_dims=tuple(broadcast_dims), rng_collection=rng_name)(
+        x, deterministic=deterministic)
 
   def declare_rng(self, name: str, rng_name: str, needed: bool) -> None:
     del name, rng_name, needed  # the call draws from the module's rng stream

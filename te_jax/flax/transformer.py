@@ -53,6 +53,11 @@ class TransformerLayer(nn.Module):
     norm_type, epsilon, zero_centered_gamma: the norms'.
     hidden_dropout, attention_dropout, intermediate_dropout: dropout after attention and MLP (before the residual
       add), on the attention probabilities, and on the MLP's activation output.
+    hidden_dropout_dims: the dims of the (3-D) stream along which ``hidden_dropout``'s mask is shared (Flax's
+      ``broadcast_dims``), e.g. ``(1,)`` for one mask per example and feature across the sequence.
+    drop_path: stochastic depth (Huang et al., 2016) on the self attention's and the MLP's residual branches, as in
+      Transformer Engine: each example's branch dropped with this rate, the kept ones scaled by 1 / (1 - rate);
+      none when ``deterministic``.
     activation_type: the MLP's, e.g. ("gelu",), ("silu", "linear") for SwiGLU.
     use_bias: biases on every projection.
     apply_residual_connection_post_layernorm: each block's residual is its normalized input instead of its input
@@ -92,6 +97,8 @@ class TransformerLayer(nn.Module):
   epsilon: float = 1e-6
   zero_centered_gamma: bool = False
   hidden_dropout: float = 0.0
+  hidden_dropout_dims: Sequence[int] = ()
+  drop_path: float = 0.0
   attention_dropout: float = 0.0
   intermediate_dropout: float = 0.0
   dropout_rng_name: str = "dropout"
@@ -142,6 +149,7 @@ class TransformerLayer(nn.Module):
     """
     options = options_of(self, TransformerLayerOptions)
     deterministic = resolve_deterministic(self, deterministic, hidden_dropout=self.hidden_dropout,
+                                          drop_path=self.drop_path,
                                           attention_dropout=self.attention_dropout,
                                           intermediate_dropout=self.intermediate_dropout)
     return transformer_layer(LinenScope(self), options, inputs, encoded, attention_mask, encoder_decoder_mask,

@@ -61,14 +61,17 @@ class Scope(abc.ABC):
     ``x``, so the step hands it back unchanged."""
 
   @abc.abstractmethod
-  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
+  def declare_dropout(self, name: str, rate: float, rng_name: str, broadcast_dims: tuple[int, ...] = ()) -> None:
     """Where the framework creates submodules ahead of the call (NNX): a dropout ``name`` of ``rate``, its masks from
-    the ``rng_name`` stream. A no-op where the call creates it (linen)."""
+    the ``rng_name`` stream, one mask value shared along ``broadcast_dims``. A no-op where the call creates it
+    (linen)."""
 
   @abc.abstractmethod
-  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False) -> jax.Array:
-    """``x`` through the dropout ``name`` (``rate``, masks from the ``rng_name`` stream); with ``deterministic``,
-    ``x`` itself (linen still names the dropout then, as Flax's inline ``nn.Dropout`` does)."""
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False,
+              broadcast_dims: tuple[int, ...] = ()) -> jax.Array:
+    """``x`` through the dropout ``name`` (``rate``, masks from the ``rng_name`` stream, shared along
+    ``broadcast_dims``, as declared); with ``deterministic``, ``x`` itself (linen still names the dropout then, as
+    Flax's inline ``nn.Dropout`` does)."""
 
   @abc.abstractmethod
   def declare_rng(self, name: str, rng_name: str, needed: bool) -> None:

@@ -48,6 +48,8 @@ class TransformerLayerOptions(AttentionRunOptions):
   epsilon: float
   zero_centered_gamma: bool
   hidden_dropout: float
+  hidden_dropout_dims: Sequence[int]
+  drop_path: float
   attention_dropout: float
   intermediate_dropout: float
   dropout_rng_name: str
@@ -71,6 +73,15 @@ class TransformerLayerOptions(AttentionRunOptions):
 
   def __post_init__(self):
     object.__setattr__(self, "activation_type", tuple(self.activation_type))
+    dims = self.hidden_dropout_dims
+    if not (isinstance(dims, Sequence) and all(isinstance(d, int) and not isinstance(d, bool) and -3 <= d < 3
+                                               for d in dims)):
+      raise ValueError(f"hidden_dropout_dims must be a sequence of dims of the (3-D) inputs, each in [-3, 3), got "
+                       f"{dims!r}")
+    object.__setattr__(self, "hidden_dropout_dims", tuple(d % 3 for d in dims))
+    if not (isinstance(self.drop_path, (int, float)) and not isinstance(self.drop_path, bool)
+            and 0.0 <= self.drop_path < 1.0):
+      raise ValueError(f"drop_path must be a rate in [0, 1), got {self.drop_path!r}")
     if self.layer_type not in LAYER_TYPES:
       raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {self.layer_type!r}")
     if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -92,6 +103,11 @@ class TransformerLayerOptions(AttentionRunOptions):
 
   def axes(self, *names: str | None) -> tuple[str | None, ...]:
     return axes(self.logical_axes, *names)
+
+  @property
+  def drop_path_dims(self) -> tuple[int, ...]:
+    """The dims a drop-path mask is shared along: all but the batch's (one draw per example)."""
+    return (0, 2) if self.transpose_batch_sequence else (1, 2)
 
   @property
   def self_mask_type(self) -> str:
@@ -193,7 +209,9 @@ def transformer_layer_params(scope: Scope, o: TransformerLayerOptions, cross_att
     mlp = scope.submodule("mlp", o.mlp(), hidden)
     if o.output_layernorm:
       out_norm = scope.submodule("output_layernorm", o.norm(), hidden)
-  scope.declare_dropout("dropout", o.hidden_dropout, o.dropout_rng_name)
+  scope.declare_dropout("dropout", o.hidden_dropout, o.dropout_rng_name, o.hidden_dropout_dims)
+  if o.drop_path > 0:
+    scope.declare_dropout("drop_path", o.drop_path, o.dropout_rng_name, o.drop_path_dims)
   return LayerParts(relpos, self_attention, cross, cross_norm, self_norm, mlp_norm, wi, wo, mlp, out_norm)
 
 
@@ -216,22 +234,27 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
     outside Flax's logical axis rules)."""
     return constrain(x, stream_names) if o.logical_axes else x
 
-  def dropout_add(y, residual, name="dropout"):
-    y = scope.dropout(name, o.hidden_dropout, o.dropout_rng_name, y, deterministic)
+  def dropout_add(y, residual, path: bool):
+    """``residual + dropout(y)``, with ``path`` also the drop path (stochastic depth, Huang et al. 2016: the whole
+    branch of an example dropped, the others scaled by 1 / (1 - drop_path)), as Transformer Engine applies it."""
+    y = scope.dropout("dropout", o.hidden_dropout, o.dropout_rng_name, y, deterministic, o.hidden_dropout_dims)
+    if path and o.drop_path > 0:
+      y = scope.dropout("drop_path", o.drop_path, o.dropout_rng_name, y, deterministic, o.drop_path_dims)
     return residual_stream(y.astype(residual.dtype) + residual)
 
-  def residual_block(block, residual):
-    """``residual + dropout(block(None))``; with no dropout to apply and the residual stream in the compute dtype,
-    ``block(residual)`` instead: the block adds it in its last GEMM's epilogue (no pass of its own). With
-    ``apply_residual_connection_post_layernorm``, ``block(None)`` returns its normalized input too, which is the
-    residual then."""
+  def residual_block(block, residual, path: bool):
+    """``residual + dropout(block(None))`` (``path``: with the drop path); with no dropout to apply and the residual
+    stream in the compute dtype, ``block(residual)`` instead: the block adds it in its last GEMM's epilogue (no pass
+    of its own). With ``apply_residual_connection_post_layernorm``, ``block(None)`` returns its normalized input
+    too, which is the residual then."""
     if o.apply_residual_connection_post_layernorm:
       y, normalized = block(None)
-      return dropout_add(y, normalized)
+      return dropout_add(y, normalized, path)
     compute_dtype = jnp.dtype(o.dtype or jnp.result_type(residual.dtype, o.param_dtype))
-    if (o.hidden_dropout == 0.0 or deterministic) and jnp.dtype(residual.dtype) == compute_dtype:
+    no_dropout = deterministic or (o.hidden_dropout == 0.0 and (o.drop_path == 0.0 or not path))
+    if no_dropout and jnp.dtype(residual.dtype) == compute_dtype:
       return residual_stream(block(residual))
-    return dropout_add(block(None), residual)
+    return dropout_add(block(None), residual, path)
 
   bias = offset = None
   length = inputs.shape[0 if o.transpose_batch_sequence else 1]
@@ -251,7 +274,7 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
   attn = parts.self_attention
   kw = dict(segment_ids=segment_ids, positions=positions, decode=decode, deterministic=deterministic,
             attn_mask_type=mask_type)
-  x = residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **kw), x)
+  x = residual_block(lambda r: attn(x, None, attention_mask, bias, residual=r, **kw), x, True)
   if o.post_layernorm:
     x = parts.self_attention_layernorm(x)
   if encoded is not None:
@@ -260,16 +283,16 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
     q_positions = positions if positions is not None or offset is None else query_positions(length, offset)
     x = residual_block(lambda r: parts.cross_attention(x, encoded, encoder_decoder_mask, positions=q_positions,
                                                        deterministic=deterministic, residual=r,
-                                                       attn_mask_type=cross_type), x)
+                                                       attn_mask_type=cross_type), x, False)
     if o.post_layernorm:
       x = parts.cross_attention_layernorm(x)
   if not o.post_layernorm:
-    x = residual_block(lambda r: parts.mlp(x, deterministic=deterministic, residual=r), x)
+    x = residual_block(lambda r: parts.mlp(x, deterministic=deterministic, residual=r), x, True)
     # output_layernorm: the self attention read the input as it is; its norm is here, on the layer's output.
     return parts.output_layernorm(x) if o.output_layernorm else x
   # Post-LN: the input is normalized already; the MLP is fc1, activation, fc2.
   h = parts.wi(x)
   a = activation(h if len(o.activation_type) == 2 else h[..., 0, :], o.activation_type)
   a = scope.dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name, a, deterministic)
-  x = dropout_add(parts.wo(a), x)
+  x = dropout_add(parts.wo(a), x, True)
   return parts.mlp_layernorm(x)

@@ -72,12 +72,14 @@ class NnxScope(Scope):
   def fp8_state(self, recipe, x, prefixes=("",), *, groups=None):
     return fp8_metas(self.module, recipe, x, prefixes, groups=groups)
 
-  def declare_dropout(self, name: str, rate: float, rng_name: str) -> None:
+  def declare_dropout(self, name: str, rate: float, rng_name: str, broadcast_dims: tuple[int, ...] = ()) -> None:
     if self.building:
-      setattr(self.module, name, nnx.Dropout(rate, rng_collection=rng_name, rngs=self.rngs if rate > 0 else None))
+      setattr(self.module, name, nnx.Dropout(rate, broadcast_dims=tuple(broadcast_dims), rng_collection=rng_name,
+                                             rngs=self.rngs if rate > 0 else None))
 
-  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False) -> jax.Array:
-    del rate, rng_name  # the module's nnx.Dropout has them
+  def dropout(self, name: str, rate: float, rng_name: str, x: jax.Array, deterministic: bool = False,
+              broadcast_dims: tuple[int, ...] = ()) -> jax.Array:
+    del rate, rng_name, broadcast_dims  # the module's nnx.Dropout has them
     return getattr(self.module, name)(x, deterministic=deterministic)
 
   def declare_rng(self, name: str, rng_name: str, needed: bool) -> None:

@@ -66,7 +66,8 @@ class TransformerLayer(nnx.Module):
                self_attn_bias_type: str | None = None, enable_relative_embedding: bool = False,
                relative_embedding_buckets: int = 32, relative_embedding_max_distance: int = 128,
                norm_type: str = "layernorm", epsilon: float = 1e-6,
-               zero_centered_gamma: bool = False, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+               zero_centered_gamma: bool = False, hidden_dropout: float = 0.0, hidden_dropout_dims: Sequence[int] = (),
+               drop_path: float = 0.0, attention_dropout: float = 0.0,
                intermediate_dropout: float = 0.0, dropout_rng_name: str = "dropout",
                activation_type: Sequence[str] = ("gelu",), use_bias: bool = False,
                apply_residual_connection_post_layernorm: bool = False, post_layernorm: bool = False,
@@ -86,7 +87,8 @@ class TransformerLayer(nnx.Module):
         self_attn_mask_type=self_attn_mask_type, self_attn_bias_type=self_attn_bias_type,
         enable_relative_embedding=enable_relative_embedding, relative_embedding_buckets=relative_embedding_buckets,
         relative_embedding_max_distance=relative_embedding_max_distance, norm_type=norm_type, epsilon=epsilon,
-        zero_centered_gamma=zero_centered_gamma, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        zero_centered_gamma=zero_centered_gamma, hidden_dropout=hidden_dropout,
+        hidden_dropout_dims=hidden_dropout_dims, drop_path=drop_path, attention_dropout=attention_dropout,
         intermediate_dropout=intermediate_dropout, dropout_rng_name=dropout_rng_name,
         activation_type=activation_type, use_bias=use_bias,
         apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
@@ -120,7 +122,7 @@ class TransformerLayer(nnx.Module):
     """As te_jax.flax.TransformerLayer's call; ``decode`` (None: the constructor's) uses and updates the self
     attention's KV cache of ``init_cache``."""
     o = self.options
-    deterministic = resolve_deterministic(self, deterministic, hidden_dropout=o.hidden_dropout,
+    deterministic = resolve_deterministic(self, deterministic, hidden_dropout=o.hidden_dropout, drop_path=o.drop_path,
                                           attention_dropout=o.attention_dropout,
                                           intermediate_dropout=o.intermediate_dropout)
     if (encoded is not None) != self.cross_attention:
