@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import jax.numpy as jnp
 
@@ -79,7 +80,8 @@ class DelayedScaling:
   'max'
 
   Attributes:
-    margin: the scale leaves ``2**margin`` of headroom: ``scale = fp8_max / (amax * 2**margin)``.
+    margin: the scale leaves ``2**margin`` of headroom: ``scale = fp8_max / (amax * 2**margin)``; any finite value
+      >= 0, an int or a float (as in Transformer Engine).
     fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
     amax_history_len: how many steps of amax each tensor remembers.
     amax_compute_algo: ``"max"`` over the history, or ``"most_recent"``.
@@ -90,7 +92,7 @@ class DelayedScaling:
       weight-gradient GEMMs (``MMParams``).
   """
 
-  margin: int = 0
+  margin: float = 0
   fp8_format: Format = Format.HYBRID
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
@@ -100,8 +102,9 @@ class DelayedScaling:
   fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
 
   def __post_init__(self):
-    if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
-      raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
+    if (not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not math.isfinite(self.margin)
+        or self.margin < 0):
+      raise ValueError(f"margin must be a finite number >= 0 (an int or a float), got {self.margin!r}")
     _check_format(self.fp8_format)
     if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or (
         self.amax_history_len < 1):

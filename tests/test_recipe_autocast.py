@@ -42,7 +42,8 @@ def test_delayed_scaling_defaults_are_transformer_engines():
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"margin": -1}, "margin"),
-    ({"margin": 1.5}, "margin"),
+    ({"margin": float("nan")}, "margin"),
+    ({"margin": "1"}, "margin"),
     ({"margin": True}, "margin"),
     ({"amax_history_len": 0}, "amax_history_len"),
     ({"amax_history_len": -3}, "amax_history_len"),

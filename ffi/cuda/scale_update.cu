@@ -2,7 +2,7 @@
 // the math and te_jax/ops/scale_update.py the reference this matches bit for bit).
 //
 // For tensor i: history_i' = [amax_i, history_i[:-1]]; a = max(history_i') or amax_i ("most_recent");
-// scale_i' = fp8_max_i / a / 2^margin where a > 0, a is finite and the quotient is finite and > 0, else scale_i.
+// scale_i' = fp8_max_i / a * 2^-margin where a > 0, a is finite and the quotient is finite and > 0, else scale_i.
 // One block per tensor. Each output is its own XLA buffer, so a layer's update is one kernel, where the stacked
 // jnp version is a concatenation, a reduction, a select and one slice copy per history.
 #include <cuda_runtime.h>
@@ -31,7 +31,7 @@ struct ScaleUpdateArgs {
   float* new_scale[kMaxTensors];
   float fp8_max[kMaxTensors];
   int64_t len;       // history length, the same for every tensor
-  float margin_factor;  // 2^margin
+  float margin_factor;  // 2^-margin, rounded to float
   bool most_recent;
 };
 
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) ScaleUpdateKernel(ScaleUpdateArgs a)
     for (int w = 1; w < kThreads / 32; ++w) m = NanMax(m, warp_max[w]);
   }
   if (threadIdx.x == 0) {
-    const float q = a.fp8_max[i] / m / a.margin_factor;
+    const float q = a.fp8_max[i] / m * a.margin_factor;
     const bool ok = m > 0.0f && isfinite(m) && isfinite(q) && q > 0.0f;
     *a.new_scale[i] = ok ? q : *a.scale[i];
   }
@@ -70,13 +70,14 @@ __global__ void __launch_bounds__(kThreads) ScaleUpdateKernel(ScaleUpdateArgs a)
 
 // Operands: N histories, N scales, N amaxes; results: N histories, N scales.
 ffi::Error ScaleUpdateCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           ffi::Span<const float> fp8_max, int32_t margin, bool most_recent) {
+                           ffi::Span<const float> fp8_max, double margin, bool most_recent) {
   const size_t n = fp8_max.size();
   if (n == 0 || args.size() != 3 * n || rets.size() != 2 * n) {
     return ffi::Error::InvalidArgument("scale_update: N histories, scales and amaxes in, N histories and scales out");
   }
   ScaleUpdateArgs a{};
-  a.margin_factor = std::ldexp(1.0f, margin);
+  // 2^-margin in double, rounded to float: the reference's jnp.float32(2.0 ** -margin), exact for integer margins.
+  a.margin_factor = static_cast<float>(std::pow(2.0, -margin));
   a.most_recent = most_recent;
   a.len = -1;
   for (size_t start = 0; start < n; start += kMaxTensors) {
@@ -121,7 +122,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScaleUpdateCudaHandler, ScaleUpdateCuda,
                                   .RemainingArgs()                     // histories, scales, amaxes
                                   .RemainingRets()                     // new histories, new scales
                                   .Attr<ffi::Span<const float>>("fp8_max")  // per tensor
-                                  .Attr<int32_t>("margin")
+                                  .Attr<double>("margin")              // any float >= 0
                                   .Attr<bool>("most_recent"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -65,13 +65,15 @@ def fp8_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value, margin: int = 0) -> jax.Array:
+def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max_value, margin: float = 0) -> jax.Array:
   """``fp8_max / (amax * 2**margin)``, or ``scale`` unchanged where amax is 0 or not finite, or where the new scale
   would not be a positive finite float32 (elementwise: ``fp8_max_value`` may be a float or an array broadcasting with
-  ``amax``). Computed as ``fp8_max / amax / 2**margin``: the same bits wherever the scale is a normal float32, and
-  no overflow of ``amax * 2**margin`` (which would give a scale of 0) for a huge amax."""
+  ``amax``). Computed as ``fp8_max / amax * 2**-margin`` (``2**-margin`` rounded once to float32): for an integer
+  margin the same bits as the division wherever the scale is a normal float32, for any margin the same bits on every
+  backend (XLA turns a division by a constant into a multiplication by its reciprocal), and no overflow of
+  ``amax * 2**margin`` (which would give a scale of 0) for a huge amax."""
   amax = jnp.asarray(amax, jnp.float32)
-  new = jnp.asarray(fp8_max_value, jnp.float32) / amax / jnp.float32(2.0**margin)
+  new = jnp.asarray(fp8_max_value, jnp.float32) / amax * jnp.float32(2.0**-margin)
   ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(new) & (new > 0.0)
   return jnp.where(ok, new, scale).astype(jnp.float32)
 

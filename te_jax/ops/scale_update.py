@@ -36,12 +36,13 @@ class ScaleUpdateConfig:
 
   Attributes:
     fp8_max: the largest finite value of each tensor's FP8 dtype (one per tensor).
-    margin: the scale is ``fp8_max / (amax * 2**margin)``.
+    margin: the scale is ``fp8_max / (amax * 2**margin)`` (any float >= 0), computed as ``fp8_max / amax *
+      2**-margin`` with ``2**-margin`` rounded once to float32, by the handler as by the reference.
     most_recent: the scale comes from the newest amax instead of the history's max.
   """
 
   fp8_max: tuple[float, ...]
-  margin: int = 0
+  margin: float = 0.0
   most_recent: bool = False
 
   @property
@@ -75,7 +76,7 @@ def _abstract_eval(*avals, config: ScaleUpdateConfig):
 
 
 def _attributes(config: ScaleUpdateConfig) -> dict:
-  return {"fp8_max": np.asarray(config.fp8_max, np.float32), "margin": np.int32(config.margin),
+  return {"fp8_max": np.asarray(config.fp8_max, np.float32), "margin": np.float64(config.margin),
           "most_recent": np.bool_(config.most_recent)}
 
 
@@ -112,7 +113,7 @@ _SCALE_UPDATE = define_op(
 
 
 def scale_update(histories: Sequence[jax.Array], scales: Sequence[jax.Array], amaxes: Sequence[jax.Array],
-                 fp8_max: Sequence[float], *, margin: int = 0,
+                 fp8_max: Sequence[float], *, margin: float = 0.0,
                  most_recent: bool = False) -> tuple[list[jax.Array], list[jax.Array]]:
   """The next amax histories and scales of ``len(histories)`` tensors (see ``update_scale_states``).
 
@@ -139,7 +140,7 @@ def scale_update(histories: Sequence[jax.Array], scales: Sequence[jax.Array], am
   args = ([jnp.asarray(h, jnp.float32) for h in histories] + [jnp.reshape(jnp.asarray(s, jnp.float32), ())
                                                              for s in scales]
           + [jnp.reshape(jnp.asarray(a, jnp.float32), ()) for a in amaxes])
-  config = ScaleUpdateConfig(tuple(float(m) for m in fp8_max), int(margin), bool(most_recent))
+  config = ScaleUpdateConfig(tuple(float(m) for m in fp8_max), float(margin), bool(most_recent))
   out = _SCALE_UPDATE.bind(*args, config=config)
   return list(out[:n]), list(out[n:])
 
@@ -149,7 +150,7 @@ def update_scale_state(
     amax: jax.Array,
     fp8_dtype,
     *,
-    margin: int = 0,
+    margin: float = 0.0,
     algo: scaling.AmaxComputeAlgo = "max",
 ) -> scaling.ScaleState:
   """One delayed-scaling step: roll ``amax`` into the history, then derive the next scale from it."""
@@ -161,7 +162,7 @@ def update_scale_states(
     amaxes: Sequence[jax.Array],
     fp8_dtypes: Sequence,
     *,
-    margin: int = 0,
+    margin: float = 0.0,
     algo: scaling.AmaxComputeAlgo = "max",
 ) -> list[scaling.ScaleState]:
   """``update_scale_state`` of several tensors (histories of one length) as one op: the same values, from one
