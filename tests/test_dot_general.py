@@ -3,12 +3,18 @@
 
 - High precision (no autocast): bit for bit jax.lax.dot_general, for every einsum of a Gemma-style attention and MLP.
 - FP8: the forward and both gradients against the same math on the quantized operands (quantize, then dot) in
-  float32 and float64, within CONTRIBUTING.md's tolerance rule; the FP8 state of a train step is that step's amaxes.
+  float32 and float64, within CONTRIBUTING.md's tolerance rule (on a GPU with the noise term of Hopper's FP8
+  accumulator); the FP8 state of a train step is that step's amaxes. The batched form is te_jax's strided batched
+  GEMM (three of them per step: forward, dgrad, wgrad), a sharded batch stays sharded; block-scaled recipes run
+  without batch dims and raise with them.
 - The layers: nnx.Einsum(einsum_op=Fp8Einsum()), nnx.Linear(dot_general=Fp8DotGeneral()), jnp.einsum's _dot_general,
   nn.DenseGeneral(batch_dims=..., dot_general_cls=Fp8DotGeneral), te_flax.Fp8Einsum; every bad argument named.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +34,13 @@ from te_jax.modules.dense import einsum_dims
 from te_jax.nnx.dense import Fp8DotGeneral as NnxDot
 from te_jax.nnx.dense import Fp8Einsum as NnxEinsum
 from te_jax.nnx.fp8_state import value_and_grad
-from te_jax.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_jax.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 FP8 = te_jax.FP8_COLLECTION
 HISTORY = 4
 ROLES = ("x", "kernel", "grad")
+# Unit roundoff of the accumulator of Hopper's FP8 tensor cores: about 14 bits (tests/test_gemm.py's FP8_ACCUM_U).
+FP8_ACCUM_U = 2.0**-14
 
 # The einsums of a Gemma-style block (B batch, T/S sequence, D model, N heads, H head dim, F MLP hidden), each with
 # its operands' shapes: the projections (input, kernel) and attention's two batched products (activations).
@@ -108,8 +116,31 @@ def test_einsum_dims_match_jnp_einsum():
 # ---- FP8 -----------------------------------------------------------------------------------------------------------
 
 
-def _check_fp8_step(spec, a, b, recipe, meta):
-  """One forward and backward of the FP8 einsum against quantize-then-dot; returns the updated state."""
+def _einsum_specs(spec):
+  """The einsums of the forward, dlhs and drhs (as ``_einsum_grads`` computes them), each with its operands' indices
+  into (lhs, rhs, output cotangent)."""
+  ins, out = spec.split("->")
+  ls, rs = ins.split(",")
+  return (f"{ls},{rs}->{out}", (0, 1)), (f"{out},{rs}->{ls}", (2, 1)), (f"{ls},{out}->{rs}", (0, 2))
+
+
+def _assert_within_fp8_rule(ours, r32, r64, spec, x, y, what):
+  """The tolerance rule with test_gemm_block's ``check_close`` noise term, ``sqrt(K) * FP8_ACCUM_U * max sum|a||b|``:
+  Hopper's FP8 tensor cores accumulate in about 14 bits (promoted to float32 only every few K blocks, never with
+  fast accumulation), so two correct FP8 GEMMs differ by that much more than two float32 sums; the float32 term of
+  ``assert_within_rule`` (4 u max|ref64|) is far below it. ``x``, ``y``: the einsum's float64 operands."""
+  ins, out = spec.split("->")
+  sizes = {c: d for term, v in zip(ins.split(","), (x, y)) for c, d in zip(term, v.shape)}
+  k = math.prod(sizes[c] for c in set(ins) - set(out) - {","})
+  ours, r32, r64 = (np.asarray(v, np.float64) for v in (ours, r32, r64))
+  err, err32 = np.max(np.abs(ours - r64)), np.max(np.abs(r32 - r64))
+  noise = math.sqrt(k) * FP8_ACCUM_U * float(np.max(np.einsum(spec, np.abs(x), np.abs(y))))
+  assert err <= 2 * err32 + noise, f"{what}: error {err:.3g} > 2 * {err32:.3g} + {noise:.3g}"
+
+
+def _check_fp8_step(spec, a, b, recipe, meta, fp8_accumulator=False):
+  """One forward and backward of the FP8 einsum against quantize-then-dot; returns the updated state.
+  ``fp8_accumulator``: the GEMMs ran on FP8 tensor cores (a GPU), whose accumulation noise the rule adds."""
   dims, order = _dims(spec, a, b)
   c = _draw(jnp.einsum(spec, a, b).shape, 2)
 
@@ -126,8 +157,12 @@ def _check_fp8_step(spec, a, b, recipe, meta):
     scales = [float(s.scale) for s in meta]
   qa, qb, qc = (_fp8(v, s, d) for v, s, d in zip((a, b, c), scales, (fwd, fwd, bwd)))
   ref32, ref64 = _einsum_grads(spec, qa, qb, qc, np.float32), _einsum_grads(spec, qa, qb, qc, np.float64)
-  for what, ours, r32, r64 in zip(("forward", "dlhs", "drhs"), (y, ga, gb), ref32, ref64):
-    assert_within_rule(ours, r32, r64, f"{spec} {what}")
+  for what, ours, r32, r64, (sub, (i, j)) in zip(("forward", "dlhs", "drhs"), (y, ga, gb), ref32, ref64,
+                                                 _einsum_specs(spec)):
+    if fp8_accumulator:
+      _assert_within_fp8_rule(ours, r32, r64, sub, (qa, qb, qc)[i], (qa, qb, qc)[j], f"{spec} {what}")
+    else:
+      assert_within_rule(ours, r32, r64, f"{spec} {what}")
   return new, (a, b, c)
 
 
@@ -152,22 +187,51 @@ def test_fp8_against_quantize_then_dot(name, recipe):
   _check_fp8_step(spec, a * 3, b, recipe, new)
 
 
+def _gemm_binds(jaxpr) -> list:
+  """The configs of every te_jax GEMM a (closed) jaxpr binds, nested jaxprs included."""
+  configs = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "te_gemm_outer":
+      configs.append(eqn.params["config"])
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          configs += _gemm_binds(inner)
+  return configs
+
+
+@pytest.mark.parametrize("name", ["logits", "odd_rows"])
+def test_batched_runs_te_jax_strided_batched_gemm(name):
+  """A train step of the batched product binds te_jax's batched GEMM three times (forward, dgrad, wgrad) and no other
+  GEMM; the rows of a batch index are padded to a multiple of 16 (odd_rows: M = 5), the wgrad contracting them."""
+  spec, a, b = _operands(name)
+  dims, _ = _dims(spec, a, b)
+  recipe = Float8CurrentScaling()
+  step = jax.value_and_grad(lambda a, b: jnp.sum(dot_general(a, b, dims, recipe=recipe)), (0, 1))
+  configs = _gemm_binds(jax.make_jaxpr(step)(a, b).jaxpr)
+  assert len(configs) == 3 and all(c.batched for c in configs), configs
+  assert all(not c.fast_accum for c in configs[1:]) and configs[0].fast_accum  # the recipe's fprop / dgrad / wgrad
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["logits", "encoded", "q_proj"])
+@pytest.mark.parametrize("name", ["logits", "encoded", "odd_rows", "q_proj"])
 def test_gpu_fp8_gemms_run_on_the_gpu(name):
-  """On the GPU the batched product's three GEMMs are XLA's cuBLASLt FP8 GEMMs (their custom call in the compiled
-  HLO), the unbatched one's te_jax's, and the values are quantize-then-dot's within the tolerance rule."""
+  """On the GPU every GEMM of a train step is te_jax's cuBLASLt GEMM (te_gemm_cuda in the compiled HLO; batched: the
+  strided batched form, three calls, and no XLA GEMM: XLA:GPU does not rewrite a dot of FP8 arrays in float32 into its
+  FP8 GEMM), and the values are quantize-then-dot's within the tolerance rule with the FP8 accumulator's noise."""
   spec, a, b = _operands(name)
   recipe = DelayedScaling(amax_history_len=HISTORY)
   dims, order = _dims(spec, a, b)
   step = jax.jit(lambda a, b, m: jax.value_and_grad(lambda a, b, m: jnp.sum(
       jnp.transpose(dot_general(a, b, dims, fp8_meta=m, recipe=recipe), order) * 1.0), (0, 1, 2))(a, b, m))
   hlo = step.lower(a, b, DenseFp8Meta.create(HISTORY)).compile().as_text()
-  if dims[1][0]:  # batched: XLA's FP8 GEMMs (forward, dgrad, wgrad)
-    assert hlo.count("__cublas$lt$matmul$f8") >= 3
+  if dims[1][0]:  # batched: forward, dgrad, wgrad, each one te_gemm_cuda
+    assert hlo.count('custom_call_target="te_gemm_cuda"') == 3, hlo.count("te_gemm_cuda")
+    assert "__cublas$" not in hlo and not re.search(r"\bdot\(", hlo)
   else:
     assert "te_gemm_cuda" in hlo
-  _check_fp8_step(spec, a, b, recipe, DenseFp8Meta.create(HISTORY))
+  _check_fp8_step(spec, a, b, recipe, DenseFp8Meta.create(HISTORY), fp8_accumulator=True)
 
 
 def test_fp8_unaligned_batched_runs_high_precision_and_keeps_state():
@@ -185,9 +249,10 @@ def test_fp8_unaligned_batched_runs_high_precision_and_keeps_state():
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_batched_sharded_over_the_batch_is_unsharded_bit_for_bit(axis_type):
-  """A batched product data parallel over 8 devices: the unsharded values and gradients bit for bit, the output and
-  the gradients sharded over the batch, no all-gather (the per-tensor amaxes are all-reduced: one scale for the whole
-  operand)."""
+  """A batched product data parallel over 8 devices: the unsharded gradients bit for bit, the output and the
+  gradients sharded over the batch, and no collective but scalars' all-reduces (the per-tensor amaxes: one scale for
+  the whole operand; the loss). The loss is the test's own sum over the sharded output: 8 partial sums, within
+  float32's reordering bound of the unsharded sum."""
   cpu = jax.devices("cpu")  # the 8 CPU devices tests/conftest.py provides, on a GPU machine too
   mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),), devices=cpu)
   a, b = (jax.device_put(x, cpu[0]) for x in (_draw((8, 16, 4, 16), 0), _draw((8, 32, 4, 16), 1)))
@@ -199,9 +264,29 @@ def test_batched_sharded_over_the_batch_is_unsharded_bit_for_bit(axis_type):
   with jax.set_mesh(mesh):
     got = step(*sharded)
     hlo = step.lower(*sharded).compile().as_text()
-  jax.tree.map(np.testing.assert_array_equal, got, want)
+  jax.tree.map(np.testing.assert_array_equal, got[1], want[1])
+  n = 8 * 4 * 16 * 32  # the summed output's elements; each term is positive
+  assert abs(float(got[0]) - float(want[0])) <= 2 * n * 2.0**-24 * float(want[0])
   assert all(g.sharding.spec[0] == "data" for g in got[1])
-  assert "all-gather" not in hlo
+  collectives = re.findall(r"= (.*?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(",
+                           hlo)
+  assert collectives and all(c == "all-reduce" and not re.search(r"\[\d", t) for t, c in collectives), collectives
+
+
+def test_block_scaled_recipes():
+  """Without batch dims a block-scaled recipe runs as te_jax.dense (its value and gradients bit for bit); with them it
+  raises, naming the recipe and the per-tensor recipes to pass instead."""
+  recipe = Float8BlockScaling()
+  a, b = _draw((2, 16, 128), 0), _draw((128, 128), 1)  # 'BTD,DF->BTF' of 128-wide blocks
+  dims, _ = _dims("BTD,DF->BTF", a, b)
+  ours = jax.value_and_grad(lambda a, b: jnp.sum(dot_general(a, b, dims, recipe=recipe) ** 2), (0, 1))(a, b)
+  want = jax.value_and_grad(lambda a, b: jnp.sum(te_jax.dense(a, b, recipe=recipe) ** 2), (0, 1))(a, b)
+  jax.tree.map(np.testing.assert_array_equal, ours, want)
+  spec, a, b = _operands("logits")
+  dims, _ = _dims(spec, a, b)
+  with pytest.raises(ValueError, match=r"runs per-tensor recipes only \(DelayedScaling, Float8CurrentScaling\), got "
+                                       r"Float8BlockScaling: give this call recipe=te_jax.recipe.DelayedScaling\(\)"):
+    dot_general(a, b, dims, recipe=recipe)
 
 
 def test_a_step_that_leaves_the_state_out_raises():

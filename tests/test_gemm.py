@@ -8,6 +8,9 @@
   measures the GEMM, not the quantization.
 - ``rhs_parts``: equal to one GEMM per part, on CPU bitwise and on a GPU (one cuBLASLt pointer-array batched GEMM)
   within the same bounds as the single GEMM.
+- ``batched``: each batch index within the single GEMM's bound of its exact product (CPU: the reference; GPU: one
+  cuBLASLt strided batched GEMM); a sharded batch, M or N keeps its sharding with no collective, a sharded K one
+  all-reduce.
 - Argument checks, raised in Python with messages that name the problem.
 - Under ``jax.jit`` on 8 CPU devices: column- and row-parallel GEMMs hold exactly the collectives they need.
 - On a GPU (``@pytest.mark.gpu``): the cuBLASLt handler, including M not a multiple of 16 with FP8, 4096^3,
@@ -425,6 +428,24 @@ ERROR_CASES = {
                                 ValueError, r"scatter_rows needs lhs .* transposed"),
     "scatter-rows-parts": (lambda: gemm(BF((2, 8, 32)), BF((3, 16, 32)), rhs_parts=True, scatter_rows=True),
                            ValueError, r"scatter_rows needs lhs .* with rhs_parts"),
+    "batched-bias": (lambda: gemm(BF((2, 8, 32)), BF((2, 16, 32)), bias=jnp.zeros((16,)), batched=True),
+                     ValueError, r"batched=True takes no bias .* only dtype and fast_accum"),
+    "batched-options": (lambda: gemm(BF((2, 32, 8)), BF((2, 16, 32)), transpose_lhs=True, contract_dims=2,
+                                     batched=True),
+                        ValueError, r"batched=True takes no transpose_lhs, contract_dims"),
+    "batched-2d": (lambda: gemm(BF((8, 32)), BF((16, 32)), batched=True),
+                   ValueError, r"batched=True needs lhs \(B, M, K\) and rhs \(B, N, K\) .* got lhs \(8, 32\)"),
+    "batched-b-mismatch": (lambda: gemm(BF((2, 8, 32)), BF((3, 16, 32)), batched=True),
+                           ValueError, r"of the same B and K, got lhs \(2, 8, 32\) and rhs \(3, 16, 32\)"),
+    "batched-fp8-n-not-16": (lambda: gemm(_q8((2, 8, 32)), _q8((2, 24, 32)), batched=True),
+                             ValueError, r"multiples of 16, got K=32, N=24"),
+    "batched-mixed": (lambda: gemm(_q8((2, 8, 32)), BF((2, 16, 32)), batched=True),
+                      TypeError, r"both be FP8 or both not"),
+    "batched-e5m2xe5m2": (lambda: gemm(_q8((2, 8, 32), E5M2), _q8((2, 16, 32), E5M2), batched=True),
+                          TypeError, r"E5M2 x E5M2 has no FP8 GEMM"),
+    "batched-block-scaled": (lambda: gemm(_block_scaled((2, 16, 256), ScalingMode.BLOCK_1X128),
+                                          _block_scaled((2, 16, 256), ScalingMode.BLOCK_1X128), batched=True),
+                             ValueError, r"batched=True takes per-tensor scaled operands, got lhs scaled BLOCK_1X128"),
 }
 
 
@@ -618,6 +639,89 @@ def test_sharded_parts_gemm(case):
     _, abs_prod = exact64(lhs, part, None)
     assert out.shape == (m, n)
     assert np.all(np.abs(np.asarray(out).astype(np.float64) - np.asarray(ref)) <= 2 * gamma * abs_prod)
+
+
+# ---- batched ------------------------------------------------------------------------------------------------------
+
+
+def batched_case(kind: str, b: int, m: int, k: int, n: int, seed: int) -> tuple[Operand, Operand, float]:
+  """(lhs (B, M, K), rhs (B, N, K), the accumulator's unit roundoff) of ``kind``: a high-precision dtype or an FP8
+  pair."""
+  if kind in FP8_PAIRS:
+    lhs_fp8, rhs_fp8 = FP8_PAIRS[kind]
+    return fp8_operand((b, m), k, lhs_fp8, seed), fp8_operand((b, n), k, rhs_fp8, seed + 1), FP8_ACCUM_U
+  dtype = HP_DTYPES[kind]
+  return hp_operand((b, m), k, dtype, False, seed), hp_operand((b, n), k, dtype, False, seed + 1), F32_U
+
+
+def batch_index(x: Operand, i: int) -> Operand:
+  return Operand(x.array[i], x.logical64[i], x.scale_inv)
+
+
+def assert_batched_close(ours, lhs: Operand, rhs: Operand, baseline, accum_u):
+  """Each batch index within the tolerance rule of its own GEMM; ``baseline(lhs_i, rhs_i)`` is the same math."""
+  for i in range(lhs.array.shape[0]):
+    li, ri = batch_index(lhs, i), batch_index(rhs, i)
+    assert_gemm_close(ours[i], baseline(li, ri), li, ri, None, accum_u=accum_u)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", *FP8_PAIRS])
+@pytest.mark.parametrize("out", OUT_DTYPES)
+@pytest.mark.fast_cases(4)
+def test_batched_values(kind, out):
+  """(B, M, K) x (B, N, K): each index the GEMM of its matrices (M = 5: no multiple of 16), under jax.jit."""
+  lhs, rhs, _ = batched_case(kind, 3, 5, 64, 32, seed=80)
+  ours, _ = run_gemm(lhs, rhs, None, OUT_DTYPES[out], batched=True)
+  assert ours.shape == (3, 5, 32) and ours.dtype == OUT_DTYPES[out]
+  # The reference path accumulates in float32 whatever the operands, so the float32 noise term.
+  assert_batched_close(ours, lhs, rhs, lambda a, b: jnp_same_math(a, b, None, OUT_DTYPES[out], False, False), F32_U)
+
+
+def test_batched_vmap_and_zero_k():
+  """vmap over the batched GEMM is the GEMM per outer index; K = 0 gives zeros."""
+  lhs, rhs, _ = batched_case("f32", 2, 8, 32, 16, seed=82)
+  f = functools.partial(gemm, batched=True, dtype=jnp.float32)
+  stacked = jax.vmap(f)(jnp.stack([lhs.array, 2 * lhs.array]), jnp.stack([rhs.array, rhs.array]))
+  np.testing.assert_array_equal(np.asarray(stacked[0]), np.asarray(f(lhs.array, rhs.array)))
+  np.testing.assert_array_equal(np.asarray(stacked[1]), np.asarray(f(2 * lhs.array, rhs.array)))
+  zero = f(jnp.zeros((2, 8, 0)), jnp.zeros((2, 16, 0)))
+  assert zero.shape == (2, 8, 16) and not np.any(np.asarray(zero))
+
+
+# (lhs spec, rhs spec, output spec expected, collectives expected): the batch, M or N sharded stays so; K: one psum.
+BATCHED_SHARDING_CASES = {
+    "batch": (P("x"), P("x"), P("x", None, None), {}),
+    "batch-of-lhs": (P("x"), P(), P("x", None, None), {}),
+    "rows": (P(None, "x"), P(), P(None, "x", None), {}),
+    "cols": (P(), P(None, "x"), P(None, None, "x"), {}),
+    "k": (P(None, None, "x"), P(None, None, "x"), P(), {"all-reduce": 1}),
+}
+
+
+@pytest.mark.parametrize("case", BATCHED_SHARDING_CASES)
+@pytest.mark.parametrize("kind", ["f32", "e4m3xe4m3"])
+def test_sharded_batched_gemm(case, kind):
+  """On 8 CPU devices: the collectives, the output's sharding, and the values: those of the unsharded GEMM bit for bit
+  where the batch is sharded (each shard runs whole batch indices, the same GEMMs), elsewhere within the
+  reordered-sum bound of test_sharded_gemm (XLA:CPU's dot tiles a shard's smaller M or N differently, and a sharded K
+  adds 8 partial sums)."""
+  lhs_spec, rhs_spec, want_spec, want = BATCHED_SHARDING_CASES[case]
+  mesh = Mesh(np.array(CPU_DEVICES), ("x",))
+  b, m, k, n = 8, 16, 128, 128
+  lhs, rhs, _ = batched_case(kind, b, m, k, n, seed=84)
+  a_s = lhs.arg(array=jax.device_put(lhs.array, NamedSharding(mesh, lhs_spec)))
+  b_s = rhs.arg(array=jax.device_put(rhs.array, NamedSharding(mesh, rhs_spec)))
+  compiled = jax.jit(lambda a, r: gemm(a, r, dtype=jnp.float32, batched=True)).lower(a_s, b_s).compile()
+  out = compiled(a_s, b_s)
+  assert collections.Counter(_COLLECTIVE.findall(compiled.as_text())) == collections.Counter(want)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 3), out.sharding
+  ref, _ = run_gemm(lhs, rhs, None, jnp.float32, batched=True)  # unsharded, one device
+  if case.startswith("batch"):
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    return
+  gamma = (k - 1) * F32_U / (1 - (k - 1) * F32_U)
+  abs_prod = np.einsum("bmk,bnk->bmn", np.abs(lhs.logical64), np.abs(rhs.logical64))
+  assert np.all(np.abs(np.asarray(out).astype(np.float64) - np.asarray(ref)) <= 2 * gamma * abs_prod)
 
 
 # ---- GPU: the cuBLASLt handler -------------------------------------------------------------------------------------
@@ -874,3 +978,32 @@ def test_gpu_gemm_in_command_buffers(gpu):
     assert p["candidates"] > 1 and 0 <= p["chosen"] < p["candidates"], result["plans"]
   assert result["max_err"] <= 1e-4, result
   assert result["same_bits"], result
+
+
+# (B, M, K, N): small with M = 17, attention's logits of 4 x 16 heads at 512 tokens (M = N = 512, K = head dim 128),
+# one index of rows not a multiple of 16 in a large batch.
+GPU_BATCHED_SHAPES = [(2, 17, 64, 48), (64, 512, 128, 512), (3, 1000, 1024, 768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "e4m3xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["", "fast"])
+@pytest.mark.parametrize("shape", GPU_BATCHED_SHAPES, ids=str)
+def test_gpu_batched(kind, fast_accum, shape, gpu):
+  """One te_gemm_cuda call (one cuBLASLt strided batched GEMM) for the whole batch, each index within the single
+  GEMM's bound of its exact product (the FP8 accumulator's noise term for FP8), two calls with the same bits, and the
+  plan cached with its batch count."""
+  from te_jax import _te_cuda  # the CUDA module: imported here, where the gpu mark found a GPU
+
+  b, m, k, n = shape
+  lhs, rhs, accum_u = batched_case(kind, b, m, k, n, seed=86)
+  ours, hlo = run_gemm(lhs, rhs, None, jnp.bfloat16, device=gpu, fast_accum=fast_accum, batched=True)
+  assert_calls_cublas(hlo)
+  again, _ = run_gemm(lhs, rhs, None, jnp.bfloat16, device=gpu, fast_accum=fast_accum, batched=True)
+  assert ours.shape == (b, m, n) and ours.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(ours).view(np.uint16), np.asarray(again).view(np.uint16))
+  picks = range(b) if b <= 4 else (0, b // 2, b - 1)  # the float64 GEMMs on the host are the slow part
+  for i in picks:
+    li, ri = batch_index(lhs, i), batch_index(rhs, i)
+    assert_gemm_close(ours[i], gpu_reference(li, ri, None, jnp.bfloat16, gpu), li, ri, None, accum_u=accum_u)
+  assert any(p["batch"] == b and (p["m"], p["n"], p["k"]) == (m, n, k) for p in _te_cuda.gemm_plans())

@@ -1,9 +1,9 @@
 // CUDA handler for te_gemm: out[M, N] = op(lhs) @ op(rhs)^T through cuBLASLt, row-major.
 //
-// Operands are 2-D (the Python side folds batch dims into rows). Untransposed, lhs is (M, K) and rhs is (N, K):
-// both K-major, the only layout Hopper's FP8 tensor-core GEMMs accept ("TN" in cuBLAS terms), which is why the
-// quantize kernels produce transposed FP8 copies. The transpose flags (lhs (K, M), rhs (K, N)) are for
-// bf16/fp16/fp32 operands only.
+// Operands are 2-D (the Python side folds leading dims into rows), or 3-D in the strided batched form below.
+// Untransposed, lhs is (M, K) and rhs is (N, K): both K-major, the only layout Hopper's FP8 tensor-core GEMMs accept
+// ("TN" in cuBLAS terms), which is why the quantize kernels produce transposed FP8 copies. The transpose flags
+// (lhs (K, M), rhs (K, N)) are for bf16/fp16/fp32 operands only.
 //
 // FP8 operands are dequantized inside the GEMM by their scale_inv (device pointers, so no host sync): one float32 per
 // tensor, or block scales (the scaling modes of te_jax/scaling_mode.h, one attribute per operand):
@@ -25,6 +25,11 @@
 // (te_jax/gemm_batch.h): fewer tail waves than P GEMMs of N columns. cuBLASLt has no bias epilogue for it (its
 // heuristic answers NOT_SUPPORTED), and there is no residual.
 //
+// Strided batched: lhs (B, M, K), rhs (B, N, K) and one output (B, M, N), out[b] = lhs[b] . rhs[b]^T, each batch
+// index right after the one before (cuBLASLt's BATCH_COUNT and STRIDED_BATCH_OFFSET on every layout), one per-tensor
+// scale per operand for the whole batch: the batched products of attention ('BSNH,BTNH->BNTS'), which would otherwise
+// be B launches. Both operands K-major, no bias, no residual, no block scales.
+//
 // cuBLASLt plans (descriptors, layouts, the algorithm) are built once per device and problem and cached; the first
 // call of a problem also times the heuristic's candidates and keeps the fastest. Later calls only look their plan up.
 // The workspace is the first result buffer, allocated by XLA; the batched GEMM's pointer arrays follow cuBLASLt's
@@ -41,6 +46,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "te_jax/buffer_checks.h"
@@ -106,7 +112,7 @@ ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
 }
 
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool,
-                           int, int, int64_t, int64_t, bool>;
+                           int, int, int64_t, int64_t, bool, int64_t>;
 
 // Everything cuBLASLt needs for one problem, built once.
 struct Plan {
@@ -146,11 +152,13 @@ struct Problem {
   bool residual;
   int align_residual;
   int parts;  // output buffers: 1, or the parts of a (parts, n, k) rhs
+  int64_t batch = 1;  // strided batch count: lhs (batch, m, k), rhs (batch, n, k), out (batch, m, n); 1: none
   ScalingMode lhs_mode = ScalingMode::kPerTensor, rhs_mode = ScalingMode::kPerTensor;
   // The heuristic's first candidate, never timed: the same algorithm (and bits) in every process.
   bool deterministic = false;
 
-  bool batched() const { return parts > 1; }
+  bool pointer_array() const { return parts > 1; }
+  bool strided() const { return batch > 1; }
   bool block() const { return lhs_mode != ScalingMode::kPerTensor; }
 };
 
@@ -222,7 +230,7 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   const PlanKey key{p.device,    p.m,         p.n,         p.k,         p.lhs_type,  p.rhs_type, p.out_type,
                     p.transpose_lhs, p.transpose_rhs, p.bias, p.fast_accum, p.align_lhs, p.align_rhs, p.align_out,
                     p.residual,  p.align_residual, p.parts, static_cast<int64_t>(p.lhs_mode),
-                    static_cast<int64_t>(p.rhs_mode), p.deterministic};
+                    static_cast<int64_t>(p.rhs_mode), p.deterministic, p.batch};
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
 
@@ -272,7 +280,20 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, p.rhs_type, a_rows, a_cols, a_rows), "layout A");
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, p.lhs_type, b_rows, b_cols, b_rows), "layout B");
   TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, p.out_type, p.n, p.m, p.n), "layout D");
-  if (p.batched()) {
+  if (p.strided()) {  // each batch index one matrix's size after the one before
+    const int32_t count = static_cast<int32_t>(p.batch);
+    const std::pair<cublasLtMatrixLayout_t, int64_t> strides[] = {
+        {plan->a, a_rows * a_cols}, {plan->b, b_rows * b_cols}, {plan->d, p.n * p.m}};
+    for (const auto& [layout, stride] : strides) {
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+          "BATCH_COUNT");
+      const auto offset = CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET;
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(layout, offset, &stride, sizeof(stride)),
+                                    "STRIDED_BATCH_OFFSET");
+    }
+  }
+  if (p.pointer_array()) {
     const int32_t count = p.parts;
     const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
     for (cublasLtMatrixLayout_t layout : {plan->a, plan->b, plan->d}) {
@@ -304,7 +325,8 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   if (found == 0) {
     return ffi::Error::InvalidArgument("gemm: cuBLASLt has no algorithm for m=" + std::to_string(p.m) +
                                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
-                                       (p.batched() ? " in " + std::to_string(p.parts) + " parts" : std::string()) +
+                                       (p.pointer_array() ? " in " + std::to_string(p.parts) + " parts" : "") +
+                                       (p.strided() ? " in a batch of " + std::to_string(p.batch) : std::string()) +
                                        (p.block() ? " with block scales (modes " +
                                                         std::to_string(static_cast<int64_t>(p.lhs_mode)) + " x " +
                                                         std::to_string(static_cast<int64_t>(p.rhs_mode)) + ")"
@@ -413,25 +435,34 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     outs.push_back(*out);
   }
   ffi::Result<ffi::AnyBuffer>& out = outs[0];
-  // rhs: (N, K) (or (K, N) transposed); with parts, (parts, N, K), untransposed.
+  // rhs: (N, K) (or (K, N) transposed); with parts, (parts, N, K), untransposed. A 3-D lhs (B, M, K) is the strided
+  // batched form: rhs (B, N, K) and one output (B, M, N), untransposed.
+  const auto ldims = lhs.dimensions();
   const auto rdims = rhs.dimensions();
-  const size_t rhs_rank = parts > 1 ? 3 : 2;
+  const bool batched = ldims.size() == 3;
+  const size_t lhs_rank = batched ? 3 : 2, rhs_rank = parts > 1 || batched ? 3 : 2;
   const bool parts_ok = parts == 1 || (rdims.size() == 3 && !transpose_rhs && rdims[0] == static_cast<int64_t>(parts));
-  if (lhs.dimensions().size() != 2 || rdims.size() != rhs_rank || !parts_ok) {
-    return ffi::Error::InvalidArgument("gemm: lhs must be 2-D and rhs 2-D, or (parts, n, k) with parts outputs");
+  const bool batch_ok = !batched || (parts == 1 && rdims.size() == 3 && rdims[0] == ldims[0] && !transpose_lhs &&
+                                     !transpose_rhs);
+  if (ldims.size() != lhs_rank || rdims.size() != rhs_rank || !parts_ok || !batch_ok) {
+    return ffi::Error::InvalidArgument(
+        "gemm: lhs must be 2-D and rhs 2-D, or (parts, n, k) with parts outputs; or lhs (b, m, k), rhs (b, n, k), "
+        "untransposed, with one output");
   }
   Problem p;
   TE_JAX_CUDA_RETURN_IF_ERROR(cudaGetDevice(&p.device), "cudaGetDevice");
-  p.m = transpose_lhs ? lhs.dimensions()[1] : lhs.dimensions()[0];
-  p.k = transpose_lhs ? lhs.dimensions()[0] : lhs.dimensions()[1];
+  p.batch = batched ? ldims[0] : 1;
+  p.m = transpose_lhs ? ldims[1] : ldims[lhs_rank - 2];
+  p.k = transpose_lhs ? ldims[0] : ldims[lhs_rank - 1];
   p.n = transpose_rhs ? rdims[1] : rdims[rhs_rank - 2];
   p.parts = static_cast<int>(parts);
   const int64_t k_rhs = transpose_rhs ? rdims[0] : rdims[rhs_rank - 1];
   if (k_rhs != p.k) return ffi::Error::InvalidArgument("gemm: operand shapes do not agree");
   for (const auto& o : outs) {
-    if (o->dimensions().size() != 2 || o->dimensions()[0] != p.m || o->dimensions()[1] != p.n ||
-        o->element_type() != out->element_type()) {
-      return ffi::Error::InvalidArgument("gemm: every output must be (m, n) of one dtype");
+    const auto od = o->dimensions();
+    if (od.size() != lhs_rank || (batched && od[0] != p.batch) || od[lhs_rank - 2] != p.m ||
+        od[lhs_rank - 1] != p.n || o->element_type() != out->element_type()) {
+      return ffi::Error::InvalidArgument("gemm: every output must be (m, n), or (b, m, n) batched, of one dtype");
     }
   }
   auto lhs_type = CudaType(lhs.element_type());
@@ -455,9 +486,9 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
     return ffi::Error::InvalidArgument("gemm: FP8 operands must both be K-major (no transpose flags)");
   }
   if ((p.lhs_mode == ScalingMode::kPerTensor) != (p.rhs_mode == ScalingMode::kPerTensor) || (p.block() && !p.fp8) ||
-      (p.block() && p.batched()) || (p.block() && fast_accum)) {
+      (p.block() && (p.pointer_array() || batched)) || (p.block() && fast_accum)) {
     return ffi::Error::InvalidArgument(
-        "gemm: block scales need both operands block-scaled, low-precision data, one output and no fast "
+        "gemm: block scales need both operands block-scaled, low-precision data, one output, no batch and no fast "
         "accumulation (cuBLASLt has no such kernel: its heuristic answers NOT_SUPPORTED)");
   }
   // The scale buffers: float32 scalars per tensor; block scales of the cuBLASLt layout's size, 16-byte aligned.
@@ -488,22 +519,28 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   p.bias = bias.element_count() > 0;
   p.fast_accum = fast_accum;
   p.deterministic = deterministic;
-  // Batched, each part of rhs starts n * k elements after the one before: its alignment is also that step's.
+  // Batched, each part of rhs starts n * k elements after the one before (strided, each batch index of every operand
+  // one matrix after the one before): its alignment is also that step's.
+  const size_t lhs_step = p.m * p.k * ffi::ByteWidth(lhs.element_type());
   const size_t rhs_step = p.n * p.k * ffi::ByteWidth(rhs.element_type());
-  p.align_lhs = Alignment(lhs.untyped_data());
-  p.align_rhs = std::min(Alignment(rhs.untyped_data()), p.batched() ? Alignment(rhs_step) : 256);
-  p.align_out = 256;
+  const size_t out_step = p.m * p.n * ffi::ByteWidth(out->element_type());
+  p.align_lhs = std::min(Alignment(lhs.untyped_data()), p.strided() ? Alignment(lhs_step) : 256);
+  p.align_rhs = std::min(Alignment(rhs.untyped_data()),
+                         p.pointer_array() || p.strided() ? Alignment(rhs_step) : 256);
+  p.align_out = p.strided() ? Alignment(out_step) : 256;
   for (const auto& o : outs) p.align_out = std::min(p.align_out, Alignment(o->untyped_data()));
-  if (p.bias && (p.batched() || bias.element_count() != p.n || bias.element_type() != out->element_type())) {
-    return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype, one output");
+  if (p.bias && (p.pointer_array() || batched || bias.element_count() != p.n ||
+                 bias.element_type() != out->element_type())) {
+    return ffi::Error::InvalidArgument("gemm: bias must be empty or (n,) in the output dtype, one unbatched output");
   }
   p.residual = residual.element_count() > 0;
   p.align_residual = p.residual ? Alignment(residual.untyped_data()) : 0;
-  if (p.residual && (p.batched() || static_cast<int64_t>(residual.element_count()) != p.m * p.n ||
+  if (p.residual && (p.pointer_array() || batched || static_cast<int64_t>(residual.element_count()) != p.m * p.n ||
                      residual.element_type() != out->element_type())) {
-    return ffi::Error::InvalidArgument("gemm: residual must be empty or (m, n) in the output dtype, one output");
+    return ffi::Error::InvalidArgument("gemm: residual must be empty or (m, n) in the output dtype, one unbatched "
+                                       "output");
   }
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.m == 0 || p.n == 0 || p.batch == 0) return ffi::Error::Success();
   if (p.k == 0) {  // the Python side adds bias and residual itself when K = 0
     for (const auto& o : outs) {
       TE_JAX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(o->untyped_data(), 0, o->size_bytes(), stream),
@@ -549,7 +586,7 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
   }
   const float alpha = 1.0f, beta = p.residual ? 1.0f : 0.0f;
   auto run = [&](const cublasLtMatmulAlgo_t& algo, cudaStream_t on, const Outs& o, void* ws) -> cublasStatus_t {
-    if (!p.batched()) {
+    if (!p.pointer_array()) {  // one GEMM, or a strided batch of them
       const void* c = p.residual ? residual.untyped_data() : o.part[0];
       return cublasLtMatmul(handle, plan->desc, &alpha, rhs.untyped_data(), plan->a, lhs.untyped_data(), plan->b,
                             &beta, c, plan->d, o.part[0], plan->d, &algo, ws, kWorkspaceBytes, on);
@@ -611,8 +648,9 @@ std::vector<GemmPlanInfo> GemmPlans() {
   std::vector<GemmPlanInfo> infos;
   for (const auto& [key, plan] : cache.plans) {
     infos.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key), std::get<16>(key),
-                     TypeName(std::get<4>(key)), TypeName(std::get<5>(key)), TypeName(std::get<6>(key)),
-                     std::get<10>(key), plan->offered, plan->chosen, std::get<19>(key), plan->captured});
+                     std::get<20>(key), TypeName(std::get<4>(key)), TypeName(std::get<5>(key)),
+                     TypeName(std::get<6>(key)), std::get<10>(key), plan->offered, plan->chosen, std::get<19>(key),
+                     plan->captured});
   }
   return infos;
 }
@@ -620,14 +658,14 @@ std::vector<GemmPlanInfo> GemmPlans() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), or (K, M) if transposed
-                                  .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), (K, N), (P, N, K)
+                                  .Arg<ffi::AnyBuffer>()                     // lhs: (M, K), (K, M), (B, M, K)
+                                  .Arg<ffi::AnyBuffer>()                     // rhs: (N, K), (K, N), (P|B, N, K)
                                   .Arg<ffi::AnyBuffer>()                     // lhs_scale_inv: f32[] or block scales
                                   .Arg<ffi::AnyBuffer>()                     // rhs_scale_inv: f32[] or block scales
                                   .Arg<ffi::AnyBuffer>()                     // bias: (N,) in out dtype, or empty
                                   .Arg<ffi::AnyBuffer>()                     // residual: (M, N) in out dtype, or empty
                                   .Ret<ffi::AnyBuffer>()                     // workspace: u8[GemmWorkspace(P)]
-                                  .RemainingRets()                           // out (M, N), or one per rhs part
+                                  .RemainingRets()                           // out (M, N) or (B, M, N), or P
                                   .Attr<bool>("transpose_lhs")               // lhs stored (K, M)
                                   .Attr<bool>("transpose_rhs")               // rhs stored (K, N)
                                   .Attr<bool>("fast_accum")                  // FP8 fast accumulation

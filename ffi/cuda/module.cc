@@ -103,6 +103,7 @@ NB_MODULE(_te_cuda, m) {
       d["n"] = p.n;
       d["k"] = p.k;
       d["parts"] = p.parts;
+      d["batch"] = p.batch;
       d["lhs_dtype"] = p.lhs_type;
       d["rhs_dtype"] = p.rhs_type;
       d["out_dtype"] = p.out_type;

@@ -6,14 +6,16 @@ nothing; the others are one transpose of the high-precision operand, before its 
 
 - No batch dims: the GEMM of ``te_jax.dense`` (lhs the layer input, rhs the kernel, every recipe), rhs reordered
   to (contracting, free) in lhs's contracting order.
-- Batch dims (attention's ``'BSNH,BTNH->BNTS'``): a batched GEMM of its own below, each operand quantized once by
-  te_jax's quantize, with one scale for the whole operand (per-tensor recipes: ``DelayedScaling``,
-  ``Float8CurrentScaling``), each batch index its own FP8 GEMM. te_jax's GEMM op has no batched form (a loop of it,
-  ``vmap``'s, runs the batch one index after the other and cannot take a sharded batch), so the batched GEMM is a
-  ``dot_general`` of the FP8 arrays in float32, scaled once: XLA runs it as batched FP8 GEMMs on Hopper and
-  partitions it over a sharded batch (accumulating as XLA's FP8 GEMMs do: the recipe's ``fp8_gemm_*`` settings are
-  ``te_jax.dense``'s). The backward quantizes the output gradient once and runs the dgrad and wgrad
-  on the forward's FP8 operands.
+- Batch dims (attention's ``'BSNH,BTNH->BNTS'``): te_jax's strided batched GEMM (``te_jax.ops.gemm.gemm(...,
+  batched=True)``: one cuBLASLt launch for the whole batch, a sharded batch kept sharded with no collective), each
+  operand quantized once by te_jax's quantize with one scale for the whole operand (per-tensor recipes:
+  ``DelayedScaling``, ``Float8CurrentScaling``) and its per-batch transposed copy written in the same pass, the
+  K-major operand of the backward GEMM that contracts its other dim. The backward quantizes the output gradient once
+  (with its transposed copy) and runs the dgrad and wgrad on the forward's transposed FP8 copies; the three GEMMs
+  accumulate as the recipe's ``fp8_gemm_fprop`` / ``_dgrad`` / ``_wgrad`` say, as ``te_jax.dense``'s do. The rows
+  of each batch index are padded with zeros to a multiple of 16 (the weight gradient contracts over them).
+  (A ``dot_general`` of the FP8 arrays in float32 is not rewritten by XLA:GPU into its FP8 GEMM: it ran as a
+  float32 GEMM, slower than bfloat16.)
 
 The roles of the state are those of ``te_jax.dense``: lhs is ``"x"``, rhs ``"kernel"``, the output gradient
 ``"grad"``; the updated state leaves the backward pass as ``fp8_meta``'s gradient, as it does there.
@@ -29,14 +31,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode
+from te_jax._core.scaling import FP8_RESIDUAL
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.linear import (Fp8Config, fp8_dims_aligned, fp8_recipe, instantiate, keep_state, keeps_state,
                                  primal_values, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
+from te_jax.ops.gemm import FP8_ALIGN, gemm
 from te_jax.recipe import Recipe
 
 __all__ = ["DotGeneralDims", "dot_general"]
@@ -102,21 +107,17 @@ def _reorder(x: jax.Array, order: tuple[int, ...]) -> jax.Array:
 
 
 class _BatchedResiduals(NamedTuple):
-  lhs: QuantizedTensor  # (B, M, K) FP8
-  rhs: QuantizedTensor  # (B, N, K) FP8
+  lhs_t: QuantizedTensor  # (B, K, M) FP8: the wgrad's rhs
+  rhs_t: QuantizedTensor  # (B, K, N) FP8: the dgrad's rhs
   amax_lhs: jax.Array
   amax_rhs: jax.Array
   meta: DenseFp8Meta | None  # as the caller passed it (its dtype is the update's)
 
 
-def _batched_gemm(lhs: QuantizedTensor, rhs: QuantizedTensor, contract: tuple[int, int], dtype) -> jax.Array:
-  """The batched product of two (B, ., .) per-tensor FP8 operands, contracting dim ``contract[0]`` of lhs with
-  ``contract[1]`` of rhs, batch dim 0 of both: each batch index one GEMM of the FP8 values accumulated in float32,
-  scaled by the two reciprocal scales, cast to ``dtype``. It is a ``dot_general`` of the FP8 arrays, which XLA runs
-  as batched FP8 GEMMs where the device has them (Hopper's cuBLASLt) and partitions like any ``dot_general``."""
-  out = jax.lax.dot_general(lhs.data, rhs.data, (((contract[0],), (contract[1],)), ((0,), (0,))),
-                            preferred_element_type=jnp.float32)
-  return (out * (lhs.scale_inv * rhs.scale_inv)).astype(dtype)
+def _saved(t: QuantizedTensor) -> QuantizedTensor:
+  """A transposed copy kept for the backward pass, its data named ``FP8_RESIDUAL`` for ``jax.checkpoint`` policies."""
+  t = t.transposed()
+  return dataclasses.replace(t, data=checkpoint_name(t.data, FP8_RESIDUAL))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -131,17 +132,25 @@ def _batched_fp8_fwd(cfg: Fp8Config, *primals):
 def _batched_forward(fp8: Fp8Config, lhs, rhs, meta_in):
   meta = state_as_float32(meta_in)
   q = fp8.quantizer
-  ql = q.quantize("x", meta and meta.x, lhs, fp8.fwd_dtype)
-  qr = q.quantize("kernel", meta and meta.kernel, rhs, fp8.fwd_dtype, shard_axes=fp8.kernel_axes)
-  out = _batched_gemm(ql.out, qr.out, (2, 2), fp8.out_dtype)  # (B, M, K) x (B, N, K) -> (B, M, N)
-  return out, _BatchedResiduals(ql.out, qr.out, ql.amax, qr.amax, meta_in)
+  # Each with its per-batch transposed copy ((B, K, M), (B, K, N)), written by the same kernel.
+  ql = q.quantize("x", meta and meta.x, lhs, fp8.fwd_dtype, transpose=True)
+  qr = q.quantize("kernel", meta and meta.kernel, rhs, fp8.fwd_dtype, shard_axes=fp8.kernel_axes, transpose=True)
+  out = gemm(ql.out.without_transposed(), qr.out.without_transposed(), batched=True, dtype=fp8.out_dtype,
+             fast_accum=not fp8.recipe.fp8_gemm_fprop.use_split_accumulator)  # (B, M, K) x (B, N, K) -> (B, M, N)
+  return out, _BatchedResiduals(_saved(ql.out), _saved(qr.out), ql.amax, qr.amax, meta_in)
 
 
 def _batched_fp8_bwd(fp8: Fp8Config, r: _BatchedResiduals, g):
   meta = state_as_float32(r.meta)
-  qg = fp8.quantizer.quantize("grad", meta and meta.grad, instantiate(g), fp8.bwd_dtype)  # (B, M, N)
-  dlhs = _batched_gemm(qg.out, r.rhs, (2, 1), fp8.out_dtype)  # g[b] @ rhs[b]: (M, N) x (N, K)
-  drhs = _batched_gemm(qg.out, r.lhs, (1, 1), fp8.kernel_dtype)  # g[b]^T @ lhs[b]: (N, M) x (M, K)
+  recipe = fp8.recipe
+  # (B, M, N) and its transposed copy (B, N, M)
+  qg = fp8.quantizer.quantize("grad", meta and meta.grad, instantiate(g), fp8.bwd_dtype, transpose=True)
+  # g[b] @ rhs[b]: (M, N) x (K, N)^T
+  dlhs = gemm(qg.out.without_transposed(), r.rhs_t, batched=True, dtype=fp8.out_dtype,
+              fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator)
+  # g[b]^T @ lhs[b]: (N, M) x (K, M)^T
+  drhs = gemm(qg.out.transposed(), r.lhs_t, batched=True, dtype=fp8.kernel_dtype,
+              fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
   new_meta = None
   if meta is not None:
     new_meta = state_like(fp8.quantizer.update([(meta, r.amax_lhs, r.amax_rhs, qg.amax)])[0], r.meta)
@@ -165,8 +174,11 @@ def _batched(lhs, rhs, d: DotGeneralDims, meta, recipe: Recipe):
                                                                                        d.lhs_contract)
   l3 = jnp.reshape(_reorder(lhs, d.lhs_batch + d.lhs_free + d.lhs_contract), (b, m, k))
   r3 = jnp.reshape(_reorder(rhs, d.rhs_batch + d.rhs_free + d.rhs_contract), (b, n, k))
+  pad = -m % FP8_ALIGN  # zero rows: no amax, output or gradient changes
+  if pad:
+    l3 = jnp.pad(l3, ((0, 0), (0, pad), (0, 0)))
   out = _batched_fp8(cfg, l3, r3, meta if keeps_state(recipe) else None)
-  return jnp.reshape(out, batch + lhs_rows + rhs_rows)
+  return jnp.reshape(out[:, :m] if pad else out, batch + lhs_rows + rhs_rows)
 
 
 # ---- the op ------------------------------------------------------------------------------------------------------
@@ -198,8 +210,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
     out_sharding: the output's sharding, as ``jax.lax.dot_general``'s (without batch dims only, where ``te_jax.dense``
       takes it).
 
-  Without batch dims every recipe runs (``te_jax.dense``'s GEMM). With batch dims, each batch index is its own FP8
-  GEMM, and each operand has one scale for the whole of it: per-tensor recipes only (another raises). A GEMM whose
+  Without batch dims every recipe runs (``te_jax.dense``'s GEMM). With batch dims, te_jax's strided batched FP8 GEMM
+  runs every batch index in one launch, and each operand has one scale for the whole of it: per-tensor recipes only
+  (a block-scaled one raises, naming the per-tensor recipes to pass for this call). A GEMM whose
   contracted or per-batch output size is not a multiple of 16 runs in high precision, its state handed back
   unchanged, as ``te_jax.dense``'s does.
   """

@@ -31,6 +31,11 @@ all-gather the sequence. ``contract_dims=2`` contracts the last two dims of both
 weight gradient's transposed operands (K, B, S) and (N, B, S); each contracted dim keeps its sharding and the
 partial sums are reduced over all of their mesh axes. The handler sees the same bytes as the 2-D GEMM.
 
+``gemm(lhs, rhs, batched=True)`` with ``lhs`` (B, M, K) and ``rhs`` (B, N, K) returns (B, M, N), ``out[b] = lhs[b] @
+rhs[b]^T``: one cuBLASLt strided batched GEMM (per-tensor scales, one per operand for the whole batch; no bias,
+residual or transposes), the batched products of attention (``'BSNH,BTNH->BNTS'``). Its batch dim stays sharded as
+the operands shard it, with no collective.
+
 Block-scaled operands (``QuantizedTensor`` of BLOCK_1X128, BLOCK_128X128, MXFP8_1X32 or NVFP4_1X16, both operands)
 take the same options; cuBLASLt runs them where it has a kernel (1 x 128 and 128 x 128 on Hopper, MXFP8 and NVFP4 on
 cc 10.x), the emulation (bfloat16 dequantization, then the high-precision GEMM) elsewhere: see
@@ -90,6 +95,8 @@ class GemmConfig:
       what ``_partition`` makes of it (a reduce-scatter onto it where K's axes shard it).
     deterministic: cuBLASLt's heuristic algorithm, never the fastest one timed at the first call (whose choice can
       differ from one process to the next): ``autocast(deterministic=True)``.
+    batched: lhs (B, M, K), rhs (B, N, K), the output (B, M, N): a strided batch of GEMMs, per-tensor scales, no
+      bias, residual, parts or transposes.
   """
 
   out_dtype: np.dtype
@@ -105,6 +112,7 @@ class GemmConfig:
   rhs_mode: ScalingMode = ScalingMode.PER_TENSOR
   out_spec: P | None = None
   deterministic: bool = False
+  batched: bool = False
 
 
 def _split(shape, transposed: bool, k_dims: int, parts: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -128,7 +136,15 @@ def _mk(shape, transposed, k_dims: int = 1, parts: bool = False) -> tuple[int, i
 def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) -> list[jax.Array]:
   """Dequantize (FP8 operands), ``lhs @ rhs^T`` accumulated in float32, add bias and residual, cast.
 
-  Block-scaled operands (scales in cuBLASLt's layout) are dequantized as the emulated path does: into bfloat16."""
+  Block-scaled operands (scales in cuBLASLt's layout) are dequantized as the emulated path does: into bfloat16.
+  Batched: the same per batch index, one dot_general over the batch dim."""
+  if config.batched:
+    a, b = lhs, rhs
+    if jnp.dtype(a.dtype) in FP8_DTYPES:
+      a, b = a.astype(jnp.float32) * lhs_scale_inv, b.astype(jnp.float32) * rhs_scale_inv
+    out = jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    return [out.astype(config.out_dtype)]
   if config.parts > 1:  # no bias or residual with parts
     return [gemm_ref(lhs, part, lhs_scale_inv, rhs_scale_inv, config=dataclasses.replace(config, parts=1))[0]
             for part in rhs]
@@ -157,6 +173,8 @@ def gemm_ref(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig) 
 
 def _abstract_eval(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *rest, config: GemmConfig):
   del lhs_scale_inv, rhs_scale_inv, rest
+  if config.batched:
+    return [output_aval(lhs, (*lhs.shape[:2], rhs.shape[1]), config.out_dtype)]
   rows, _ = _split(lhs.shape, config.transpose_lhs, config.k_dims)
   n, _ = _mk(rhs.shape, config.transpose_rhs, config.k_dims, parts=config.parts > 1)
   return [output_aval(lhs, (*(config.out_rows or rows), n), config.out_dtype)] * config.parts
@@ -172,6 +190,10 @@ def _native_signature(platform: str, config: GemmConfig, avals_in, avals_out) ->
   residual = n - 1 if config.has_residual else n + (not config.has_bias)
   extra = (empty,) * ((not config.has_bias) + (not config.has_residual))
   workspace = native.workspace(platform, "gemm", config.parts)
+  if config.batched:  # (B, M, K), (B, N, K) -> (B, M, N) as they are
+    out = jax.core.ShapedArray(avals_out[0].shape, avals_out[0].dtype)
+    return NativeSignature(extra_operands=extra, result_avals=(workspace, out), keep=(1,),
+                           operand_order=(0, 1, 2, 3, bias, residual))
   # The handler reads 2-D operands ((M, K) and (N, K), or (parts, N, K)) and writes (M, N) outputs: kept rows,
   # several contracted dims and out_rows are reshapes of the same bytes, which the lowering makes.
   lhs, rhs = avals_in[:2]
@@ -229,6 +251,8 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   partial sums are reduce-scattered onto it (sequence parallelism); any other S sharding of a 2-D lhs's output is left
   to XLA (a local slice).
   """
+  if config.batched:
+    return _partition_batched(config, mesh, arg_shapes)
   parts = config.parts > 1
   lhs_spec = full_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))
   rhs_spec = full_spec(arg_shapes[1].sharding, len(arg_shapes[1].shape))[int(parts):]
@@ -313,6 +337,35 @@ def _partition(config: GemmConfig, mesh, arg_shapes, result_shape):
   return mesh, lower_fn, (out_sharding,) * config.parts, tuple(arg_shardings)
 
 
+def _partition_batched(config: GemmConfig, mesh, arg_shapes):
+  """The batched GEMM's partition: the batch dim sharded as lhs's (else rhs's), which both operands and the output
+  then share, with no collective; M as lhs's, N as rhs's, each less the axes used before; a sharded K (lhs's axes,
+  else rhs's) ends in one psum of the partial sums, in the output dtype, as the 2-D GEMM's does."""
+  lhs_spec, rhs_spec = (full_spec(a.sharding, 3) for a in arg_shapes[:2])
+  used: list[str] = []
+
+  def take(*entries):  # the first entry's mesh axes not used yet (falling back to the next), now used
+    for entry in entries:
+      axes = tuple(a for a in mesh_axes(entry) if a not in used)
+      if axes:
+        used.extend(axes)
+        return axes
+    return ()
+
+  b = take(lhs_spec[0], rhs_spec[0])
+  k = take(lhs_spec[2], rhs_spec[2])
+  m, n = take(lhs_spec[1]), take(rhs_spec[1])
+  b, m, n, k_entry = _entry(b), _entry(m), _entry(n), _entry(k)
+  scalar = NamedSharding(mesh, P())
+  arg_shardings = (NamedSharding(mesh, P(b, m, k_entry)), NamedSharding(mesh, P(b, n, k_entry)), scalar, scalar)
+
+  def lower_fn(lhs, rhs, lhs_scale_inv, rhs_scale_inv):
+    (out,) = _GEMM.inner.bind(lhs, rhs, lhs_scale_inv, rhs_scale_inv, config=config)
+    return (jax.lax.psum(out, k) if k else out,)
+
+  return mesh, lower_fn, (NamedSharding(mesh, P(b, m, n)),), arg_shardings
+
+
 def output_spec(rows, k_lhs, k_rhs, cols) -> tuple:
   """The sharding of a contraction's output where nothing asks for another, from its operands' PartitionSpec entries
   (``rows``: lhs's row dims; ``k_lhs``, ``k_rhs``: each contracted dim of lhs and of rhs; ``cols``: rhs's column
@@ -341,6 +394,8 @@ def _sharding_rule(config: GemmConfig, mesh, value_types, result_types):
   """``m k, n k -> m n``; with parts, ``m k, p n k -> m n, m n, ...`` with p kept whole; kept row dims and several
   contracted dims are factors of their own (``m0 m1 k``, ``k n0 n1``...)."""
   del mesh, result_types
+  if config.batched:
+    return "b m k, b n k, , -> b m n", {"reduction_factors": ("k",)}
   n_rows = 1 if config.transpose_lhs else len(value_types[0].shape) - config.k_dims
   m = "m" if n_rows == 1 else " ".join(f"m{i}" for i in range(n_rows))
   k = "k" if config.k_dims == 1 else " ".join(f"k{i}" for i in range(config.k_dims))
@@ -422,6 +477,7 @@ def gemm(
     keep_rows: bool = False,
     contract_dims: int = 1,
     out_sharding: P | NamedSharding | None = None,
+    batched: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``lhs @ rhs^T`` contracting the last dim of both (or the first, for transposed high-precision operands).
 
@@ -465,11 +521,25 @@ def gemm(
       shard an output dim there ends in a reduce-scatter onto it instead of an all-reduce), and on a mesh with
       Explicit axes the output's type says it. Without it the output is typed with ``output_spec``'s sharding.
       Not with ``rhs_parts``.
+    batched: ``lhs`` is (B, M, K) and ``rhs`` (B, N, K), both untransposed, per-tensor FP8 or both high precision:
+      returns (B, M, N), ``out[b] = lhs[b] @ rhs[b]^T``, one strided batched cuBLASLt GEMM (one scale per operand for
+      the whole batch). A sharded batch stays sharded, with no collective. With no other option but ``dtype`` and
+      ``fast_accum``.
 
   Returns:
     ``(*lhs_rows, *rhs_rows)``: lhs's non-contracting dims, then rhs's; with ``rhs_parts``, a tuple of P arrays
     ``(*lhs_rows, *rhs.shape[1:-1])``.
   """
+  if batched:
+    given = {name: v for name, v in (("bias", bias), ("residual", residual), ("transpose_lhs", transpose_lhs),
+                                     ("transpose_rhs", transpose_rhs), ("rhs_parts", rhs_parts),
+                                     ("scatter_rows", scatter_rows), ("keep_rows", keep_rows),
+                                     ("out_sharding", out_sharding)) if v is not None and v is not False}
+    if contract_dims != 1:
+      given["contract_dims"] = contract_dims
+    if given:
+      raise ValueError(f"gemm: batched=True takes no {', '.join(given)} (got {given}); only dtype and fast_accum")
+    return _gemm_batched(lhs, rhs, dtype, fast_accum)
   opts = dict(bias=bias, residual=residual, dtype=dtype, transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
               fast_accum=fast_accum, rhs_parts=rhs_parts, scatter_rows=scatter_rows, keep_rows=keep_rows,
               contract_dims=contract_dims)
@@ -576,6 +646,34 @@ def _gemm_body(lhs, rhs, lhs_scale_inv, rhs_scale_inv, *, bias, residual, dtype,
       addend = retype(addend.reshape(out.shape[out.ndim - addend.ndim:]), P(*out_spec[out.ndim - addend.ndim:]))
       out = out + addend.astype(out_dtype).astype(jnp.float32)
   return out.astype(out_dtype).reshape(*lhs_rows, *rhs_rows)
+
+
+def _gemm_batched(lhs, rhs, dtype, fast_accum) -> jax.Array:
+  """``gemm(..., batched=True)``: checks, then one strided batched GEMM."""
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if isinstance(x, QuantizedTensor) and x.mode is not ScalingMode.PER_TENSOR:
+      raise ValueError(f"gemm: batched=True takes per-tensor scaled operands, got {name} scaled {x.mode.name}: "
+                       "quantize it per tensor (te_jax.ops.quantize.quantize)")
+  (lhs, lhs_scale_inv), (rhs, rhs_scale_inv) = _operand(lhs, "lhs"), _operand(rhs, "rhs")
+  fp8 = lhs_scale_inv is not None
+  if fp8 != (rhs_scale_inv is not None):
+    raise TypeError(f"lhs and rhs must both be FP8 or both not, got {lhs.dtype} and {rhs.dtype}")
+  out_dtype = jnp.dtype(dtype)
+  if out_dtype not in HP_DTYPES:
+    raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype.name}")
+  if fp8 and jnp.dtype(lhs.dtype) == jnp.float8_e5m2 and jnp.dtype(rhs.dtype) == jnp.float8_e5m2:
+    raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
+  if lhs.ndim != 3 or rhs.ndim != 3 or lhs.shape[0] != rhs.shape[0] or lhs.shape[2] != rhs.shape[2]:
+    raise ValueError(f"gemm: batched=True needs lhs (B, M, K) and rhs (B, N, K) of the same B and K, got lhs "
+                     f"{lhs.shape} and rhs {rhs.shape}")
+  k, n = lhs.shape[2], rhs.shape[1]
+  if fp8 and (k % FP8_ALIGN or n % FP8_ALIGN):
+    raise ValueError(f"FP8 GEMM needs K and N to be multiples of {FP8_ALIGN}, got K={k}, N={n}")
+  gemm_dtype, _ = _native_output(jnp.dtype(lhs.dtype), out_dtype, fp8)
+  config = GemmConfig(gemm_dtype, fast_accum=bool(fast_accum), deterministic=get_autocast_state().deterministic,
+                      batched=True)
+  (out,) = _GEMM.bind(lhs, rhs, *_scales(fp8, lhs_scale_inv, rhs_scale_inv), config=config)
+  return out.astype(out_dtype)
 
 
 def _fold(x, transposed, contract_dims: int = 1):

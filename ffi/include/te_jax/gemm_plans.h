@@ -12,6 +12,7 @@ struct GemmPlanInfo {
   int device;
   int64_t m, n, k;                           // row-major out[m, n] = lhs[m, k] . rhs[n, k]^T
   int parts;                                 // output buffers: one per part of rhs
+  int64_t batch;                             // strided batch count (out[b] = lhs[b] . rhs[b]^T); 1: none
   std::string lhs_type, rhs_type, out_type;  // JAX dtype names
   bool fast_accum;
   int candidates;                            // algorithms the heuristic offered (all timed when more than one)
