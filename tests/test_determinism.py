@@ -134,9 +134,11 @@ def test_two_gpu_runs_of_the_compare_lm_are_bitwise_equal(tmp_path):
   reports = {}
   for name, extra in (("a", ["--deterministic"]), ("b", ["--deterministic"]), ("default", [])):
     out = tmp_path / name
-    subprocess.run([sys.executable, "-m", "te_jax.compare", "--preset", "gpt-small", "--steps", "30", "--evals", "1",
-                    "--health", "0", "--out", str(out), *extra], cwd=ROOT, check=True,
-                   env={k: v for k, v in os.environ.items() if k != determinism.ENV_VAR})
+    done = subprocess.run([sys.executable, "-m", "te_jax.compare", "--preset", "gpt-small", "--steps", "30",
+                           "--evals", "1", "--health", "0", "--out", str(out), *extra], cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != determinism.ENV_VAR},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"run {name} exited {done.returncode}:\n{done.stderr[-3000:]}"
     reports[name] = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
   for run in ("BF16", "FP8"):
     a, b = reports["a"][run], reports["b"][run]
