@@ -97,22 +97,25 @@ ffi::Error WithLoader(const ffi::AnyBuffer& buffer, F&& f) {
 
 ffi::Error ActFwdCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::AnyBuffer> out_t, ffi::Result<ffi::BufferR0<ffi::F32>> amax, int64_t act,
-                     bool gated, int64_t batch_ndim) {
+                     bool gated, int64_t batch_ndim, int64_t gate, float limit, float alpha,
+                     float glu_linear_offset) {
   auto view = MakeActivationView(x.dimensions(), gated, batch_ndim);
   if (view.has_error()) return view.error();
   const ActivationView v = *view;
   if (auto err = CheckActivationOutputs(*out, *out_t, v.out_elements()); err.failure()) return err;
   Sink sink(v, v.cols, out, out_t, *scale.typed_data(), nullptr);
+  const ActParams params{limit, alpha, glu_linear_offset};
   auto err = WithLoader(x, [&](auto load) {
-    return DispatchActivation(act, gated, [&](auto a, auto g) {
+    return DispatchActivation(act, gated, gate, [&](auto a, auto h) {
       constexpr Act kAct = decltype(a)::value;
-      constexpr bool kGated = decltype(g)::value;
+      constexpr Act kGate = decltype(h)::value;
+      constexpr bool kGated = kGate != Act::kNone;
       for (int64_t b = 0; b < v.batch; ++b) {
         for (int64_t r = 0; r < v.rows; ++r) {
           const int64_t row = (b * v.rows + r) * v.halves() * v.cols;
           for (int64_t c = 0; c < v.cols; ++c) {
             const float xb = kGated ? load(row + v.cols + c) : 0.0f;
-            sink.Put(b, r, c, Forward<kAct, kGated>(load(row + c), xb));
+            sink.Put(b, r, c, Forward<kAct, kGate>(load(row + c), xb, params));
           }
         }
       }
@@ -126,7 +129,8 @@ ffi::Error ActFwdCpu(ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale, ffi::Resul
 ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
                      ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias, int64_t act,
-                     bool gated, int64_t batch_ndim) {
+                     bool gated, int64_t batch_ndim, int64_t gate, float limit, float alpha,
+                     float glu_linear_offset) {
   auto view = CheckActivationBwd(g, x, *dx, *dx_t, *dbias, gated, batch_ndim);
   if (view.has_error()) return view.error();
   const ActivationView v = *view;
@@ -134,11 +138,13 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
   const bool want_dbias = dbias->element_count() > 0;
   float* db = want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;
   Sink sink(v, out_cols, dx, dx_t, *scale.typed_data(), db);
+  const ActParams params{limit, alpha, glu_linear_offset};
   auto err = WithLoader(x, [&](auto load) {
     return WithLoader(g, [&](auto load_g) {  // g has x's dtype
-      return DispatchActivation(act, gated, [&](auto a, auto gt) {
+      return DispatchActivation(act, gated, gate, [&](auto a, auto h) {
         constexpr Act kAct = decltype(a)::value;
-        constexpr bool kGated = decltype(gt)::value;
+        constexpr Act kGate = decltype(h)::value;
+        constexpr bool kGated = kGate != Act::kNone;
         for (int64_t b = 0; b < v.batch; ++b) {
           for (int64_t r = 0; r < v.rows; ++r) {
             const int64_t row = (b * v.rows + r) * out_cols;
@@ -146,7 +152,7 @@ ffi::Error ActBwdCpu(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32>
             for (int64_t c = 0; c < v.cols; ++c) {
               float da = 0.0f, db_ = 0.0f;
               const float xb = kGated ? load(row + v.cols + c) : 0.0f;
-              Backward<kAct, kGated>(load_g(g_row + c), load(row + c), xb, da, db_);
+              Backward<kAct, kGate>(load_g(g_row + c), load(row + c), xb, da, db_, params);
               sink.Put(b, r, c, da);
               if (kGated) sink.Put(b, r, v.cols + c, db_);
             }

@@ -14,7 +14,8 @@
 // bit patterns; dbias is deterministic: per-tile column partials in an XLA-allocated workspace, summed in a fixed
 // order by the last block of each column of tiles.
 //
-// Template parameters are the activation, gated, forward/backward, the input dtype and FP8-or-not: 120 kernels.
+// Template parameters are the form (the activation, and a pair's second half: activation_view.h's
+// DispatchActivation, 20 forms), forward/backward, the input dtype and FP8-or-not: 240 kernels.
 // The high-precision output dtype, the transposed copy and dbias are uniform run-time branches, which cost a few
 // instructions per 8 elements and keep the build small; the FP8 format is one too at ragged tile edges, and a
 // template constant of the whole-tile loop (two copies of it). The grid is (column tiles, row tiles, batch), so that
@@ -55,10 +56,14 @@ constexpr int kRowsPerThread = kTile / kRowsPerPass;    // 8
 // help (the gelu backward at (16384, 16384): 0.485 -> 0.455 ms from 3 to 4 blocks, at 12 more instructions per 16
 // elements); 3 (24 warps, at most 80 registers) otherwise, where the gated gradient, float32 inputs or 16-bit outputs
 // keep more values live (at 64 registers those spill; so does the float16 backward, whose conversions take more
-// registers than bfloat16's). 24 warps with their rows of loads in flight each cover the memory latency.
-template <typename T, bool kGated, bool kBwd, bool kFp8>
+// registers than bfloat16's). 24 warps with their rows of loads in flight each cover the memory latency. A pair
+// whose second half is activated too (not linear) keeps that half's values live as well: 3 blocks forward; 2 (16
+// warps, 128 registers) backward, where at 80 registers the (gelu, gelu) gradient spilled 1 KiB per thread.
+template <typename T, Act B, bool kBwd, bool kFp8>
 constexpr int MinBlocksPerSm() {
-  if constexpr (!kFp8) return 3;
+  constexpr bool kGated = B != Act::kNone;
+  if constexpr (kBwd && kGated && B != Act::kLinear) return 2;
+  if constexpr (!kFp8 || (kGated && B != Act::kLinear)) return 3;
   if constexpr (kBwd) return !kGated && std::is_same_v<T, __nv_bfloat16> ? 4 : 3;
   return sizeof(T) == 2 ? 4 : 3;
 }
@@ -81,6 +86,7 @@ struct Params {
   bool rows_vec;        // rows % 8 == 0 and an 8-byte aligned out_t: 8-byte stores of the transposed copy
   bool e5m2;            // FP8 format
   HpType hp;            // high-precision output dtype
+  ActParams act;        // clamped SwiGLU's parameters
 };
 
 // Rows whose loads are issued before the first use: as many as keep the loaded data within ~24 registers per thread
@@ -140,8 +146,9 @@ __device__ __forceinline__ void StoreHp(const Params& p, int64_t offset, int64_t
   }
 }
 
-template <Act A, bool kGated, bool kBwd, typename T, bool kFp8>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kGated, kBwd, kFp8>()) ActivationKernel(const Params p) {
+template <Act A, Act B, bool kBwd, typename T, bool kFp8>
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, B, kBwd, kFp8>()) ActivationKernel(const Params p) {
+  constexpr bool kGated = B != Act::kNone;  // a pair (A, B); B is kNone for a single activation
   // Halves of the output: a gated gradient has two (dx_a, dx_b); everything else one.
   constexpr int kOutHalves = kGated && kBwd ? 2 : 1;
   constexpr int kInHalves = kGated ? 2 : 1;
@@ -209,14 +216,14 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<T, kGated, kBwd, kFp8
         auto compute = [&](auto recip) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            float linear = 0.0f;  // the gated pair's second half
-            if constexpr (kGated) linear = xb[i].Get(j);
+            float second = 0.0f;  // the pair's second half
+            if constexpr (kGated) second = xb[i].Get(j);
             if constexpr (kBwd) {
               float db = 0.0f;
-              Backward<A, kGated>(gv[i].Get(j), xa[i].Get(j), linear, y[0][j], db, recip);
+              Backward<A, B>(gv[i].Get(j), xa[i].Get(j), second, y[0][j], db, p.act, recip);
               if constexpr (kOutHalves == 2) y[1][j] = db;
             } else {
-              y[0][j] = Forward<A, kGated>(xa[i].Get(j), linear, recip);
+              y[0][j] = Forward<A, B>(xa[i].Get(j), second, p.act, recip);
             }
           }
         };
@@ -368,7 +375,7 @@ inline int64_t DbiasCounters(const ActivationView& v) { return (v.cols + kTile -
 // Launches the kernel for x's dtype and the output kind (zeroing the dbias counters first, when dbias is asked for).
 template <bool kBwd>
 ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in_type, ffi::DataType out_type,
-                  int64_t act, Params p) {
+                  int64_t act, int64_t gate, Params p) {
   p.batch = v.batch;
   p.rows = v.rows;
   p.cols = v.cols;
@@ -381,10 +388,10 @@ ffi::Error Launch(cudaStream_t stream, const ActivationView& v, ffi::DataType in
   const bool fp8 = IsFp8(out_type);
   auto launch = [&](auto dtype_tag) -> ffi::Error {
     using T = decltype(dtype_tag);
-    return DispatchActivation(act, v.gated, [&](auto a, auto gt) -> ffi::Error {
+    return DispatchActivation(act, v.gated, gate, [&](auto a, auto h) -> ffi::Error {
       constexpr Act kAct = decltype(a)::value;
-      constexpr bool kGated = decltype(gt)::value;
-      auto kernel = fp8 ? ActivationKernel<kAct, kGated, kBwd, T, true> : ActivationKernel<kAct, kGated, kBwd, T, false>;
+      constexpr Act kGate = decltype(h)::value;
+      auto kernel = fp8 ? ActivationKernel<kAct, kGate, kBwd, T, true> : ActivationKernel<kAct, kGate, kBwd, T, false>;
       // Grid (tn, tm, b): no index division in the kernel. Past the grid's y and z limits (65535), more launches.
       constexpr int64_t kMaxYZ = 65535;
       for (int64_t b0 = 0; b0 < v.batch; b0 += kMaxYZ) {

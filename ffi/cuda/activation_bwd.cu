@@ -10,7 +10,8 @@ namespace {
 ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::BufferR0<ffi::F32> scale,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dx_t,
                       ffi::Result<ffi::BufferR0<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                      ffi::Result<ffi::AnyBuffer> workspace, int64_t act, bool gated, int64_t batch_ndim) {
+                      ffi::Result<ffi::AnyBuffer> workspace, int64_t act, bool gated, int64_t batch_ndim,
+                      int64_t gate, float limit, float alpha, float glu_linear_offset) {
   auto view = CheckActivationBwd(g, x, *dx, *dx_t, *dbias, gated, batch_ndim);
   if (view.has_error()) return view.error();
   const ActivationView v = *view;
@@ -43,7 +44,8 @@ ffi::Error ActBwdCuda(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x, f
     p.dbias_done = reinterpret_cast<unsigned*>(p.dbias_partial + partial_rows * out_cols);
     p.dbias = static_cast<float*>(dbias->untyped_data());
   }
-  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, p);
+  p.act = ActParams{limit, alpha, glu_linear_offset};
+  return Launch<true>(stream, v, x.element_type(), dx->element_type(), act, gate, p);
 }
 
 }  // namespace

@@ -1,37 +1,52 @@
 """Activations with the FP8 cast fused: forward ``act(x)`` and backward ``g * act'(x)``, each in one pass.
 
-Activations: ``gelu`` (tanh approximation), ``relu``, ``silu``, ``quick_gelu``, ``squared_relu``, and the gated pairs
-``(act, "linear")``: ``("silu", "linear")`` is SwiGLU, ``("gelu", "linear")`` GeGLU, ``("relu", "linear")`` ReGLU
-(``quick_gelu`` and ``squared_relu`` pair the same way).
+Activations (``ACTIVATIONS``): ``gelu`` (tanh approximation), ``relu``, ``silu``, ``quick_gelu``, ``squared_relu``,
+``sigmoid``. Pairs (``ACTIVATION_TYPES`` lists every accepted form), the two halves of the input activated and
+multiplied, as Transformer Engine's LayerNormMLP takes them:
 
-Gated layout: the input is ``(..., 2, N)``, the activated half first (``x[..., 0, :]``), the linear half second; the
-output is ``(..., N)``. It is the layout of Transformer Engine's LayerNormMLP (its fc1 kernel is ``(K, 2, N)``), and
-it keeps each shard whole when the hidden dim ``N`` is sharded: with a flat ``(..., 2N)`` layout, sharding the last
-dim would give one device only activated values and another only linear ones. In memory the two layouts are the
-same bytes, so a ``(..., 2N)`` array is ``reshape``d for free.
+- ``(act, "linear")``: GLU variants with a linear second half. ``("silu", "linear")`` is SwiGLU, ``("gelu",
+  "linear")`` GeGLU, ``("relu", "linear")`` ReGLU, ``("sigmoid", "linear")`` GLU, ``("linear", "linear")`` the
+  bilinear layer. ``("linear", act)`` means the same (the activated half still first), as in Transformer Engine,
+  which reverses a pair whose first name is ``"linear"``.
+- ``(act, act)``: both halves activated, ``act(a) * act(b)`` (``("relu", "relu")``, ``("gelu", "gelu")``, ...).
+- ``("clamped_silu", "clamped_linear")``: the clamped SwiGLU of GPT-OSS, with ``activation_params`` ``limit``
+  (7.0), ``alpha`` (1.702) and ``glu_linear_offset`` (1.0), Transformer Engine's names and defaults.
+
+Gated layout: the input is ``(..., 2, N)``, the first half of the pair (``x[..., 0, :]``, ``a`` below) first, the
+second (``b``) second; the output is ``(..., N)``. It is the layout of Transformer Engine's LayerNormMLP (its fc1
+kernel is ``(K, 2, N)``), and it keeps each shard whole when the hidden dim ``N`` is sharded: with a flat
+``(..., 2N)`` layout, sharding the last dim would give one device only first halves and another only second ones.
+In memory the two layouts are the same bytes, so a ``(..., 2N)`` array is ``reshape``d for free.
 
 Math, in float32 whatever the input dtype (``z`` and ``s`` below are the kernels' names too)::
 
-  gelu(x)         = x * s,  s = sigmoid(z), z = x * (C1 + C2 * (x * x))   (= 0.5 x (1 + tanh(z / 2)), exactly)
-  silu(x)         = x * s,  s = sigmoid(x)
-  quick_gelu(x)   = x * s,  s = sigmoid(1.702 * x)
-  relu(x)         = 0 where x <= 0, else x            (NaN stays NaN; -0 gives +0)
-  squared_relu(x) = relu(x) * relu(x)
-  sigmoid(z)      = 1 / (1 + exp(-z))
-  gated: y = act(a) * b,  dx_a = (g * b) * act'(a),  dx_b = g * act(a)
+  gelu(x)           = x * s,  s = sigmoid(z), z = x * (C1 + C2 * (x * x))   (= 0.5 x (1 + tanh(z / 2)), exactly)
+  silu(x)           = x * s,  s = sigmoid(x)
+  quick_gelu(x)     = x * s,  s = sigmoid(1.702 * x)
+  sigmoid(x)        = s,      s = sigmoid(x)
+  relu(x)           = 0 where x <= 0, else x            (NaN stays NaN; -0 gives +0)
+  squared_relu(x)   = relu(x) * relu(x)
+  linear(x)         = x
+  clamped_silu(x)   = c * s,  s = sigmoid(alpha * c), c = limit where x > limit, else x      (NaN stays NaN)
+  clamped_linear(x) = c + glu_linear_offset,  c = x clamped to [-limit, limit]             (NaN stays NaN)
+  sigmoid(z)        = 1 / (1 + exp(-z))
+  pair: y = f(a) * h(b),  dx_a = (g * h(b)) * f'(a),  dx_b = (g * f(a)) * h'(b)
 
 with ``C1 = 2 sqrt(2/pi)``, ``C2 = C1 * 0.044715``, and the derivatives ``act'(x) = s + (x * (s * (1 - s))) * z'(x)``
-(``z' = C1 + 3 C2 x^2``, ``1`` for silu, ``1.702`` for quick_gelu), ``relu(x) + relu(x)`` for squared_relu; relu's
-gradient is a select, ``g`` where ``x > 0`` and +0 elsewhere (XLA turns ``g * (x > 0)`` into that select too). gelu
-is written with the sigmoid rather than tanh: one transcendental (``exp``) for every activation and its derivative.
+(``z' = C1 + 3 C2 x^2``, ``1`` for silu, ``1.702`` for quick_gelu, ``alpha`` for clamped_silu, with ``c`` for
+``x``), ``s * (1 - s)`` for sigmoid, ``relu(x) + relu(x)`` for squared_relu. ``gg * act'(x)`` is ``gg`` itself for
+linear, and a select giving +0 where the derivative is zero: relu's where ``x <= 0``, clamped_silu's where
+``x > limit``, clamped_linear's outside ``[-limit, limit]`` (at ``|x| == limit`` the gradient passes, as in
+Transformer Engine's kernels). gelu is written with the sigmoid rather than tanh: one transcendental (``exp``) for
+every activation and its derivative.
 
 Bitwise agreement: each formula above is a sequence of float32 operations, each rounded once, in the order written;
 ``activation_fwd_ref`` / ``activation_bwd_ref`` spell them out in jnp. XLA on a GPU computes exactly these
 operations (it does not contract a multiply and an add into an FMA, its ``exp`` is libdevice's ``expf`` and its
 ``1 / d`` is ``rcp.approx.f32``, which the CUDA kernels use too), so the CUDA handlers are bitwise equal to the
 reference there. XLA on a CPU uses its own ``exp`` and contracts multiply-adds, so the CPU handler, which computes the
-same formulas with the C library's ``expf`` and IEEE division, agrees with the reference bitwise only for relu and
-squared_relu (plain or gated) and within a few float32 roundings for the others.
+same formulas with the C library's ``expf`` and IEEE division, agrees with the reference bitwise only for the forms
+without ``exp`` (relu, squared_relu and linear halves) and within a few float32 roundings for the others.
 
 Outputs: either the high-precision result (float32, bfloat16 or float16), or its FP8 cast exactly as
 ``te_jax.ops.quantize.quantize`` makes it from the float32 result: ``data`` (saturating cast of ``y * scale``),
@@ -58,10 +73,20 @@ from te_jax._core.explicit import typed_vjp
 from te_jax.ops.quantize import FP8_DTYPES, CastOutput, amax_f32, per_tensor, saturating_cast
 
 __all__ = ["activation", "activation_bwd", "activation_bwd_ref", "activation_fwd", "activation_fwd_ref",
-    "ActivationConfig", "ACTIVATIONS", "parse_activation_type"]
+    "ActivationConfig", "ACTIVATIONS", "ACTIVATION_TYPES", "CLAMPED_SWIGLU_DEFAULTS", "normalize_activation_type",
+    "parse_activation_type"]
 
-#: Activation names, in the order of their integer codes in the FFI handlers.
-ACTIVATIONS = ("gelu", "relu", "silu", "quick_gelu", "squared_relu")
+#: Activation names, alone or as either half of a pair.
+ACTIVATIONS = ("gelu", "relu", "silu", "quick_gelu", "squared_relu", "sigmoid")
+# The integer codes of a half's function in the FFI handlers (ffi/include/te_jax/activation_math.h's Act).
+_CODES = (*ACTIVATIONS, "linear", "clamped_silu", "clamped_linear")
+_CLAMPED = ("clamped_silu", "clamped_linear")
+#: Every ``activation_type`` accepted, in its normal form (``normalize_activation_type``).
+ACTIVATION_TYPES = (*((a,) for a in ACTIVATIONS), *((a, "linear") for a in (*ACTIVATIONS, "linear")),
+                    *((a, a) for a in ACTIVATIONS), _CLAMPED)
+#: ``activation_params`` of ``("clamped_silu", "clamped_linear")``: Transformer Engine's names and defaults (GPT-OSS's
+#: values).
+CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
 
 # gelu: z = x * (C1 + C2 * x^2) = 2 * sqrt(2/pi) * (x + 0.044715 x^3); z' = C1 + C3 * x^2. float32 constants, the
 # same bits as in ffi/include/te_jax/activation_math.h.
@@ -76,13 +101,15 @@ class ActivationConfig:
   """Static parameters of one activation call (forward or backward).
 
   Attributes:
-    activation: one of ``ACTIVATIONS``.
-    gated: the ``(activation, "linear")`` pair: the (pre-activation) input is ``(..., 2, N)``.
+    activation: one of ``ACTIVATIONS``, or a pair's first half (also ``"linear"``, ``"clamped_silu"``).
+    gated: a pair ``(activation, gate)``: the (pre-activation) input is ``(..., 2, N)``.
     out_dtype: float8_e4m3fn or float8_e5m2 (with amax), or float32, bfloat16, float16.
     transpose: also produce the transposed FP8 copy.
     batch_ndim: leading dims kept in front in the transposed copy; the feature dims (``N``, or ``(2, N)`` for a
       gated gradient) move in front of the other leading dims.
     dbias: (backward only) also produce the float32 column sums of ``dx``.
+    gate: a pair's second half: ``"linear"``, ``activation`` itself, or ``"clamped_linear"``.
+    limit, alpha, glu_linear_offset: clamped SwiGLU's parameters (float32 values; unused by the other forms).
   """
 
   activation: str
@@ -91,6 +118,10 @@ class ActivationConfig:
   transpose: bool = False
   batch_ndim: int = 0
   dbias: bool = False
+  gate: str = "linear"
+  limit: float = CLAMPED_SWIGLU_DEFAULTS["limit"]
+  alpha: float = CLAMPED_SWIGLU_DEFAULTS["alpha"]
+  glu_linear_offset: float = CLAMPED_SWIGLU_DEFAULTS["glu_linear_offset"]
 
   @property
   def fp8(self) -> bool:
@@ -108,8 +139,14 @@ def _sigmoid(z):
   return 1.0 / (1.0 + jnp.exp(-z))
 
 
-def _act(x, name: str):
-  """act(x) of float32 ``x``, and the sigmoid ``s`` its derivative reuses (None for relu and squared_relu)."""
+def _clamp_above(x, c: ActivationConfig):
+  """``min(x, limit)`` as a select: NaN stays NaN."""
+  limit = np.float32(c.limit)
+  return jnp.where(x > limit, limit, x)
+
+
+def _act(x, name: str, c: ActivationConfig):
+  """act(x) of float32 ``x``, and the sigmoid ``s`` its derivative reuses (None where there is none)."""
   if name == "gelu":
     s = _sigmoid(x * (_GELU_C1 + _GELU_C2 * (x * x)))
     return x * s, s
@@ -119,23 +156,47 @@ def _act(x, name: str):
   if name == "quick_gelu":
     s = _sigmoid(_QUICK_GELU_K * x)
     return x * s, s
+  if name == "sigmoid":
+    s = _sigmoid(x)
+    return s, s
+  if name == "clamped_silu":
+    xc = _clamp_above(x, c)
+    s = _sigmoid(np.float32(c.alpha) * xc)
+    return xc * s, s
+  if name == "linear":
+    return x, None
+  if name == "clamped_linear":
+    limit = np.float32(c.limit)
+    xc = jnp.where(x < -limit, -limit, _clamp_above(x, c))
+    return xc + np.float32(c.glu_linear_offset), None
   r = jnp.where(x <= 0, jnp.float32(0), x)
   return (r, None) if name == "relu" else (r * r, None)
 
 
-def _times_dact(gg, x, name: str):
+def _times_dact(gg, x, name: str, c: ActivationConfig):
   """``gg * act'(x)`` of float32 ``gg`` and ``x``: the incoming gradient times the activation's derivative."""
+  zero = jnp.float32(0)
   if name == "relu":
-    return jnp.where(x > 0, gg, jnp.float32(0))  # a select, not gg * 0: +0 (not -0) where x <= 0
+    return jnp.where(x > 0, gg, zero)  # a select, not gg * 0: +0 (not -0) where x <= 0
   if name == "squared_relu":
-    r = jnp.where(x <= 0, jnp.float32(0), x)
+    r = jnp.where(x <= 0, zero, x)
     return gg * (r + r)
-  s = _act(x, name)[1]
-  t = x * (s * (1.0 - s))
+  if name == "linear":
+    return gg
+  if name == "clamped_linear":
+    limit = np.float32(c.limit)
+    return jnp.where((x > limit) | (x < -limit), zero, gg)
+  s = _act(x, name, c)[1]
+  if name == "sigmoid":
+    return gg * (s * (1.0 - s))
+  xc = _clamp_above(x, c) if name == "clamped_silu" else x
+  t = xc * (s * (1.0 - s))
   if name == "gelu":
     t = t * (_GELU_C1 + _GELU_C3 * (x * x))
   elif name == "quick_gelu":
     t = t * _QUICK_GELU_K
+  elif name == "clamped_silu":
+    return jnp.where(x > np.float32(c.limit), zero, gg * (s + t * np.float32(c.alpha)))
   return gg * (s + t)
 
 
@@ -158,20 +219,22 @@ def activation_fwd_ref(x: jax.Array, scale: jax.Array, *, config: ActivationConf
   """The pure-jnp forward: the CPU fallback, the test oracle and the documentation of the kernels."""
   xf = x.astype(jnp.float32)
   if config.gated:
-    y = _act(xf[..., 0, :], config.activation)[0] * xf[..., 1, :]
+    y = _act(xf[..., 0, :], config.activation, config)[0] * _act(xf[..., 1, :], config.gate, config)[0]
   else:
-    y = _act(xf, config.activation)[0]
+    y = _act(xf, config.activation, config)[0]
   return _outputs(y, scale, config, 1, dbias=False)
 
 
 def activation_bwd_ref(g: jax.Array, x: jax.Array, scale: jax.Array, *, config: ActivationConfig) -> list[jax.Array]:
   """The pure-jnp backward: ``dx = g * act'(x)`` (both halves when gated), cast like the forward output."""
   gf, xf = g.astype(jnp.float32), x.astype(jnp.float32)
+  f, h, c = config.activation, config.gate, config
   if config.gated:
     a, b = xf[..., 0, :], xf[..., 1, :]
-    dx = jnp.stack([_times_dact(gf * b, a, config.activation), gf * _act(a, config.activation)[0]], axis=-2)
+    dx = jnp.stack([_times_dact(gf * _act(b, h, c)[0], a, f, c), _times_dact(gf * _act(a, f, c)[0], b, h, c)],
+                   axis=-2)
   else:
-    dx = _times_dact(gf, xf, config.activation)
+    dx = _times_dact(gf, xf, f, c)
   return _outputs(dx, scale, config, 2 if config.gated else 1, dbias=config.dbias)
 
 
@@ -236,9 +299,13 @@ def _bwd_signature(platform, config, avals_in, avals_out):
 
 def _attributes(config: ActivationConfig) -> dict:
   return {
-      "act": np.int64(ACTIVATIONS.index(config.activation)),
+      "act": np.int64(_CODES.index(config.activation)),
       "gated": np.bool_(config.gated),
       "batch_ndim": np.int64(config.batch_ndim),
+      "gate": np.int64(_CODES.index(config.gate)),
+      "limit": np.float32(config.limit),
+      "alpha": np.float32(config.alpha),
+      "glu_linear_offset": np.float32(config.glu_linear_offset),
   }
 
 
@@ -373,24 +440,75 @@ _ACT_BWD = define_op(
 # ---- public API --------------------------------------------------------------------------------------------------
 
 
-def parse_activation_type(activation_type) -> tuple[str, bool]:
-  """``("gelu",)`` -> ("gelu", False); ``("silu", "linear")`` -> ("silu", True); a bare name is taken as a 1-tuple.
-
-  Raises:
-    ValueError: naming ``activation_type``, for anything else.
-  """
+def _names(activation_type) -> tuple | None:
   names = (activation_type,) if isinstance(activation_type, str) else activation_type
   try:
     names = tuple(names)
   except TypeError:
-    names = None
-  ok = names is not None and all(isinstance(n, str) for n in names) and (
-      (len(names) == 1 and names[0] in ACTIVATIONS) or
-      (len(names) == 2 and names[0] in ACTIVATIONS and names[1] == "linear"))
-  if not ok:
-    raise ValueError(f"activation_type must be (act,) or (act, 'linear') with act in {ACTIVATIONS}, "
+    return None
+  # Transformer Engine reverses a pair whose first name is the linear half: the activated half stays first.
+  if len(names) == 2 and names[0] in ("linear", "clamped_linear") and names[1] != names[0]:
+    names = names[::-1]
+  return names if names in ACTIVATION_TYPES else None
+
+
+def normalize_activation_type(activation_type) -> tuple[str, ...]:
+  """The normal form of ``activation_type``, one of ``ACTIVATION_TYPES``: a bare name is a 1-tuple, ``("linear",
+  act)`` is ``(act, "linear")`` (and ``("clamped_linear", "clamped_silu")`` the clamped pair).
+
+  >>> from te_jax.ops.activation import normalize_activation_type
+  >>> normalize_activation_type("gelu"), normalize_activation_type(["linear", "silu"])
+  (('gelu',), ('silu', 'linear'))
+
+  Raises:
+    ValueError: naming ``activation_type`` and the accepted forms, for anything else.
+  """
+  names = _names(activation_type)
+  if names is None:
+    raise ValueError(f"activation_type must be (act,), (act, 'linear') or (act, act) with act in {ACTIVATIONS}, "
+                     f"('linear', 'linear') or {_CLAMPED} (te_jax.ops.activation.ACTIVATION_TYPES), "
                      f"got {activation_type!r}")
+  return names
+
+
+def parse_activation_type(activation_type) -> tuple[str, bool]:
+  """``("gelu",)`` -> ("gelu", False); ``("silu", "linear")`` -> ("silu", True); a bare name is taken as a 1-tuple.
+  For the callers that take only an activation and its GLU form ``(act, "linear")``; ``normalize_activation_type``
+  takes every form.
+
+  Raises:
+    ValueError: naming ``activation_type``, for anything else (a pair with both halves activated or clamped too:
+      the caller has no use for its second half's function).
+  """
+  names = normalize_activation_type(activation_type)
+  if len(names) == 2 and names[1] != "linear":
+    raise ValueError(f"activation_type must be (act,) or (act, 'linear') here, got {activation_type!r}: a pair "
+                     "whose second half is activated or clamped needs te_jax.activation or LayerNormMLP")
   return names[0], len(names) == 2
+
+
+def _params(names: tuple[str, ...], activation_params) -> tuple[float, float, float]:
+  """``(limit, alpha, glu_linear_offset)`` as float32 values: ``activation_params`` over the defaults."""
+  given = {} if activation_params is None else activation_params
+  if not hasattr(given, "items"):
+    raise TypeError(f"activation_params must be a dict or None, got {type(given).__name__}")
+  if given and names != _CLAMPED:
+    raise ValueError(f"activation_params apply to activation_type={_CLAMPED} only, got {dict(given)!r} for "
+                     f"{names}")
+  params = dict(CLAMPED_SWIGLU_DEFAULTS)
+  for key, value in given.items():
+    if key not in params:
+      raise ValueError(f"activation_params: unknown key {key!r}; {_CLAMPED} takes {tuple(params)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+      raise TypeError(f"activation_params[{key!r}] must be a real number, got {value!r}")
+    params[key] = float(np.float32(value))
+  limit, alpha, offset = params["limit"], params["alpha"], params["glu_linear_offset"]
+  if not limit > 0:
+    raise ValueError(f"activation_params['limit'] must be > 0 (the clamp range is [-limit, limit]), got {limit!r}")
+  for key in ("alpha", "glu_linear_offset"):
+    if not math.isfinite(params[key]):
+      raise ValueError(f"activation_params[{key!r}] must be finite, got {params[key]!r}")
+  return limit, alpha, offset
 
 
 def _check_array(x, name: str, min_ndim: int) -> jax.Array:
@@ -408,9 +526,8 @@ def _check_gated(x, gated: bool, name: str):
     raise ValueError(f"{name} of a gated activation must be (..., 2, N) (activated half first), got shape {x.shape}")
 
 
-def _config(activation_type, dtype, default_dtype, scale, transpose, transpose_batch_dims, lead_ndim: int,
+def _config(names, params, dtype, default_dtype, scale, transpose, transpose_batch_dims, lead_ndim: int,
             dbias: bool = False) -> tuple[ActivationConfig, jax.Array]:
-  name, gated = parse_activation_type(activation_type)
   try:
     out_dtype = jnp.dtype(default_dtype if dtype is None else dtype)
   except TypeError:
@@ -439,8 +556,11 @@ def _config(activation_type, dtype, default_dtype, scale, transpose, transpose_b
       raise ValueError(f"transpose_batch_dims must be in [0, {lead_ndim - 1}], got {batch_ndim}")
   elif transpose_batch_dims is not None:
     raise ValueError("transpose_batch_dims needs transpose=True")
-  config = ActivationConfig(activation=name, gated=gated, out_dtype=out_dtype, transpose=bool(transpose),
-                            batch_ndim=batch_ndim, dbias=bool(dbias))
+  limit, alpha, offset = params
+  config = ActivationConfig(activation=names[0], gated=len(names) == 2, out_dtype=out_dtype,
+                            transpose=bool(transpose), batch_ndim=batch_ndim, dbias=bool(dbias),
+                            gate=names[1] if len(names) == 2 else "linear", limit=limit, alpha=alpha,
+                            glu_linear_offset=offset)
   return config, scale
 
 
@@ -461,8 +581,9 @@ def activation_fwd(
     scale: jax.Array | float | None = None,
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
+    activation_params=None,
 ) -> CastOutput:
-  """``act(x)`` (``act(x[..., 0, :]) * x[..., 1, :]`` when gated), computed in float32, cast in the same pass.
+  """``act(x)`` (``f(x[..., 0, :]) * h(x[..., 1, :])`` for a pair ``(f, h)``), in float32, cast in the same pass.
 
   >>> import jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-1.0, 0.0, 2.0, 1000.0]], jnp.bfloat16)
@@ -473,24 +594,30 @@ def activation_fwd(
   ([[0.0, 0.0, 2.0, 448.0]], (4, 1), 1000.0)
 
   Args:
-    x: float32, bfloat16 or float16; ``(..., N)``, or ``(..., 2, N)`` for a gated pair (activated half first).
-    activation_type: ``(act,)`` or ``(act, "linear")``, ``act`` one of ``ACTIVATIONS``.
+    x: float32, bfloat16 or float16; ``(..., N)``, or ``(..., 2, N)`` for a pair (its first half first).
+    activation_type: one of ``ACTIVATION_TYPES`` (``normalize_activation_type``'s forms): ``(act,)``, ``(act,
+      "linear")``, ``(act, act)`` with ``act`` one of ``ACTIVATIONS``, ``("linear", "linear")``, ``("clamped_silu",
+      "clamped_linear")``.
     dtype: the output dtype: ``x.dtype`` by default; float32, bfloat16, float16, or an FP8 dtype (then ``scale``
       is required and ``amax`` is returned).
     scale: float32 scalar multiplying the float32 activation before the FP8 cast.
     transpose: also make the transposed FP8 copy (``out.data_t``; FP8 only).
     transpose_batch_dims: leading dims kept in front in ``data_t`` (default: all but the last leading dim, so the
       last two dims of a 2-D output swap); 0 moves the features in front of every leading dim.
+    activation_params: ``("clamped_silu", "clamped_linear")``'s ``{"limit", "alpha", "glu_linear_offset"}`` (any of
+      them; the rest ``CLAMPED_SWIGLU_DEFAULTS``), as Transformer Engine's; None or empty for the other forms.
 
   Returns:
     ``CastOutput(out, amax, None)``: ``out`` is ``(..., N)``, a ``QuantizedTensor`` for an FP8 ``dtype`` (with
     amax), else an array.
   """
-  _, gated = parse_activation_type(activation_type)
+  names = normalize_activation_type(activation_type)
+  params = _params(names, activation_params)
+  gated = len(names) == 2
   x = _check_array(x, "x", 2 if gated else 1)
   _check_gated(x, gated, "x")
   lead_ndim = x.ndim - (2 if gated else 1)
-  config, scale = _config(activation_type, dtype, x.dtype, scale, transpose, transpose_batch_dims, lead_ndim)
+  config, scale = _config(names, params, dtype, x.dtype, scale, transpose, transpose_batch_dims, lead_ndim)
   return _result(_ACT_FWD.bind(x, scale, config=config), config, scale, dbias=False)
 
 
@@ -504,6 +631,7 @@ def activation_bwd(
     transpose: bool = False,
     transpose_batch_dims: int | None = None,
     dbias: bool = False,
+    activation_params=None,
 ) -> CastOutput:
   """``dx = g * act'(x)`` in float32 (both halves of a gated pair), cast in the same pass; optional dbias.
 
@@ -523,12 +651,15 @@ def activation_bwd(
       when gated) move in front of the leading dims after the first ``transpose_batch_dims``.
     transpose_batch_dims: as in ``activation_fwd``.
     dbias: also return the float32 column sums of ``dx`` (over the leading dims), shaped like the feature dims.
+    activation_params: as in ``activation_fwd``.
 
   Returns:
     ``CastOutput(dx, amax, dbias)``, ``dx`` shaped like ``x`` (a ``QuantizedTensor`` for an FP8 ``dtype``);
     fields not asked for are None.
   """
-  _, gated = parse_activation_type(activation_type)
+  names = normalize_activation_type(activation_type)
+  params = _params(names, activation_params)
+  gated = len(names) == 2
   x = _check_array(x, "x", 2 if gated else 1)
   g = _check_array(g, "g", 1)
   _check_gated(x, gated, "x")
@@ -538,7 +669,7 @@ def activation_bwd(
   if g.dtype != x.dtype:
     raise TypeError(f"g must have x's dtype {jnp.dtype(x.dtype).name}, got {jnp.dtype(g.dtype).name}")
   lead_ndim = x.ndim - (2 if gated else 1)
-  config, scale = _config(activation_type, dtype, g.dtype, scale, transpose, transpose_batch_dims, lead_ndim,
+  config, scale = _config(names, params, dtype, g.dtype, scale, transpose, transpose_batch_dims, lead_ndim,
                           dbias=dbias)
   return _result(_ACT_BWD.bind(g, x, scale, config=config), config, scale, dbias=bool(dbias))
 
@@ -546,24 +677,26 @@ def activation_bwd(
 # ---- differentiable activation: activation_fwd and activation_bwd as one custom_vjp ------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _activation(x, activation_type):
-  return activation_fwd(x, activation_type).out
+# The parameters travel as a tuple of (name, value) items: a custom_vjp's static arguments must hash.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _activation(x, activation_type, params):
+  return activation_fwd(x, activation_type, activation_params=dict(params)).out
 
 
-def _activation_fwd(x, activation_type):
-  return activation_fwd(x, activation_type).out, x
+def _activation_fwd(x, activation_type, params):
+  return activation_fwd(x, activation_type, activation_params=dict(params)).out, x
 
 
-def _activation_bwd(activation_type, x, g):
-  return (activation_bwd(g.astype(x.dtype), x, activation_type).out,)
+def _activation_bwd(activation_type, params, x, g):
+  return (activation_bwd(g.astype(x.dtype), x, activation_type, activation_params=dict(params)).out,)
 
 
-_activation.defvjp(*typed_vjp(_activation_fwd, _activation_bwd, nondiff_argnums=(1,)))
+_activation.defvjp(*typed_vjp(_activation_fwd, _activation_bwd, nondiff_argnums=(1, 2)))
 
 
-def activation(x: jax.Array, activation_type=("gelu",)) -> jax.Array:
-  """``act(x)``, or ``act(x[..., 0, :]) * x[..., 1, :]`` for a gated pair, in ``x``'s dtype (float32 math inside).
+def activation(x: jax.Array, activation_type=("gelu",), activation_params=None) -> jax.Array:
+  """``act(x)``, or ``f(x[..., 0, :]) * h(x[..., 1, :])`` for a pair ``(f, h)``, in ``x``'s dtype (float32 math
+  inside).
 
   >>> import jax, jax.numpy as jnp, te_jax
   >>> x = jnp.array([[-2.0, 0.5], [3.0, 4.0]], jnp.float32)
@@ -571,17 +704,28 @@ def activation(x: jax.Array, activation_type=("gelu",)) -> jax.Array:
   [[0.0, 0.5], [3.0, 4.0]]
   >>> te_jax.activation(x.reshape(1, 2, 2), ("relu", "linear")).tolist()  # ReGLU: relu(x[0]) * x[1]
   [[0.0, 2.0]]
+  >>> te_jax.activation(x.reshape(1, 2, 2), ("relu", "relu")).tolist()  # relu(x[0]) * relu(x[1])
+  [[0.0, 2.0]]
+  >>> y = te_jax.activation(jnp.array([[[9.0], [-9.0]]]), ("clamped_silu", "clamped_linear"),
+  ...                       {"limit": 7.0, "alpha": 1.702})  # silu_alpha(min(9, 7)) * (clip(-9, -7, 7) + 1)
+  >>> round(float(y[0, 0]), 2)
+  -42.0
   >>> jax.grad(lambda x: te_jax.activation(x, ("relu",)).sum())(x).tolist()
   [[0.0, 1.0], [1.0, 1.0]]
 
   Args:
-    x: float32, bfloat16 or float16; ``(..., N)``, or ``(..., 2, N)`` for a gated pair (activated half first).
-    activation_type: ``(act,)`` or ``(act, "linear")`` with ``act`` one of ``te_jax.ops.activation.ACTIVATIONS``:
-      ``("silu", "linear")`` is SwiGLU, ``("gelu", "linear")`` GeGLU, ``("relu", "linear")`` ReGLU.
+    x: float32, bfloat16 or float16; ``(..., N)``, or ``(..., 2, N)`` for a pair (its first half first).
+    activation_type: one of ``te_jax.ops.activation.ACTIVATION_TYPES`` (see ``activation_fwd``):
+      ``("silu", "linear")`` is SwiGLU, ``("gelu", "linear")`` GeGLU, ``("relu", "linear")`` ReGLU, ``("sigmoid",
+      "linear")`` GLU, ``("relu", "relu")`` both halves activated, ``("clamped_silu", "clamped_linear")`` GPT-OSS's
+      clamped SwiGLU.
+    activation_params: the clamped SwiGLU's ``limit``, ``alpha``, ``glu_linear_offset`` (Transformer Engine's
+      names; defaults ``CLAMPED_SWIGLU_DEFAULTS``); None for the other forms.
 
   Returns:
     ``(..., N)`` in ``x``'s dtype.
   """
-  names = parse_activation_type(activation_type)
-  normalized = (names[0], "linear") if names[1] else (names[0],)
-  return _activation(x, normalized)
+  names = normalize_activation_type(activation_type)
+  limit, alpha, offset = _params(names, activation_params)
+  params = (("limit", limit), ("alpha", alpha), ("glu_linear_offset", offset)) if names == _CLAMPED else ()
+  return _activation(x, names, params)

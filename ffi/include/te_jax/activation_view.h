@@ -79,19 +79,34 @@ inline xla::ffi::ErrorOr<ActivationView> CheckActivationBwd(const xla::ffi::AnyB
   return v;
 }
 
-// Calls f(Act constant, gated constant) for the runtime activation code (te_jax/ops/activation.py's ACTIVATIONS).
+template <Act A>
+using ActConstant = std::integral_constant<Act, A>;
+
+// Calls f(A constant, B constant) for the runtime codes of a form of te_jax.ops.activation.ACTIVATION_TYPES: `act`
+// the (first) function, `gate` a pair's second (B = Act::kNone when not `gated`). Only those forms are compiled:
+// each activation alone, with a linear second half or with itself; the bilinear pair; clamped SwiGLU.
 template <typename F>
-xla::ffi::Error DispatchActivation(int64_t act, bool gated, F&& f) {
-  auto with_gated = [&](auto a) -> xla::ffi::Error {
-    if (gated) return f(a, std::true_type{});
-    return f(a, std::false_type{});
+xla::ffi::Error DispatchActivation(int64_t act, bool gated, int64_t gate, F&& f) {
+  auto forms = [&](auto a) -> xla::ffi::Error {
+    if (!gated) return f(a, ActConstant<Act::kNone>{});
+    if (gate == static_cast<int64_t>(Act::kLinear)) return f(a, ActConstant<Act::kLinear>{});
+    if (gate == act) return f(a, a);
+    return xla::ffi::Error::InvalidArgument("activation: a pair's second half must be linear or its first's");
   };
   switch (act) {
-    case 0: return with_gated(std::integral_constant<Act, Act::kGelu>{});
-    case 1: return with_gated(std::integral_constant<Act, Act::kRelu>{});
-    case 2: return with_gated(std::integral_constant<Act, Act::kSilu>{});
-    case 3: return with_gated(std::integral_constant<Act, Act::kQuickGelu>{});
-    case 4: return with_gated(std::integral_constant<Act, Act::kSquaredRelu>{});
+    case 0: return forms(ActConstant<Act::kGelu>{});
+    case 1: return forms(ActConstant<Act::kRelu>{});
+    case 2: return forms(ActConstant<Act::kSilu>{});
+    case 3: return forms(ActConstant<Act::kQuickGelu>{});
+    case 4: return forms(ActConstant<Act::kSquaredRelu>{});
+    case 5: return forms(ActConstant<Act::kSigmoid>{});
+    case 6:
+      if (gated && gate == 6) return f(ActConstant<Act::kLinear>{}, ActConstant<Act::kLinear>{});
+      return xla::ffi::Error::InvalidArgument("activation: linear is only the bilinear pair (linear, linear)");
+    case 7:
+      if (gated && gate == 8) return f(ActConstant<Act::kClampedSilu>{}, ActConstant<Act::kClampedLinear>{});
+      return xla::ffi::Error::InvalidArgument("activation: clamped_silu is only the pair (clamped_silu, "
+                                              "clamped_linear)");
     default: return xla::ffi::Error::InvalidArgument("activation: unknown activation code");
   }
 }
@@ -120,9 +135,13 @@ auto ActBwdOperands(B b) {
 
 template <typename B>
 auto ActAttrs(B b) {
-  return std::move(b).template Attr<int64_t>("act")  // te_jax.ops.activation.ACTIVATIONS index
-      .template Attr<bool>("gated")                  // x is (..., 2, N), activated half first
-      .template Attr<int64_t>("batch_ndim");         // leading dims kept in front by the transposed copy
+  return std::move(b).template Attr<int64_t>("act")  // the (first half's) function: an Act code
+      .template Attr<bool>("gated")                  // x is (..., 2, N), a pair, its first half first
+      .template Attr<int64_t>("batch_ndim")          // leading dims kept in front by the transposed copy
+      .template Attr<int64_t>("gate")                // a pair's second half's function: an Act code
+      .template Attr<float>("limit")                 // clamped SwiGLU: the clamp's bound
+      .template Attr<float>("alpha")                 // clamped SwiGLU: the sigmoid's slope
+      .template Attr<float>("glu_linear_offset");    // clamped SwiGLU: added to the clamped second half
 }
 
 }  // namespace te_jax
