@@ -112,10 +112,6 @@ def test_bad_trees_are_named():
     from_transformer_engine(te, head_dim=0)
   with pytest.raises(ValueError, match=r"variables must be a variables dict with 'params'"):
     from_transformer_engine(te["params"], head_dim=HEAD_DIM)
-  split = {"params": {"attn": {"query": {"kernel": jnp.ones((HIDDEN, 64))}, "key": {"kernel": jnp.ones((HIDDEN, 64))},
-                               "value": {"kernel": jnp.ones((HIDDEN, 64))}, "out": {"kernel": jnp.ones((64, HIDDEN))}}}}
-  with pytest.raises(ValueError, match=r"'attn/key' is a separate key / value projection \(fuse_qkv_params=False\)"):
-    from_transformer_engine(split, head_dim=HEAD_DIM)
   blocks = {"params": {}, TE_FP8_COLLECTION: {"dense": {"x_scale": jnp.ones((4, 4))}}}
   with pytest.raises(ValueError, match=r"the FP8 scale 'dense/x_scale' has shape \(4, 4\)"):
     from_transformer_engine(blocks)

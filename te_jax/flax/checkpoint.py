@@ -328,15 +328,17 @@ def restore_into_fp8(state, params: Mapping, opt_state: Any = None):
 # Transformer Engine's transformer_engine.jax.flax modules keep (from its source): a LayerNorm's parameters as
 # 'scale' and 'ln_bias'; LayerNormDenseGeneral's and LayerNormMLP's norm as 'scale' and 'ln_bias' (te_jax: 'ln_scale',
 # 'ln_bias'); attention's fused projections flat over the heads, 'qkv' (hidden, 3, heads * head_dim), 'query'
-# (hidden, heads * head_dim), 'kv' (hidden, 2, groups * head_dim), 'out' (heads * head_dim, hidden) (te_jax: (hidden,
-# heads, 3, head_dim), (hidden, heads, head_dim), (hidden, groups, 2, head_dim), (heads, head_dim, hidden)); the FP8
+# (hidden, heads * head_dim), 'kv' (hidden, 2, groups * head_dim), 'out' (heads * head_dim, hidden), and unfused
+# (fuse_qkv_params=False) 'key' and 'value' (hidden, groups * head_dim) (te_jax: (hidden, heads, 3, head_dim), (hidden,
+# heads, head_dim), (hidden, groups, 2, head_dim), (heads, head_dim, hidden), (hidden, groups, head_dim)); the FP8
 # state in the 'fp8_metas' collection, one '{x,kernel,grad}{postfix}_scale' of shape (1,) and '_amax_history' per
 # GEMM, postfix '' for a dense layer and '_0' / '_1' for LayerNormMLP's two GEMMs (te_jax: te_jax.FP8_COLLECTION,
 # scales of shape (), LayerNormMLP's 'wi_' / 'wo_' prefixes).
 
 TE_FP8_COLLECTION = "fp8_metas"
 _TE_MLP_GEMMS = (("_0", "wi_"), ("_1", "wo_"))
-_TE_ATTENTION = ("qkv", "query", "kv", "out")  # a module with 'out' and 'qkv' or 'query' is an attention
+# A module of these names beside 'out' and 'qkv' or 'query' is an attention projection.
+_TE_ATTENTION = ("qkv", "query", "kv", "key", "value", "out")
 
 
 def _heads_split(x, parts: int | None, head_dim: int, to_te: bool):
@@ -365,7 +367,7 @@ def _attention_leaf(module: str, name: str, x, head_dim: int | None, to_te: bool
     if to_te:
       return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     return x.reshape(x.shape[0] // head_dim, head_dim, *x.shape[1:])
-  return _heads_split(x, {"qkv": 3, "kv": 2, "query": None}[module], head_dim, to_te)
+  return _heads_split(x, {"qkv": 3, "kv": 2}.get(module), head_dim, to_te)
 
 
 def _te_params(flat: dict, head_dim: int | None, to_te: bool, caller: str) -> dict:
@@ -379,10 +381,6 @@ def _te_params(flat: dict, head_dim: int | None, to_te: bool, caller: str) -> di
     grand, _, module = parent.rpartition("/")
     siblings = {p.rpartition("/")[2] for p in modules if p.rpartition("/")[0] == grand}
     attention = module in _TE_ATTENTION and "out" in siblings and bool({"qkv", "query"} & siblings)
-    if module in ("key", "value") and "out" in siblings and not to_te:
-      raise ValueError(f"{caller}: {parent!r} is a separate key / value projection (fuse_qkv_params=False), which "
-                       "te_jax's attention has no place for: build the Transformer Engine model with "
-                       "fuse_qkv_params=True (a fused 'qkv', or 'query' and 'kv')")
     norm_key = "ln_scale" if not to_te else "scale"
     has_gemm = "kernel" in leaves or "wi_kernel" in leaves
     for name, x in leaves.items():
@@ -457,13 +455,13 @@ def from_transformer_engine(variables: Mapping, *, head_dim: int | None = None) 
   Renamed: the norms' ``scale`` inside ``LayerNormDenseGeneral`` / ``LayerNormMLP`` (``ln_scale`` here) and a
   ``LayerNorm``'s ``ln_bias`` (``bias``); the ``fp8_metas`` collection (``te_jax.FP8_COLLECTION``), its scales
   (shape (1,) there, () here) and ``LayerNormMLP``'s GEMM postfixes ``_0`` / ``_1`` (prefixes ``wi_`` / ``wo_``).
-  Reshaped: attention's fused projections (``qkv``, ``query``, ``kv``, ``out``: flat over the heads there, a heads
-  dim here), which needs ``head_dim``. Every other key and collection is kept as it is: the two libraries' names
+  Reshaped: attention's projections (``qkv``, ``query``, ``kv``, ``out``, and the separate ``key`` and ``value`` of
+  ``fuse_qkv_params=False``: flat over the heads there, a heads dim here), which needs ``head_dim``. Every other key and collection is kept as it is: the two libraries' names
   agree there (``kernel``, ``bias``, ``wi_kernel``, ``wo_bias``, ``rel_embedding``, ``self_attention``, ``mlp``).
 
   Raises:
-    ValueError: a tree that is not a variables dict, an attention without ``head_dim``, separate key / value
-      projections (``fuse_qkv_params=False``), or an FP8 state that is not delayed scaling's.
+    ValueError: a tree that is not a variables dict, an attention without ``head_dim``, or an FP8 state that is not
+      delayed scaling's.
   """
   return _te_convert(variables, head_dim, to_te=False, caller="from_transformer_engine")
 

@@ -64,6 +64,10 @@ class DenseGeneral(nn.Module):
       throughout, sharded as they come (``te_jax.dense``'s ``keep_rows``): the merged (B * S) rows could not be
       sharded that way, and XLA would all-gather the sequence.
     recipe: an FP8 recipe for this layer, overriding autocast's.
+    quantization_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` of the FP8 tensors this layer saves for
+      the backward pass (its transposed FP8 input and its FP8 kernel), Transformer Engine's option of that name; None:
+      ``te_jax.FP8_RESIDUAL``, the name every layer's share. A model that names its layers' apart picks which of them
+      ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(...))`` keeps.
   """
 
   features: int | Sequence[int]
@@ -82,6 +86,7 @@ class DenseGeneral(nn.Module):
   bias_axes: tuple[str | None, ...] = ()
   output_axes: tuple[str | None, ...] = ()
   recipe: Recipe | None = None
+  quantization_checkpoint_name: str | None = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array, residual: jax.Array | None = None,

@@ -49,6 +49,8 @@ class LayerNormDenseGeneral(nn.Module):
       A no-op outside ``nn.logical_axis_rules``.
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
     recipe: an FP8 recipe for this layer, overriding autocast's.
+    quantization_checkpoint_name: the checkpoint name of the FP8 tensors saved for the backward pass, as in
+      DenseGeneral (None: ``te_jax.FP8_RESIDUAL``).
   """
 
   features: int | Sequence[int]
@@ -70,6 +72,7 @@ class LayerNormDenseGeneral(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   recipe: Recipe | None = None
+  quantization_checkpoint_name: str | None = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array, *, return_input: bool = False):

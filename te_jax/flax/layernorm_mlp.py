@@ -39,6 +39,9 @@ class LayerNormMLP(nn.Module):
     intermediate_dropout: dropout on the activation output (from the ``dropout_rng_name`` rng stream unless
       deterministic); when it is active the layer runs as its parts (norm, dense, activation, dropout, dense), each
       still FP8.
+    intermediate_dropout_dims: the dims of the activation output (the input's rank, its last dim the intermediate
+      one) along which ``intermediate_dropout``'s mask is shared (Flax's ``broadcast_dims``; Transformer Engine's
+      ``intermediate_hidden_dropout_dims``), e.g. ``(-2,)`` for one mask across the sequence of a (B, S, H) input.
     dropout_rng_name: the rng stream of the dropout mask.
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     return_layernorm_output: also return the normalized input (for a residual taken after the norm); the layer then
@@ -58,6 +61,12 @@ class LayerNormMLP(nn.Module):
       act_embed) sharding (fc2 reduce-scatters onto it) and the input's gradient too (fc1's dgrad reduce-scatters).
     transpose_batch_sequence: with ``logical_axes``, a 3-D input is (seq, batch, hidden).
     dtype, param_dtype, recipe: as in DenseGeneral.
+    quantization_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` of both GEMMs' FP8 tensors saved for
+      the backward pass (None: ``te_jax.FP8_RESIDUAL``), as in DenseGeneral.
+    ffn1_ckpt_name, ffn2_ckpt_name: the checkpoint names of fc1's output (the activation's input, saved for the
+      backward pass) and of fc2's output, as Transformer Engine names them (None: unnamed):
+      ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names("ffn1"))`` keeps fc1's output and
+      recomputes the rest.
   """
 
   intermediate_dim: int = 2048
@@ -85,6 +94,10 @@ class LayerNormMLP(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   recipe: Recipe | None = None
+  intermediate_dropout_dims: Sequence[int] = ()
+  quantization_checkpoint_name: str | None = None
+  ffn1_ckpt_name: str | None = "ffn1"
+  ffn2_ckpt_name: str | None = "ffn2"
 
   @nn.compact
   def __call__(self, inputs: jax.Array, deterministic: bool | None = None, residual: jax.Array | None = None):

@@ -55,6 +55,8 @@ class TransformerLayer(nn.Module):
       add), on the attention probabilities, and on the MLP's activation output.
     hidden_dropout_dims: the dims of the (3-D) stream along which ``hidden_dropout``'s mask is shared (Flax's
       ``broadcast_dims``), e.g. ``(1,)`` for one mask per example and feature across the sequence.
+    intermediate_dropout_dims: the same for ``intermediate_dropout``, dims of the (3-D) MLP activation (the
+      stream's dims, the hidden one the intermediate one), as Transformer Engine's option of that name.
     drop_path: stochastic depth (Huang et al., 2016) on the self attention's and the MLP's residual branches, as in
       Transformer Engine: each example's branch dropped with this rate, the kept ones scaled by 1 / (1 - rate);
       none when ``deterministic``.
@@ -70,11 +72,18 @@ class TransformerLayer(nn.Module):
     softmax_type: both attentions' softmax, "vanilla", "off_by_one" or "learnable" (see DotProductAttention).
     enable_rotary_pos_emb, rotary_base, rotary_percent, rotary_interleaved: RoPE in self attention, and in a
       decoder's cross attention (queries at their positions, keys at the encoder output's), as in Transformer Engine.
+    fuse_qkv_params: as in Transformer Engine: the self attention's one ``qkv`` kernel (``query`` and ``kv`` with
+      GQA, and in a decoder's cross attention); False, separate ``query``, ``key`` and ``value`` kernels in both
+      attentions (the same math: the unfused kernels are the fused one's slices).
     window_size: sliding window of self attention and of a decoder's cross attention.
     transpose_batch_sequence: inputs and outputs are (S, B, hidden).
     deterministic: no dropout; or give it to the call (one of the two, as in Flax; needed when there is dropout).
     dtype, param_dtype, backend, logical_axes, fp8_dpa, mask_convention: as in MultiHeadAttention; kernel_init:
       every kernel's initializer (each of q, k and v initialized as a kernel of its own).
+
+  The MLP's fc1 and fc2 outputs are named ``"ffn1"`` and ``"ffn2"`` for ``jax.checkpoint`` policies (Transformer
+  Engine's names; LayerNormMLP's ``ffn1_ckpt_name`` / ``ffn2_ckpt_name``), the FP8 tensors saved for the backward
+  pass ``te_jax.FP8_RESIDUAL``.
     context_parallel, cp_strategy, cp_load_balanced, mesh: context parallelism of the self attention, as in
       MultiHeadAttention (with ``cp_load_balanced`` and RoPE, pass ``positions``).
     recipe: an FP8 recipe for every GEMM of the layer (and, with ``fp8_dpa=None``, its attention's FP8 choice),
@@ -101,6 +110,7 @@ class TransformerLayer(nn.Module):
   drop_path: float = 0.0
   attention_dropout: float = 0.0
   intermediate_dropout: float = 0.0
+  intermediate_dropout_dims: Sequence[int] = ()
   dropout_rng_name: str = "dropout"
   activation_type: Sequence[str] = ("gelu",)
   use_bias: bool = False
@@ -113,6 +123,7 @@ class TransformerLayer(nn.Module):
   rotary_base: float = 10000.0
   rotary_percent: float = 1.0
   rotary_interleaved: bool = False
+  fuse_qkv_params: bool = True
   window_size: tuple[int, int] | None = None
   transpose_batch_sequence: bool = False
   kernel_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")

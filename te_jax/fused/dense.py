@@ -29,10 +29,10 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core.explicit import constrain, explicit_mesh, reshape, retype, typed_vjp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax._core.primitive import full_spec
-from te_jax.fused.linear import (Fp8Config, LinearResiduals, Unstack, as_arrays, check_residual, fp8_dims_aligned,
-                                 fp8_recipe, input_for, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
-                                 linear_fwd, out_spec_of, pad_rows, primal_values, quantize_grad, residual_rows,
-                                 state_as_float32, state_like)
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, Unstack, as_arrays, check_checkpoint_name, check_residual,
+                                 fp8_dims_aligned, fp8_recipe, input_for, instantiate, keep_state, keeps_state,
+                                 layer_output, linear_bwd, linear_fwd, out_spec_of, pad_rows, primal_values,
+                                 quantize_grad, residual_rows, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.ops.gemm import output_spec
 from te_jax.recipe import Recipe
@@ -157,6 +157,7 @@ def dense(
     scatter_rows: bool = False,
     keep_rows: bool = False,
     out_sharding: P | NamedSharding | None = None,
+    quantization_checkpoint_name: str | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``x @ kernel + bias``, contracting ``x``'s ``axis`` dims with ``kernel``'s leading dims (Flax's DenseGeneral).
 
@@ -197,6 +198,9 @@ def dense(
       shard the output's dim ends in a reduce-scatter onto it, not an all-reduce). Without it, on Explicit axes,
       the output keeps x's row shardings and the kernel's feature shardings less the contraction's mesh axes (its
       partial sums are all-reduced over them): ``te_jax.ops.gemm.output_spec``, in FP8 and high precision alike.
+    quantization_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` of the FP8 tensors saved for the
+      backward pass (the transposed FP8 input and the FP8 kernel), for ``jax.checkpoint`` policies (Transformer
+      Engine's option of that name); None: ``te_jax.FP8_RESIDUAL``.
 
   A GEMM whose contracted or output size is not a multiple of 16 (which FP8 GEMMs need: a classifier's 4-way head,
   an odd hidden size) runs in high precision even under FP8, and its state is handed back unchanged.
@@ -205,6 +209,7 @@ def dense(
     ``(*x's other dims, *features)`` in ``x``'s dtype (a tuple of them unstacked, with ``unstack_axis``).
   """
   x, kernel, bias, residual = as_arrays(x, kernel, bias, residual)
+  check_checkpoint_name(quantization_checkpoint_name, "quantization_checkpoint_name")
   axes = normalize_axes(axis, x.ndim, "x")
   n_contract = len(axes)
   if kernel.ndim <= n_contract - 1 or kernel.shape[:n_contract] != tuple(x.shape[a] for a in axes):
@@ -243,7 +248,7 @@ def dense(
   m = math.prod(batch_shape)
   x2d, pad = pad_rows(reshape(x, (m, k)))
   b = None if bias is None else bias.reshape(n)
-  cfg = Fp8Config.of(recipe, x, kernel, bias)
+  cfg = Fp8Config.of(recipe, x, kernel, bias, quantization_checkpoint_name)
   meta = fp8_meta if keeps_state(recipe) else None
   out_rows = batch_shape if scatter_rows and not pad else None
   keep = bool(keep_rows) and not pad

@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core.explicit import constrain, typed_vjp
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import high_precision_dense
-from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays, fp8_dims_aligned,
-                                 fp8_recipe, input_for, instantiate, keep_state, keeps_state, layer_output, linear_bwd,
-                                 linear_fwd, norm_to_fp8, out_spec_of, pad_rows, primal_values, quantize_grad,
-                                 state_as_float32, state_like)
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, Unstack, as_arrays, check_checkpoint_name,
+                                 fp8_dims_aligned, fp8_recipe, input_for, instantiate, keep_state, keeps_state,
+                                 layer_output, linear_bwd, linear_fwd, norm_to_fp8, out_spec_of, pad_rows,
+                                 primal_values, quantize_grad, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
 from te_jax.recipe import Recipe
 
@@ -118,6 +118,7 @@ def layernorm_dense(
     keep_rows: bool = False,
     grad_sharding: P | None = None,
     out_sharding: P | NamedSharding | None = None,
+    quantization_checkpoint_name: str | None = None,
 ):
   """``norm(x) @ kernel + bias`` over ``x``'s last dim, the norm writing the FP8 GEMM input under ``autocast``.
 
@@ -154,12 +155,15 @@ def layernorm_dense(
     out_sharding: the output's sharding (of each part, with ``unstack_axis``), as ``te_jax.dense``'s: on a mesh
       with Explicit axes its type, the input read with the rows it asks for (the sequence gathered before the norm
       under sequence parallelism); on an Auto mesh a sharding constraint.
+    quantization_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` of the FP8 tensors saved for the
+      backward pass, as ``te_jax.dense``'s (None: ``te_jax.FP8_RESIDUAL``).
 
   Returns:
     ``(..., *features)`` (a tuple of them unstacked, with ``unstack_axis``), then the normalized tensor when
     ``return_layernorm_output``, then ``x`` when ``return_input``.
   """
   x, gamma, beta, kernel, bias = as_arrays(x, gamma, beta, kernel, bias)
+  check_checkpoint_name(quantization_checkpoint_name, "quantization_checkpoint_name")
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h = x.shape[-1]
   if kernel.ndim < 1 or kernel.shape[0] != h:
@@ -183,7 +187,7 @@ def layernorm_dense(
     y = tuple(constrain(p, spec) for p in y) if unstack else y
     return _outputs(y, z if return_layernorm_output else None, x if return_input else None)
   x2d, pad = pad_rows(x.reshape(-1, h))
-  fp8_cfg = Fp8Config.of(recipe, x, kernel, bias)
+  fp8_cfg = Fp8Config.of(recipe, x, kernel, bias, quantization_checkpoint_name)
   meta = fp8_meta if keeps_state(recipe) else None
   b = None if bias is None else bias.reshape(n)
   rows = tuple(x.shape[:2]) if (keep_rows or grad_sharding is not None) and not pad else None  # x passed (B, S, H)

@@ -17,6 +17,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,12 +25,12 @@ from te_jax._core.explicit import constrain, explicit_mesh, retype, typed_vjp
 from te_jax._core.primitive import full_spec
 from te_jax._core.manual_axes import to_common_varying
 from te_jax.fused.dense import high_precision_dense
-from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays, check_residual, fp8_dims_aligned,
-                                 fp8_recipe, input_for, instantiate, keep_state, keeps_state, linear_bwd, linear_fwd,
-                                 norm_to_fp8, out_spec_of, pad_rows, primal_values, residual_rows, state_as_float32,
-                                 state_like)
+from te_jax.fused.linear import (Fp8Config, LinearResiduals, NormSpec, as_arrays, check_checkpoint_name,
+                                 check_residual, fp8_dims_aligned, fp8_recipe, input_for, instantiate, keep_state,
+                                 keeps_state, linear_bwd, linear_fwd, norm_to_fp8, out_spec_of, pad_rows,
+                                 primal_values, residual_rows, state_as_float32, state_like)
 from te_jax.fused.quantizer import DenseFp8Meta
-from te_jax.ops.activation import activation, activation_bwd, activation_fwd, parse_activation_type
+from te_jax.ops.activation import activation, activation_bwd, activation_fwd, normalize_activation_type
 from te_jax.ops.gemm import output_spec
 from te_jax.recipe import Recipe
 
@@ -59,6 +60,15 @@ class _Config:
   # backward GEMMs read it (the rows as the forward GEMMs ran them, where out_sharding scattered them).
   out_spec: P | None = None
   grad_spec: P | None = None
+  # The checkpoint names of fc1's output (after a gated split: the residual the activation's backward reads) and of
+  # fc2's; None: unnamed.
+  ffn1_name: str | None = None
+  ffn2_name: str | None = None
+
+
+def _named(x: jax.Array, name: str | None) -> jax.Array:
+  """``x`` named ``name`` for ``jax.checkpoint`` policies (``jax.ad_checkpoint.checkpoint_name``); None: as it is."""
+  return x if name is None else checkpoint_name(x, name)
 
 
 def _shard_local(x, body, spec_in: P, spec_out: P, split_axes: tuple[str, ...]):
@@ -138,6 +148,7 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   h, res_1 = linear_fwd(fc1, z.x, kernel_1, meta_1 and meta_1.kernel, bias_1)
   if cfg.gated:  # the activated half first, as kernel_1's (H, 2, F) lays it out
     h = split_parts(h, -1, 2, cfg.intermediate_axes)
+  h = _named(h, cfg.ffn1_name)
   if fc2.quantizer.fused_cast:
     s2 = fc2.quantizer.scale(meta_2.x, None, fc2.fwd_dtype)
     a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
@@ -146,6 +157,7 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
     a = fc2.quantizer.quantize("x", meta_2 and meta_2.x, a_hp, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
   y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows,
                         out_sharding=cfg.out_spec)
+  y = _named(y, cfg.ffn2_name)
   return y, _Residuals(x, gamma, beta, z.mean, z.rsigma, h, res_1, res_2, z.amax, a.amax, meta_1_in, meta_2_in)
 
 
@@ -237,6 +249,9 @@ def layernorm_mlp(
     grad_sharding: P | None = None,
     intermediate_axes: str | tuple[str, ...] | None = None,
     out_sharding: P | NamedSharding | None = None,
+    quantization_checkpoint_name: str | None = None,
+    ffn1_ckpt_name: str | None = None,
+    ffn2_ckpt_name: str | None = None,
 ) -> jax.Array:
   """``fc2(act(fc1(norm(x))))`` over ``x``'s last dim, every GEMM in FP8 under ``autocast``.
 
@@ -253,7 +268,8 @@ def layernorm_mlp(
     kernel_2: ``(F, H)``.
     bias_1: optional ``(n, F)``; bias_2: optional ``(H,)``.
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
-    activation_type: ``(act,)`` or ``(act, "linear")``: ``("gelu",)``, ``("silu", "linear")`` for SwiGLU, ...
+    activation_type: one of ``te_jax.ops.activation.ACTIVATION_TYPES``: ``("gelu",)``, ``("silu", "linear")`` for
+      SwiGLU, ``("relu", "relu")``, ``("clamped_silu", "clamped_linear")`` (Transformer Engine's defaults), ...
     residual: optional, ``x``'s shape: added to the output (a residual connection), under FP8 in fc2's GEMM
       epilogue. When it is ``x`` itself (a pre-LN block), its gradient is also added inside the norm's backward
       kernel rather than by a separate pass.
@@ -276,15 +292,22 @@ def layernorm_mlp(
     out_sharding: the output's sharding, as ``te_jax.dense``'s: on a mesh with Explicit axes its type, fc2 writing
       it so (with ``scatter_rows``, its reduce-scatter onto a sequence-parallel stream), the input read with the rows
       it asks for (the sequence gathered before fc1); on an Auto mesh a sharding constraint.
+    quantization_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` of both GEMMs' FP8 tensors saved for
+      the backward pass, as ``te_jax.dense``'s (None: ``te_jax.FP8_RESIDUAL``).
+    ffn1_ckpt_name, ffn2_ckpt_name: the checkpoint names of fc1's output (the activation's input, ``(..., 2, F)``
+      split for a gated activation; saved for the backward pass) and of fc2's output, as Transformer Engine's
+      options of those names name them; None: unnamed.
 
   Returns:
     ``x``'s shape and dtype.
   """
   x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, residual = as_arrays(x, gamma, beta, kernel_1, kernel_2, bias_1,
                                                                           bias_2, residual)
-  names = parse_activation_type(activation_type)
-  gated = names[1]
-  act = (names[0], "linear") if gated else (names[0],)
+  for arg, name in (("quantization_checkpoint_name", quantization_checkpoint_name),
+                    ("ffn1_ckpt_name", ffn1_ckpt_name), ("ffn2_ckpt_name", ffn2_ckpt_name)):
+    check_checkpoint_name(name, arg)
+  act = normalize_activation_type(activation_type)
+  gated = len(act) == 2
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h_dim = x.shape[-1]
   n_act = 2 if gated else 1
@@ -316,7 +339,9 @@ def layernorm_mlp(
     h = high_precision_dense(z, k1, b1)
     if gated:
       h = split_parts(h, -1, 2, split_axes)
-    return high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual, out_sharding=spec)
+    h = _named(h, ffn1_ckpt_name)
+    y = high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual, out_sharding=spec)
+    return _named(y, ffn2_ckpt_name)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
   stateful = keeps_state(recipe)
@@ -335,9 +360,12 @@ def layernorm_mlp(
   if out_rows is not None and spec is not None and explicit_mesh(x) is not None:
     xs, k2s = full_spec(jax.typeof(x).sharding, x.ndim), full_spec(jax.typeof(kernel_2).sharding, 2)
     grad_spec = P(*output_spec(xs[:-1], [], [], k2s[1:]))
-  cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1), Fp8Config.of(recipe, x, kernel_2, bias_2), norm, act,
-                gated, f_dim, kind, out_rows, keep_rows=keep, grad_sharding=None if rows is None else grad_sharding,
-                intermediate_axes=split_axes, out_spec=spec if own else None, grad_spec=grad_spec)
+  qname = quantization_checkpoint_name
+  cfg = _Config(Fp8Config.of(recipe, x, kernel_1, bias_1, qname), Fp8Config.of(recipe, x, kernel_2, bias_2, qname),
+                norm, act, gated, f_dim, kind, out_rows, keep_rows=keep,
+                grad_sharding=None if rows is None else grad_sharding, intermediate_axes=split_axes,
+                out_spec=spec if own else None, grad_spec=grad_spec, ffn1_name=ffn1_ckpt_name,
+                ffn2_name=ffn2_ckpt_name)
   x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
   x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if stateful else None,

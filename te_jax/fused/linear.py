@@ -35,7 +35,8 @@ from te_jax.ops.quantize_interleaved import MAX_PARTS as _MAX_PARTS
 from te_jax.recipe import Recipe
 
 __all__ = [
-    "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_residual",
+    "Fp8Config", "LinearResiduals", "NormFp8", "NormSpec", "Unstack", "as_arrays", "check_checkpoint_name",
+    "check_residual",
     "fp8_dims_aligned", "fp8_recipe", "input_for", "instantiate", "keep_state", "keeps_state", "layer_output",
     "linear_bwd", "linear_fwd", "norm_to_fp8", "out_spec_of", "pad_rows", "primal_values", "quantize_grad",
     "residual_rows", "state_as_float32", "state_like",
@@ -71,6 +72,15 @@ def input_for(x: jax.Array, axes: tuple[int, ...], spec: P | None) -> jax.Array:
     kept = tuple(a for a in mesh_axes(entry) if a not in k_axes)
     new[d] = None if not kept else (kept[0] if len(kept) == 1 else kept)
   return retype(x, P(*new))
+
+
+def check_checkpoint_name(name, arg: str) -> str | None:
+  """``name``, a ``jax.ad_checkpoint.checkpoint_name`` the caller's argument ``arg`` gives (None: the op's default),
+  checked to be a non-empty str."""
+  if name is not None and not (isinstance(name, str) and name):
+    raise TypeError(f"{arg} must be a non-empty str (a jax.ad_checkpoint.checkpoint_name, for "
+                    f"jax.checkpoint_policies.save_only_these_names) or None, got {name!r}")
+  return name
 
 
 def fp8_recipe(recipe: Recipe | None, **states) -> Recipe | None:
@@ -201,14 +211,19 @@ class Fp8Config:
   # Inside shard_map: the manual axes the kernel varies over as the caller passed it, before the layer cast it to
   # vary like its input (a replicated weight's current-scaling amax needs no reduction over the batch shards).
   kernel_axes: frozenset[str] | None = None
+  # The jax.ad_checkpoint.checkpoint_name of the FP8 tensors saved for the backward pass.
+  checkpoint_name: str = scaling.FP8_RESIDUAL
 
   @classmethod
-  def of(cls, recipe: Recipe, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> "Fp8Config":
+  def of(cls, recipe: Recipe, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+         checkpoint_name: str | None = None) -> "Fp8Config":
     """The config of the GEMM of layer input ``x`` with ``kernel`` (and ``bias``), as the layer's caller passed them;
-    in a calibration pass (``te_jax.autocast.calibration_pass``) with the recipe's calibrating quantizer."""
+    in a calibration pass (``te_jax.autocast.calibration_pass``) with the recipe's calibrating quantizer. Its saved
+    FP8 tensors are named ``checkpoint_name`` (``check_checkpoint_name``'s; None: ``te_jax.FP8_RESIDUAL``)."""
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     quantizer = quantizer_for(recipe, get_autocast_state().calibrating)
-    return cls(recipe, quantizer, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel))
+    return cls(recipe, quantizer, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), bias_dtype, varying_axes(kernel),
+               checkpoint_name or scaling.FP8_RESIDUAL)
 
   @property
   def has_bias(self) -> bool:
@@ -303,10 +318,10 @@ def _reshaped(t: QuantizedTensor, *shape: int) -> QuantizedTensor:
   return t.without_transposed().with_rows(*shape[:-1])
 
 
-def _saved(t: QuantizedTensor) -> QuantizedTensor:
-  """``t`` as a residual of the backward pass: without a transposed copy, its data named ``FP8_RESIDUAL`` for
-  ``jax.checkpoint`` policies."""
-  return dataclasses.replace(t.without_transposed(), data=checkpoint_name(t.data, scaling.FP8_RESIDUAL))
+def _saved(t: QuantizedTensor, name: str) -> QuantizedTensor:
+  """``t`` as a residual of the backward pass: without a transposed copy, its data named ``name`` (the config's
+  ``checkpoint_name``) for ``jax.checkpoint`` policies."""
+  return dataclasses.replace(t.without_transposed(), data=checkpoint_name(t.data, name))
 
 
 def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, residual=None,
@@ -337,7 +352,8 @@ def linear_fwd(cfg: Fp8Config, x: QuantizedTensor, kernel, kernel_state, bias, r
     qw = quantize_kernel(transpose_parts=(unstack.parts, unstack.group))
     biases = None if bias is None else group_parts(bias, unstack.parts, unstack.group)
     out = fwd_gemm(x, qw.out.transposed(), bias=biases, rhs_parts=True, keep_rows=keep_rows)
-  return out, LinearResiduals(_saved(x.transposed()), _saved(qw.out), qw.amax)
+  name = cfg.checkpoint_name
+  return out, LinearResiduals(_saved(x.transposed(), name), _saved(qw.out, name), qw.amax)
 
 
 def linear_bwd(cfg: Fp8Config, res: LinearResiduals, g: QuantizedTensor, dgrad_rows: tuple[int, int] | None = None,

@@ -266,7 +266,8 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
     """The options of a projection of the hidden size to ``features`` (LayerNormDenseGeneral ``with_norm``)."""
     kw = dict(features=features, unstack_axis=unstack_axis, use_bias=self.use_bias, kernel_init=self.kernel_init,
               bias_init=self.bias_init, kernel_axes=self.axes(EMBED, *feature_axes),
-              bias_axes=self.axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, recipe=self.recipe)
+              bias_axes=self.axes(*feature_axes), dtype=self.dtype, param_dtype=self.param_dtype, recipe=self.recipe,
+              quantization_checkpoint_name=None)
     if not with_norm:
       return DenseGeneralOptions(axis=-1, batch_dims=(), precision=None, dot_general=None, dot_general_cls=None,
                                  output_axes=(), **kw)
@@ -294,7 +295,8 @@ class MultiHeadAttentionOptions(AttentionRunOptions):
         features=(hidden,), axis=(-2, -1), batch_dims=(), unstack_axis=None, use_bias=self.use_bias,
         kernel_init=self.kernel_init, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype,
         precision=None, dot_general=None, dot_general_cls=None, kernel_axes=self.axes(HEADS, HEAD_DIM, EMBED),
-        bias_axes=self.axes(EMBED), output_axes=self.axes(BATCH, SEQ, ACT_EMBED), recipe=self.recipe)
+        bias_axes=self.axes(EMBED), output_axes=self.axes(BATCH, SEQ, ACT_EMBED), recipe=self.recipe,
+        quantization_checkpoint_name=None)
 
 
 class AttentionParts(NamedTuple):
@@ -319,12 +321,18 @@ def multi_head_attention_params(scope: Scope, o: MultiHeadAttentionOptions, hidd
     qkv = scope.submodule("qkv", o.projection((h, 3, d), (HEADS, QKV, HEAD_DIM), o.input_layernorm,
                                               o.return_layernorm_output, -2), hidden)
   else:
-    # GQA, cross attention or separate kernels: a query projection and one (hidden, Hk, 2, D) key/value kernel;
-    # with an input norm on self attention, the norm's output feeds the key/value projection too.
+    # GQA or cross attention: a query projection and one (hidden, Hk, 2, D) key/value kernel; fuse_qkv_params=False:
+    # separate query, key and value kernels (Transformer Engine's). With an input norm on self attention, the norm's
+    # output feeds the key/value projections too.
     kv_from_norm = self_attention and o.input_layernorm
     query = scope.submodule("query", o.projection((h, d), (HEADS, HEAD_DIM), o.input_layernorm,
                                                   o.return_layernorm_output or kv_from_norm), hidden)
-    kv = scope.submodule("kv", o.projection((o.kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, -2), hidden)
+    if o.fuse_qkv_params:
+      kv = scope.submodule("kv", o.projection((o.kv_heads, 2, d), (HEADS, QKV, HEAD_DIM), False, False, -2), hidden)
+    else:
+      key, value = (scope.submodule(n, o.projection((o.kv_heads, d), (HEADS, HEAD_DIM), False, False), hidden)
+                    for n in ("key", "value"))
+      kv = lambda x: (key(x), value(x))  # noqa: E731
   attention = scope.submodule("attention", o.attention())
   out = scope.submodule("out", o.output(hidden), (h, d))
   return AttentionParts(qkv, query, kv, attention, out)

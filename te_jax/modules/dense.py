@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense, normalize_axes
 from te_jax.fused.dot_general import dot_general
-from te_jax.fused.linear import Unstack
+from te_jax.fused.linear import Unstack, check_checkpoint_name
 from te_jax.modules.axes import Initializer, constrain, explicit_out, features_tuple, rule_shards, sequence_kept
 from te_jax.modules.scope import Scope
 from te_jax.recipe import Recipe
@@ -43,9 +43,11 @@ class DenseGeneralOptions:
   bias_axes: tuple[str | None, ...]
   output_axes: tuple[str | None, ...]
   recipe: Recipe | None
+  quantization_checkpoint_name: str | None
 
   def __post_init__(self):
     object.__setattr__(self, "features", features_tuple(self.features))
+    check_checkpoint_name(self.quantization_checkpoint_name, "quantization_checkpoint_name")
     if self.dot_general is not None and self.dot_general_cls is not None:
       raise ValueError("give dot_general or dot_general_cls, not both")
 
@@ -114,7 +116,8 @@ def dense_general(scope: Scope, o: DenseGeneralOptions, inputs: jax.Array, resid
     out = out_sharding if out_sharding is not None else explicit_out(o.output_axes)
     return constrain(dense(x, kernel, bias, axis=axis, unstack_axis=o.unstack_axis, residual=residual, fp8_meta=meta,
                            recipe=recipe, precision=o.precision, scatter_rows=scatter,
-                           keep_rows=scatter and sequence_kept(o.output_axes[1]), out_sharding=out), o.output_axes)
+                           keep_rows=scatter and sequence_kept(o.output_axes[1]), out_sharding=out,
+                           quantization_checkpoint_name=o.quantization_checkpoint_name), o.output_axes)
   # Flax's own computation: a GEMM te_jax does not run; a state the variables hold is handed back unchanged.
   x, _ = scope.fp8_state(None, x)
   dims = ((axis, tuple(range(n_batch, n_batch + n_in))), (batch_dims, tuple(range(n_batch))))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.layernorm_dense import layernorm_dense
+from te_jax.fused.linear import check_checkpoint_name
 from te_jax.modules.axes import (Initializer, features_tuple, rule_shards, sequence_kept, stream_input,
                                  stream_sharding)
 from te_jax.modules.dense import unstack_of
@@ -90,9 +91,11 @@ class LayerNormDenseGeneralOptions:
   dtype: Any
   param_dtype: Any
   recipe: Recipe | None
+  quantization_checkpoint_name: str | None
 
   def __post_init__(self):
     object.__setattr__(self, "features", features_tuple(self.features))
+    check_checkpoint_name(self.quantization_checkpoint_name, "quantization_checkpoint_name")
 
 
 def layernorm_dense_general_params(scope: Scope, o: LayerNormDenseGeneralOptions, hidden: int, out_ndim: int | None):
@@ -132,4 +135,5 @@ def layernorm_dense_general(scope: Scope, o: LayerNormDenseGeneralOptions, input
                          return_layernorm_output=o.return_layernorm_output, return_input=return_input,
                          unstack_axis=o.unstack_axis, fp8_meta=meta, recipe=recipe,
                          keep_rows=scatter and sequence_kept(stream[1]),
-                         grad_sharding=stream_sharding(stream) if scatter else None)
+                         grad_sharding=stream_sharding(stream) if scatter else None,
+                         quantization_checkpoint_name=o.quantization_checkpoint_name)

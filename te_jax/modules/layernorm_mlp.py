@@ -9,22 +9,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
 from te_jax.fused.layernorm_mlp import intermediate_split, layernorm_mlp, merge_parts, split_parts
+from te_jax.fused.linear import check_checkpoint_name
 from te_jax.modules.axes import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, explicit_out, is_int,
                                  logical_constraint, rule_axes, rule_shards, sequence_kept, stream_input,
                                  stream_sharding)
 from te_jax.modules.layernorm_dense import norm_params
 from te_jax.modules.scope import Scope
-from te_jax.ops.activation import activation, parse_activation_type
+from te_jax.ops.activation import activation, normalize_activation_type
 from te_jax.recipe import Recipe
 
-__all__ = ["LayerNormMLPOptions", "layernorm_mlp_params", "layernorm_mlp_block"]
+__all__ = ["LayerNormMLPOptions", "check_dropout_dims", "layernorm_mlp_params", "layernorm_mlp_block"]
 
 _AXES_ATTRS = ("ln_scale_axes", "ln_bias_axes", "wi_kernel_axes", "wi_bias_axes", "wo_kernel_axes", "wo_bias_axes")
+
+
+def check_dropout_dims(dims, arg: str, ndim: int | None = None) -> tuple[int, ...]:
+  """``dims``, the caller's argument ``arg``: a dropout's broadcast dims (Flax's ``broadcast_dims``, along which one
+  mask value is shared), as a tuple of ints, each a dim of an ``ndim``-D tensor where ``ndim`` is given."""
+  where = f" of the {ndim}-D tensor, each in [{-ndim}, {ndim})" if ndim is not None else ""
+  if not (isinstance(dims, Sequence) and not isinstance(dims, str) and all(
+      isinstance(d, int) and not isinstance(d, bool) and (ndim is None or -ndim <= d < ndim) for d in dims)):
+    raise ValueError(f"{arg} must be a sequence of dims{where} (the dropout mask is shared along them), got {dims!r}")
+  return tuple(dims)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +48,7 @@ class LayerNormMLPOptions:
   intermediate_dim: int
   activation_type: Sequence[str]
   intermediate_dropout: float
+  intermediate_dropout_dims: Sequence[int]
   dropout_rng_name: str
   use_bias: bool
   return_layernorm_output: bool
@@ -57,12 +70,19 @@ class LayerNormMLPOptions:
   dtype: Any
   param_dtype: Any
   recipe: Recipe | None
+  quantization_checkpoint_name: str | None
+  ffn1_ckpt_name: str | None
+  ffn2_ckpt_name: str | None
 
   def __post_init__(self):
     object.__setattr__(self, "activation_type", tuple(self.activation_type))
+    object.__setattr__(self, "intermediate_dropout_dims",
+                       check_dropout_dims(self.intermediate_dropout_dims, "intermediate_dropout_dims"))
+    for arg in ("quantization_checkpoint_name", "ffn1_ckpt_name", "ffn2_ckpt_name"):
+      check_checkpoint_name(getattr(self, arg), arg)
     if not (is_int(self.intermediate_dim) and self.intermediate_dim > 0):
       raise ValueError(f"intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
-    parse_activation_type(self.activation_type)
+    normalize_activation_type(self.activation_type)
     if self.logical_axes:
       given = [a for a in _AXES_ATTRS if getattr(self, a)]
       if given:
@@ -71,8 +91,7 @@ class LayerNormMLPOptions:
 
   @property
   def act(self) -> tuple[str, ...]:
-    name, gated = parse_activation_type(self.activation_type)
-    return (name, "linear") if gated else (name,)
+    return normalize_activation_type(self.activation_type)
 
   def axis_names(self, attr: str) -> tuple[str | None, ...]:
     """The logical axis names of a parameter (by its ``*_axes`` attribute): te_jax's under ``logical_axes``."""
@@ -98,7 +117,7 @@ def layernorm_mlp_params(scope: Scope, o: LayerNormMLPOptions, hidden: int):
   if o.use_bias:
     b1 = scope.param("wi_bias", o.bias_init, (n_act, f), o.param_dtype, axes=o.axis_names("wi_bias_axes"))
     b2 = scope.param("wo_bias", o.bias_init, (hidden,), o.param_dtype, axes=o.axis_names("wo_bias_axes"))
-  scope.declare_dropout("dropout", o.intermediate_dropout, o.dropout_rng_name)
+  scope.declare_dropout("dropout", o.intermediate_dropout, o.dropout_rng_name, o.intermediate_dropout_dims)
   scope.declare_fp8_state(o.recipe, ("wi_", "wo_"))
   return gamma, beta, k1, k2, b1, b2
 
@@ -110,6 +129,7 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   gated = len(act) == 2
   f = o.intermediate_dim
   gamma, beta, k1, k2, b1, b2 = layernorm_mlp_params(scope, o, inputs.shape[-1])
+  check_dropout_dims(o.intermediate_dropout_dims, "intermediate_dropout_dims", inputs.ndim)
   # A gated kernel's (2, F) with F split over mesh axes (tensor parallelism) merges into fc1's N shard by shard.
   wi_axes = o.axis_names("wi_kernel_axes")
   mesh = jax.sharding.get_abstract_mesh()
@@ -143,18 +163,27 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   if residual is inputs and x.dtype == inputs.dtype:
     residual = x  # the block's own input: layernorm_mlp folds its gradient into the norm's backward
   norm_args = dict(norm_type=o.norm_type, epsilon=o.epsilon, zero_centered_gamma=o.zero_centered_gamma)
+  qname = dict(quantization_checkpoint_name=o.quantization_checkpoint_name)
   dropout = o.intermediate_dropout > 0.0 and not deterministic
   if not dropout and not o.return_layernorm_output:
     return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
                                 fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, grad_sharding=grad_sharding,
-                                intermediate_axes=split, out_sharding=out_sharding, **rows, **norm_args))
-  # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8.
+                                intermediate_axes=split, out_sharding=out_sharding, ffn1_ckpt_name=o.ffn1_ckpt_name,
+                                ffn2_ckpt_name=o.ffn2_ckpt_name, **qname, **rows, **norm_args))
+  # Dropout between the activation and fc2, or the norm's output wanted: the parts, each dense still in FP8, fc1's
+  # and fc2's outputs named as layernorm_mlp names them.
   h = layernorm_dense(x, gamma, beta, merge_parts(k1, 1, split), None if b1 is None else merge_parts(b1, 0, split),
                       return_layernorm_output=o.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
-                      keep_rows=rows["keep_rows"], grad_sharding=grad_sharding, **norm_args)
+                      keep_rows=rows["keep_rows"], grad_sharding=grad_sharding, **qname, **norm_args)
   h, z = h if o.return_layernorm_output else (h, None)
-  a = activation(split_parts(h, -1, 2, split) if gated else h, act)
+  a = activation(_named(split_parts(h, -1, 2, split) if gated else h, o.ffn1_ckpt_name), act)
   if dropout:
-    a = scope.dropout("dropout", o.intermediate_dropout, o.dropout_rng_name, a)
-  y = dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, out_sharding=out_sharding, **rows)
+    a = scope.dropout("dropout", o.intermediate_dropout, o.dropout_rng_name, a,
+                      broadcast_dims=o.intermediate_dropout_dims)
+  y = _named(dense(a, k2, b2, residual=residual, fp8_meta=meta_2, recipe=recipe, out_sharding=out_sharding, **qname,
+                   **rows), o.ffn2_ckpt_name)
   return finish((y, z) if o.return_layernorm_output else y)
+
+
+def _named(x: jax.Array, name: str | None) -> jax.Array:
+  return x if name is None else checkpoint_name(x, name)

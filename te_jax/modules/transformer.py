@@ -11,19 +11,24 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.modules.attention import AttentionRunOptions, MultiHeadAttentionOptions, RelativePositionBiasesOptions
 from te_jax.modules.attention_cache import KVCache, check_fits_cache, query_positions
 from te_jax.modules.axes import ACT, ACT_EMBED, BATCH, EMBED, HEADS, MLP, SEQ, Initializer, axes, constrain
 from te_jax.modules.dense import DenseGeneralOptions
 from te_jax.modules.layernorm_dense import LayerNormOptions
-from te_jax.modules.layernorm_mlp import LayerNormMLPOptions
+from te_jax.modules.layernorm_mlp import LayerNormMLPOptions, check_dropout_dims
 from te_jax.modules.scope import Scope
 from te_jax.ops.activation import activation
 
 __all__ = ["LAYER_TYPES", "TransformerLayerOptions", "transformer_layer", "transformer_layer_params"]
 
 LAYER_TYPES = ("encoder", "decoder")
+
+# The checkpoint names of the MLP's fc1 and fc2 outputs: Transformer Engine's LayerNormMLP defaults, which its
+# TransformerLayer keeps.
+FFN1_CKPT_NAME, FFN2_CKPT_NAME = "ffn1", "ffn2"
 
 _zeros = jax.nn.initializers.zeros
 
@@ -52,6 +57,7 @@ class TransformerLayerOptions(AttentionRunOptions):
   drop_path: float
   attention_dropout: float
   intermediate_dropout: float
+  intermediate_dropout_dims: Sequence[int]
   dropout_rng_name: str
   activation_type: Sequence[str]
   use_bias: bool
@@ -64,6 +70,7 @@ class TransformerLayerOptions(AttentionRunOptions):
   rotary_base: float
   rotary_percent: float
   rotary_interleaved: bool
+  fuse_qkv_params: bool
   window_size: tuple[int, int] | None
   transpose_batch_sequence: bool
   kernel_init: Initializer
@@ -79,6 +86,8 @@ class TransformerLayerOptions(AttentionRunOptions):
       raise ValueError(f"hidden_dropout_dims must be a sequence of dims of the (3-D) inputs, each in [-3, 3), got "
                        f"{dims!r}")
     object.__setattr__(self, "hidden_dropout_dims", tuple(d % 3 for d in dims))
+    object.__setattr__(self, "intermediate_dropout_dims", tuple(
+        d % 3 for d in check_dropout_dims(self.intermediate_dropout_dims, "intermediate_dropout_dims", 3)))
     if not (isinstance(self.drop_path, (int, float)) and not isinstance(self.drop_path, bool)
             and 0.0 <= self.drop_path < 1.0):
       raise ValueError(f"drop_path must be a rate in [0, 1), got {self.drop_path!r}")
@@ -130,8 +139,9 @@ class TransformerLayerOptions(AttentionRunOptions):
         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
         return_layernorm_output=self.apply_residual_connection_post_layernorm,
         enable_rotary_pos_emb=self.enable_rotary_pos_emb, window_size=self.window_size, rotary_base=self.rotary_base,
-        rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved, fuse_qkv_params=True,
-        use_bias=self.use_bias, scale_factor=None, scale_attn_logits=self.scale_attn_logits,
+        rotary_percent=self.rotary_percent, rotary_interleaved=self.rotary_interleaved,
+        fuse_qkv_params=self.fuse_qkv_params, use_bias=self.use_bias, scale_factor=None,
+        scale_attn_logits=self.scale_attn_logits,
         softmax_type=self.softmax_type, transpose_batch_sequence=self.transpose_batch_sequence,
         kernel_init=self.kernel_init, bias_init=_zeros, logical_axes=self.logical_axes, dtype=self.dtype,
         param_dtype=self.param_dtype, **{**self.run_options(), **own})
@@ -148,19 +158,21 @@ class TransformerLayerOptions(AttentionRunOptions):
                                kernel_init=self.kernel_init, bias_init=_zeros, dtype=self.dtype,
                                param_dtype=self.param_dtype, precision=None, dot_general=None,
                                dot_general_cls=None, kernel_axes=kernel_axes, bias_axes=bias_axes, output_axes=(),
-                               recipe=self.recipe)
+                               recipe=self.recipe, quantization_checkpoint_name=None)
 
   def mlp(self) -> LayerNormMLPOptions:
     """The options of a pre-LN MLP (``LayerNormMLP``)."""
     return LayerNormMLPOptions(
         intermediate_dim=self.intermediate_dim, activation_type=self.activation_type,
-        intermediate_dropout=self.intermediate_dropout, dropout_rng_name=self.dropout_rng_name,
+        intermediate_dropout=self.intermediate_dropout, intermediate_dropout_dims=self.intermediate_dropout_dims,
+        dropout_rng_name=self.dropout_rng_name,
         use_bias=self.use_bias, return_layernorm_output=self.apply_residual_connection_post_layernorm,
         norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
         ln_scale_init=None, ln_scale_axes=(), ln_bias_init=_zeros, ln_bias_axes=(), kernel_init=self.kernel_init,
         bias_init=_zeros, wi_kernel_axes=(), wi_bias_axes=(), wo_kernel_axes=(), wo_bias_axes=(),
         logical_axes=self.logical_axes, transpose_batch_sequence=self.transpose_batch_sequence, dtype=self.dtype,
-        param_dtype=self.param_dtype, recipe=self.recipe)
+        param_dtype=self.param_dtype, recipe=self.recipe, quantization_checkpoint_name=None,
+        ffn1_ckpt_name=FFN1_CKPT_NAME, ffn2_ckpt_name=FFN2_CKPT_NAME)
 
 
 class LayerParts(NamedTuple):
@@ -204,7 +216,7 @@ def transformer_layer_params(scope: Scope, o: TransformerLayerOptions, cross_att
     wi = scope.submodule("wi", o.dense((n_act, o.intermediate_dim), o.axes(EMBED, ACT, MLP), o.axes(ACT, MLP)),
                          hidden)
     wo = scope.submodule("wo", o.dense((hidden,), o.axes(MLP, EMBED), o.axes(EMBED)), o.intermediate_dim)
-    scope.declare_dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name)
+    scope.declare_dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name, o.intermediate_dropout_dims)
   else:
     mlp = scope.submodule("mlp", o.mlp(), hidden)
     if o.output_layernorm:
@@ -290,9 +302,10 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
     x = residual_block(lambda r: parts.mlp(x, deterministic=deterministic, residual=r), x, True)
     # output_layernorm: the self attention read the input as it is; its norm is here, on the layer's output.
     return parts.output_layernorm(x) if o.output_layernorm else x
-  # Post-LN: the input is normalized already; the MLP is fc1, activation, fc2.
-  h = parts.wi(x)
+  # Post-LN: the input is normalized already; the MLP is fc1, activation, fc2, their outputs named as LayerNormMLP's.
+  h = checkpoint_name(parts.wi(x), FFN1_CKPT_NAME)
   a = activation(h if len(o.activation_type) == 2 else h[..., 0, :], o.activation_type)
-  a = scope.dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name, a, deterministic)
-  x = dropout_add(parts.wo(a), x, True)
+  a = scope.dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name, a, deterministic,
+                    o.intermediate_dropout_dims)
+  x = dropout_add(checkpoint_name(parts.wo(a), FFN2_CKPT_NAME), x, True)
   return parts.mlp_layernorm(x)

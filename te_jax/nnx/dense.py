@@ -63,6 +63,8 @@ class DenseGeneral(nnx.Module):
       sequence-parallel output's rows are sharded as te_jax.flax.DenseGeneral's ``output_axes`` says.
     kernel_metadata, bias_metadata: more metadata for the variables.
     recipe: an FP8 recipe for this layer, overriding autocast's.
+    quantization_checkpoint_name: the checkpoint name of the FP8 tensors saved for the backward pass, as
+      te_jax.flax.DenseGeneral's (None: ``te_jax.FP8_RESIDUAL``).
     rngs: the ``params`` stream initializes the parameters.
   """
 
@@ -73,7 +75,8 @@ class DenseGeneral(nnx.Module):
                bias_init: Initializer = nnx.initializers.zeros_init(), precision: Any = None,
                dot_general: Any = None, dot_general_cls: Any = None, kernel_axes: tuple[str | None, ...] = (),
                bias_axes: tuple[str | None, ...] = (), output_axes: tuple[str | None, ...] = (),
-               kernel_metadata=None, bias_metadata=None, recipe: Recipe | None = None, rngs: nnx.Rngs):
+               kernel_metadata=None, bias_metadata=None, recipe: Recipe | None = None,
+               quantization_checkpoint_name: str | None = None, rngs: nnx.Rngs):
     self.in_features = as_tuple(in_features, "in_features")
     self.axis = tuple(axis) if isinstance(axis, Sequence) else (axis,)
     if len(self.axis) != len(self.in_features):
@@ -86,7 +89,8 @@ class DenseGeneral(nnx.Module):
         features=as_tuple(out_features, "out_features"), axis=self.axis, batch_dims=tuple(sorted(batch_axis)),
         unstack_axis=unstack_axis, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
         param_dtype=param_dtype, precision=precision, dot_general=dot_general, dot_general_cls=dot_general_cls,
-        kernel_axes=tuple(kernel_axes), bias_axes=tuple(bias_axes), output_axes=tuple(output_axes), recipe=recipe))
+        kernel_axes=tuple(kernel_axes), bias_axes=tuple(bias_axes), output_axes=tuple(output_axes), recipe=recipe,
+        quantization_checkpoint_name=quantization_checkpoint_name))
     self.out_features = self.options.features
     self.bias = nnx.data(None)
     scope = NnxScope(self, rngs, {"kernel": kernel_metadata, "bias": bias_metadata})

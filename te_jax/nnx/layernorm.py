@@ -80,7 +80,7 @@ class LayerNormDenseGeneral(nnx.Module):
       ln_bias_axes: the norm's.
     input_axes: the logical axis names of a (batch, seq, hidden) residual-stream input, read as
       te_jax.flax.LayerNormDenseGeneral's ``input_axes`` says (sequence and context parallelism).
-    dtype, param_dtype, recipe, rngs: as in DenseGeneral.
+    dtype, param_dtype, recipe, quantization_checkpoint_name, rngs: as in DenseGeneral.
   """
 
   def __init__(self, in_features: int, out_features: int | Sequence[int], *, norm_type: str = "layernorm",
@@ -90,14 +90,14 @@ class LayerNormDenseGeneral(nnx.Module):
                bias_init: Initializer = nnx.initializers.zeros_init(), kernel_axes=(), bias_axes=(),
                ln_scale_init: Initializer | None = None, ln_bias_init: Initializer = nnx.initializers.zeros_init(),
                ln_scale_axes=(), ln_bias_axes=(), input_axes=(), dtype: Any = None, param_dtype: Any = jnp.float32,
-               recipe: Recipe | None = None, rngs: nnx.Rngs):
+               recipe: Recipe | None = None, quantization_checkpoint_name: str | None = None, rngs: nnx.Rngs):
     self.options = nnx.static(LayerNormDenseGeneralOptions(
         features=as_tuple(out_features, "out_features"), norm_type=norm_type, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, use_bias=use_bias, return_layernorm_output=return_layernorm_output,
         unstack_axis=unstack_axis, kernel_init=kernel_init, bias_init=bias_init, kernel_axes=tuple(kernel_axes),
         bias_axes=tuple(bias_axes), ln_scale_init=ln_scale_init, ln_scale_axes=tuple(ln_scale_axes),
         ln_bias_init=ln_bias_init, ln_bias_axes=tuple(ln_bias_axes), input_axes=tuple(input_axes), dtype=dtype,
-        param_dtype=param_dtype, recipe=recipe))
+        param_dtype=param_dtype, recipe=recipe, quantization_checkpoint_name=quantization_checkpoint_name))
     self.out_features = self.options.features
     self.ln_bias = self.bias = nnx.data(None)
     layernorm_dense_general_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0],
@@ -128,18 +128,21 @@ class LayerNormMLP(nnx.Module):
 
   Args:
     in_features: the hidden size; intermediate_dim: fc1's width.
-    activation_type, intermediate_dropout, deterministic, use_bias, return_layernorm_output, norm_type, epsilon,
-      zero_centered_gamma: as te_jax.flax.LayerNormMLP's (``deterministic``: the call's, else the module's).
+    activation_type, intermediate_dropout, intermediate_dropout_dims, deterministic, use_bias,
+      return_layernorm_output, norm_type, epsilon, zero_centered_gamma: as te_jax.flax.LayerNormMLP's
+      (``deterministic``: the call's, else the module's).
     dropout_rng_name: the stream of ``rngs`` the dropout masks come from.
     kernel_init, bias_init; wi_kernel_axes, wi_bias_axes, wo_kernel_axes, wo_bias_axes; ln_scale_init, ln_bias_init,
       ln_scale_axes, ln_bias_axes: initializers and logical axis names.
     logical_axes, transpose_batch_sequence: te_jax's logical names on every parameter, and a 3-D input read as a
       residual stream (sequence and context parallelism), as te_jax.flax.LayerNormMLP's.
     dtype, param_dtype, recipe, rngs: as in DenseGeneral.
+    quantization_checkpoint_name, ffn1_ckpt_name, ffn2_ckpt_name: checkpoint names, as te_jax.flax.LayerNormMLP's.
   """
 
   def __init__(self, in_features: int, intermediate_dim: int = 2048, *, activation_type: Sequence[str] = ("gelu",),
-               intermediate_dropout: float = 0.0, dropout_rng_name: str = "dropout",
+               intermediate_dropout: float = 0.0, intermediate_dropout_dims: Sequence[int] = (),
+               dropout_rng_name: str = "dropout",
                deterministic: bool | None = None, use_bias: bool = True, return_layernorm_output: bool = False,
                norm_type: str = "layernorm", epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                kernel_init: Initializer = nnx.initializers.lecun_normal(),
@@ -147,17 +150,21 @@ class LayerNormMLP(nnx.Module):
                wo_kernel_axes=(), wo_bias_axes=(), ln_scale_init: Initializer | None = None,
                ln_bias_init: Initializer = nnx.initializers.zeros_init(), ln_scale_axes=(), ln_bias_axes=(),
                logical_axes: bool = False, transpose_batch_sequence: bool = False, dtype: Any = None,
-               param_dtype: Any = jnp.float32, recipe: Recipe | None = None, rngs: nnx.Rngs):
+               param_dtype: Any = jnp.float32, recipe: Recipe | None = None,
+               quantization_checkpoint_name: str | None = None, ffn1_ckpt_name: str | None = "ffn1",
+               ffn2_ckpt_name: str | None = "ffn2", rngs: nnx.Rngs):
     self.deterministic = deterministic
     self.options = nnx.static(LayerNormMLPOptions(
         intermediate_dim=intermediate_dim, activation_type=tuple(activation_type),
-        intermediate_dropout=intermediate_dropout, dropout_rng_name=dropout_rng_name, use_bias=use_bias,
+        intermediate_dropout=intermediate_dropout, intermediate_dropout_dims=intermediate_dropout_dims,
+        dropout_rng_name=dropout_rng_name, use_bias=use_bias,
         return_layernorm_output=return_layernorm_output, norm_type=norm_type, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, ln_scale_init=ln_scale_init, ln_scale_axes=tuple(ln_scale_axes),
         ln_bias_init=ln_bias_init, ln_bias_axes=tuple(ln_bias_axes), kernel_init=kernel_init, bias_init=bias_init,
         wi_kernel_axes=tuple(wi_kernel_axes), wi_bias_axes=tuple(wi_bias_axes), wo_kernel_axes=tuple(wo_kernel_axes),
         wo_bias_axes=tuple(wo_bias_axes), logical_axes=logical_axes, transpose_batch_sequence=transpose_batch_sequence,
-        dtype=dtype, param_dtype=param_dtype, recipe=recipe))
+        dtype=dtype, param_dtype=param_dtype, recipe=recipe, quantization_checkpoint_name=quantization_checkpoint_name,
+        ffn1_ckpt_name=ffn1_ckpt_name, ffn2_ckpt_name=ffn2_ckpt_name))
     self.intermediate_dim, self.intermediate_dropout = intermediate_dim, intermediate_dropout
     self.ln_bias = self.wi_bias = self.wo_bias = nnx.data(None)
     layernorm_mlp_params(NnxScope(self, rngs), self.options, as_tuple(in_features, "in_features")[0])
