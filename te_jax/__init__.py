@@ -20,6 +20,8 @@ from te_jax._core.scaling import FP8_RESIDUAL as FP8_RESIDUAL
 from te_jax.fused.attention import attention_backend as attention_backend
 from te_jax.fused.attention import dot_product_attention as dot_product_attention
 from te_jax.fused.attention import make_attention_mask as make_attention_mask
+from te_jax.fused.attention_sequences import SequenceDescriptor as SequenceDescriptor
+from te_jax.fused.attention_sequences import segment_positions as segment_positions
 from te_jax.fused.context_parallel import context_parallel_attention as context_parallel_attention
 from te_jax.fused.context_parallel import context_parallel_backend as context_parallel_backend
 from te_jax.fused.context_parallel import from_zigzag as from_zigzag
@@ -49,12 +51,14 @@ from te_jax.ops.softmax import scaled_softmax as scaled_softmax
 from te_jax.ops.softmax import scaled_upper_triang_masked_softmax as scaled_upper_triang_masked_softmax
 
 __all__ = [
-    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "activation", "apply_rope",
+    "DenseFp8Meta", "FP8_COLLECTION", "FP8_RESIDUAL", "QuantizedTensor", "ScalingMode", "SequenceDescriptor",
+    "activation", "apply_rope",
     "attention_backend", "autocast", "context_parallel_attention", "context_parallel_backend", "dense", "dot_general",
     "dot_product_attention", "expert_capacity", "expert_parallel_moe", "from_zigzag", "group_align", "grouped_dense",
     "layernorm", "layernorm_dense", "layernorm_mlp", "load_balancing_loss", "make_attention_mask", "ops", "permute",
     "recipe", "rope_frequencies", "route", "scaled_masked_softmax", "scaled_softmax",
-    "scaled_upper_triang_masked_softmax", "to_zigzag", "unpermute", "update_expert_bias", "z_loss", "zigzag_order",
+    "scaled_upper_triang_masked_softmax", "segment_positions", "to_zigzag", "unpermute", "update_expert_bias",
+    "z_loss", "zigzag_order",
 ]
 
 __version__ = "0.1.0"

@@ -22,11 +22,13 @@ from te_jax.flax.moe import MoEBlock as MoEBlock
 from te_jax.flax.normalization import LayerNorm as LayerNorm
 from te_jax.flax.params import LOGICAL_AXES as LOGICAL_AXES
 from te_jax.flax.sharding import logical_axis_rules as logical_axis_rules
+from te_jax.flax.softmax import Softmax as Softmax
 from te_jax.flax.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
     "DenseGeneral", "DotProductAttention", "FlaxLayout", "Fp8DotGeneral", "Fp8Einsum", "LOGICAL_AXES", "LayerNorm",
     "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
-    "TransformerLayer", "accumulate_gradients", "calibrate", "convert_blocks", "convert_like", "convert_train_state",
-    "flax_block_to_te", "logical_axis_rules", "restore_into_fp8", "split_fp8_state", "te_block_to_flax",
+    "Softmax", "TransformerLayer", "accumulate_gradients", "calibrate", "convert_blocks", "convert_like",
+    "convert_train_state", "flax_block_to_te", "logical_axis_rules", "restore_into_fp8", "split_fp8_state",
+    "te_block_to_flax",
 ]

@@ -122,25 +122,30 @@ class DotProductAttention(nn.Module):
   recipe: Recipe | None = None
 
   def backend_for(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
-                  deterministic: bool | None = None) -> AttentionBackend:
+                  deterministic: bool | None = None, segment_pos=None) -> AttentionBackend:
     """Which backend ``__call__`` with these arguments runs on, and why (arrays or ``jax.ShapeDtypeStruct``)."""
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
     return attention_backend_for(options_of(self, DotProductAttentionOptions), query, key, value, mask, bias,
-                                 segment_ids=segment_ids, deterministic=deterministic)
+                                 segment_ids=segment_ids, deterministic=deterministic, segment_pos=segment_pos)
 
   @nn.compact
   def __call__(self, query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
                mask: jax.Array | None = None, bias: jax.Array | None = None, *, segment_ids=None,
                deterministic: bool | None = None, attn_mask_type: str | None = None,
-               attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None) -> jax.Array:
+               attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None,
+               segment_pos=None) -> jax.Array:
     """Attention of ``query`` over ``key``/``value`` (None where the layout packs them into another argument).
 
     Args:
       query, key, value: in ``qkv_layout`` (sequence-first with ``transpose_batch_sequence``).
       mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
-        padding or the "arbitrary" mask.
+        padding or the "arbitrary" mask; or a ``te_jax.SequenceDescriptor`` (Transformer Engine's
+        ``sequence_descriptor``, in the same place), the padding as sequence lengths (and offsets) or segment ids and
+        positions.
       bias: the bias of ``attn_bias_type`` (by default post-scale), broadcastable to (B, H, T, S).
-      segment_ids: (B, S) or (q_ids, kv_ids) packed-sequence ids, 0 = padding.
+      segment_ids: (B, S) or (q_ids, kv_ids) packed-sequence ids, 0 = padding; or a ``te_jax.SequenceDescriptor``.
+      segment_pos: with ``segment_ids``, each token's position within its segment, (B, S) or (q_pos, kv_pos): the
+        causal mask and the window compare them (packed cross attention; see ``te_jax.dot_product_attention``).
       deterministic: no dropout.
       attn_mask_type, attn_bias_type, window_size: this call's, in place of the module's (None: the module's;
         ``window_size`` (-1, -1): none).
@@ -153,7 +158,8 @@ class DotProductAttention(nn.Module):
     return dot_product_attention_block(LinenScope(self), options, query, key, value, mask, bias,
                                        segment_ids=segment_ids,
                                        deterministic=deterministic, attn_mask_type=attn_mask_type,
-                                       attn_bias_type=attn_bias_type, window_size=window_size)
+                                       attn_bias_type=attn_bias_type, window_size=window_size,
+                                       segment_pos=segment_pos)
 
 
 @builds(RelativePositionBiasesOptions)
@@ -299,17 +305,22 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
                bias: jax.Array | None = None, *, segment_ids=None, positions: jax.Array | None = None,
                decode: bool = False, deterministic: bool | None = None, residual: jax.Array | None = None,
-               attn_mask_type: str | None = None):
+               attn_mask_type: str | None = None, segment_pos=None):
     """Attention of ``inputs_q`` over ``inputs_kv`` (self attention when it is None or the same array).
 
     Args:
       inputs_q: (B, T, hidden), or (T, B, hidden) with ``transpose_batch_sequence``.
       inputs_kv: (B, S, hidden) for cross attention; None (or ``inputs_q``) for self attention.
       mask: bool, int or float, True (nonzero) = attend (``mask_convention``), broadcastable to (B, H, T, S): the
-        padding of a padding mask type or the "arbitrary" mask (``nn.make_attention_mask`` makes one).
+        padding of a padding mask type or the "arbitrary" mask (``nn.make_attention_mask`` makes one); or a
+        ``te_jax.SequenceDescriptor``.
       bias: the bias of ``attn_bias_type`` (by default post-scale), broadcastable to (B, H, T, S).
-      segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding.
+      segment_ids: packed-sequence ids (B, S) or (q_ids, kv_ids), 0 = padding; or a ``te_jax.SequenceDescriptor``.
       positions: RoPE positions, (T,) or (B, T); default ``arange(T)`` (from the cache index when decoding).
+      segment_pos: with ``segment_ids``, each token's position within its segment, (B, T) for self attention or
+        (q_pos (B, T), kv_pos (B, S)) (a ``SequenceDescriptor`` of packed sequences carries them): RoPE rotates the
+        queries and keys at these positions, and the causal mask and the window compare them; not with
+        ``positions``.
       decode: use and update the KV cache (self attention only), which holds as many positions as the input it was
         initialized with; steps past its end give NaN outputs.
       deterministic: no dropout.
@@ -325,4 +336,5 @@ class MultiHeadAttention(nn.Module):
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.attention_dropout)
     return multi_head_attention(LinenScope(self), options, inputs_q, inputs_kv, mask, bias, segment_ids=segment_ids,
                                 positions=positions, decode=decode, deterministic=deterministic, residual=residual,
-                                attn_mask_type=attn_mask_type, cache=LinenKVCache(self) if decode else None)
+                                attn_mask_type=attn_mask_type, cache=LinenKVCache(self) if decode else None,
+                                segment_pos=segment_pos)

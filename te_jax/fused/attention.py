@@ -22,6 +22,11 @@ pass them with ``mask_convention="te"``. The convention is never guessed from th
   padding and the bottom-right causal mask aligned per sequence at its actual lengths (``j > i + (s - t)``, ``t``
   and ``s`` the sequence's queries and keys that are not padding, positions within the sequence), as Transformer
   Engine and cuDNN align it.
+- ``segment_pos`` (with ``segment_ids``): each token's position within its segment (packed sequences, Transformer
+  Engine's ``segment_pos``); the causal mask and the window then compare positions, ``p_j > p_i`` in place of
+  ``j > i`` (aligned per sequence, ``p_j - p_i > s - t``), so that the packed queries and keys of cross attention
+  each start their sequence at 0. Without it, the positions are the indices ``i`` and ``j`` (one sequence per row,
+  or packed self attention, where the two agree).
 - ``"arbitrary"``: where the explicit ``mask`` does not attend (plus ``segment_ids`` when given).
 - ``window_size=(left, right)``: keys outside ``i + a - left <= j <= i + a + right`` (``a = S - T`` for the bottom-right
   types, else 0; -1 leaves that side unbounded). With a causal type the causal mask bounds the right side, so any
@@ -80,7 +85,8 @@ class AttentionBackend(NamedTuple):
 
 
 def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, attn_mask_type: str = "no_mask",
-                        window_size=None, qkv_layout: str = "BSHD", mask_convention: str = "flax") -> jax.Array | None:
+                        window_size=None, qkv_layout: str = "BSHD", mask_convention: str = "flax",
+                        segment_pos=None) -> jax.Array | None:
   """The mask ``dot_product_attention`` applies, boolean, broadcastable to (B, H, T, S), in ``mask_convention``:
   True = attend for "flax" (the default), True = masked out for "te". Given back to ``dot_product_attention`` as an
   "arbitrary" mask with the same ``mask_convention``, it gives the same attention.
@@ -96,10 +102,11 @@ def make_attention_mask(query, key, value=None, mask=None, *, segment_ids=None, 
   q, k, v = unpack(query, key, value, qkv_layout)
   cfg = configure(q, k, v, None, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=None,
                   scale_factor=None, dropout_rate=0.0, window_size=window_size,
-                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False, mask_convention=mask_convention)
+                  tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=False, mask_convention=mask_convention,
+                  segment_pos=segment_pos)
   seg = None if segment_ids is None else segment_mask(segment_ids, cfg)
   mask = masked_out(mask, mask_convention)
-  out = combine(mask, seg, layer_band(cfg, mask, segment_ids))
+  out = combine(mask, seg, layer_band(cfg, mask, segment_ids, segment_pos))
   return out if out is None or mask_convention == "te" else jnp.logical_not(out)
 
 
@@ -136,7 +143,7 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
                       scale_factor: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
                       window_size: tuple[int, int] | None = None, qkv_layout: str = "BSHD", backend: str = "auto",
                       fp8_dpa: bool = False, mask_convention: str = "flax", softmax_type: str = "vanilla",
-                      softmax_offset=None) -> AttentionBackend:
+                      softmax_offset=None, segment_pos=None) -> AttentionBackend:
   """The backend ``dot_product_attention`` runs with these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``: only shapes and dtypes are read).
@@ -156,7 +163,7 @@ def attention_backend(query, key=None, value=None, bias=None, mask=None, *, segm
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
                   tensor_format=QKV_LAYOUTS[qkv_layout][0], fp8_dpa=fp8_dpa, mask_convention=mask_convention,
-                  softmax_type=softmax_type, softmax_offset=softmax_offset)
+                  softmax_type=softmax_type, softmax_offset=softmax_offset, segment_pos=segment_pos)
   return _choose(cfg, backend)
 
 
@@ -168,7 +175,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
                           dropout_rng: jax.Array | None = None, window_size: tuple[int, int] | None = None,
                           qkv_layout: str = "BSHD", backend: str = "auto", fp8_dpa: bool = False,
                           mask_convention: str = "flax", softmax_type: str = "vanilla",
-                          softmax_offset: jax.Array | None = None) -> jax.Array:
+                          softmax_offset: jax.Array | None = None, segment_pos=None) -> jax.Array:
   """Scaled dot-product attention (see the module docstring for the math and the mask conventions).
 
   >>> import jax, jax.numpy as jnp, te_jax
@@ -211,6 +218,9 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
       "learnable", the logit ``softmax_offset[0, h, 0, 0]`` there (an attention sink per head). The sink is never
       masked; a row with every key masked still gives 0. cuDNN has no sink: these run unfused.
     softmax_offset: "learnable"'s sink logits, float32 (1, H, 1, 1), differentiable; None otherwise.
+    segment_pos: int, with ``segment_ids``: each token's position within its segment, (B, S) for self-attention or
+      a pair ``(q_pos (B, T), kv_pos (B, S))`` (Transformer Engine's ``segment_pos``); the causal mask and the window
+      compare these positions (see the module docstring). None: the indices. Not with "alibi".
 
   Returns:
     The attention output in the query's layout ((B, T, H, Dv) or (T, B, H, Dv)) and dtype.
@@ -220,7 +230,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
   cfg = configure(q, k, v, bias, mask, segment_ids, attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
                   scale_factor=scale_factor, dropout_rate=dropout_rate, window_size=window_size,
                   tensor_format=tensor_format, fp8_dpa=fp8_dpa, mask_convention=mask_convention,
-                  softmax_type=softmax_type, softmax_offset=softmax_offset)
+                  softmax_type=softmax_type, softmax_offset=softmax_offset, segment_pos=segment_pos)
   mask = masked_out(mask, mask_convention)  # from here on, one representation: True = masked out
   if cfg.dropout_rate > 0 and dropout_rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng (a jax PRNG key)")
@@ -231,11 +241,12 @@ def dot_product_attention(query: jax.Array, key: jax.Array | None = None, value:
     out = fp8_attention(*to_common_varying(q, k, v), cfg)
   elif choice.name == "fused":
     causal, window = native_window(cfg)
-    band = None if (causal and (window is not None or cfg.lo == -math.inf)) else layer_band(cfg, mask, segment_ids)
+    band = None if (causal and (window is not None or cfg.lo == -math.inf)) else layer_band(cfg, mask, segment_ids,
+                                                                                             segment_pos)
     out = fused(q, k, v, bias, combine(mask, seg, band), cfg)
   else:
-    out = unfused(q, k, v, bias, combine(mask, seg, layer_band(cfg, mask, segment_ids)), dropout_rng, cfg,
-                  softmax_offset)
+    out = unfused(q, k, v, bias, combine(mask, seg, layer_band(cfg, mask, segment_ids, segment_pos)), dropout_rng,
+                  cfg, softmax_offset)
   return _to_bshd(out, tensor_format)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = ["ATTN_BIAS_TYPES", "ATTN_MASK_TYPES", "AttentionConfig", "BACKENDS", "BOTTOM_RIGHT_TYPES", "CAUSAL_TYPES",
            "MASK_CONVENTIONS", "PADDING_TYPES", "QKV_LAYOUTS", "SOFTMAX_TYPES", "check_mask_convention",
-           "check_softmax_type", "configure", "masked_out", "segment_pair", "unpack", "unpack_shapes"]
+           "check_softmax_type", "configure", "masked_out", "position_pair", "segment_pair", "unpack", "unpack_shapes"]
 
 ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
                    "padding_causal_bottom_right", "arbitrary")
@@ -63,6 +63,7 @@ class AttentionConfig:
   tensor_format: str
   fp8_dpa: bool
   softmax_type: str = "vanilla"
+  has_segment_pos: bool = False  # the band compares the tokens' positions within their segments, not j - i
 
   @property
   def align(self) -> int:
@@ -158,6 +159,24 @@ def segment_pair(segment_ids, batch: int, q_len: int, kv_len: int):
   return q_ids, kv_ids
 
 
+def position_pair(segment_pos, batch: int, q_len: int, kv_len: int):
+  """``segment_pos`` as (q_pos (B, T), kv_pos (B, S)): one array (self attention) serves both."""
+  if isinstance(segment_pos, (tuple, list)):
+    if len(segment_pos) != 2:
+      raise ValueError("segment_pos must be one (B, S) array (self-attention) or a pair (q_pos (B, T), kv_pos (B, S))")
+    q_pos, kv_pos = segment_pos
+  else:
+    q_pos = kv_pos = segment_pos
+  for name, pos, n in (("query segment_pos", q_pos, q_len), ("key/value segment_pos", kv_pos, kv_len)):
+    if not hasattr(pos, "dtype") or not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array (each token's position within its segment), got "
+                      f"{getattr(pos, 'dtype', type(pos).__name__)}")
+    if tuple(pos.shape) != (batch, n):
+      raise ValueError(f"{name} must have shape (B, {'T' if name[0] == 'q' else 'S'}) = ({batch}, {n}), got "
+                       f"{tuple(pos.shape)}")
+  return q_pos, kv_pos
+
+
 def check_mask_convention(mask_convention: str) -> str:
   if not isinstance(mask_convention, str) or mask_convention not in MASK_CONVENTIONS:
     raise ValueError(f"mask_convention must be one of {MASK_CONVENTIONS}, got {mask_convention!r} ('flax': True = "
@@ -177,7 +196,7 @@ def masked_out(mask, mask_convention: str):
 
 def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_type, scale_factor, dropout_rate,
                window_size, tensor_format, fp8_dpa, mask_convention, softmax_type: str = "vanilla",
-               softmax_offset=None) -> AttentionConfig:
+               softmax_offset=None, segment_pos=None) -> AttentionConfig:
   """Checks every argument (clear errors before XLA sees anything) and returns the static configuration."""
   check_mask_convention(mask_convention)
   for name, x in (("query", q), ("key", k), ("value", v)):
@@ -230,6 +249,13 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
     if mask is not None and attn_mask_type != "arbitrary":
       raise ValueError("give the padding as `mask` or as `segment_ids`, not both")
     segment_pair(segment_ids, b, t, s)
+  if segment_pos is not None:
+    if segment_ids is None:
+      raise ValueError("segment_pos gives the tokens' positions within their segments: it needs the segment_ids too")
+    if attn_bias_type == "alibi":
+      raise ValueError("attn_bias_type='alibi' computes its distances at the padded positions j - i, not at "
+                       "segment_pos: give no segment_pos (or an explicit bias of the positions)")
+    position_pair(segment_pos, b, t, s)
   if attn_mask_type in PADDING_TYPES and mask is None and segment_ids is None:
     raise ValueError(f"attn_mask_type={attn_mask_type!r} needs the padding: a `mask` or `segment_ids`")
   if attn_mask_type == "arbitrary" and mask is None:
@@ -254,7 +280,7 @@ def configure(q, k, v, bias, mask, segment_ids, *, attn_mask_type, attn_bias_typ
                  bias_shape=None if bias is None else tuple(bias.shape),
                  mask_shape=None if mask is None else tuple(mask.shape), has_segment_ids=segment_ids is not None,
                  scale=scale, dropout_rate=float(dropout_rate), lo=lo, hi=hi, tensor_format=tensor_format,
-                 fp8_dpa=bool(fp8_dpa), softmax_type=softmax_type)
+                 fp8_dpa=bool(fp8_dpa), softmax_type=softmax_type, has_segment_pos=segment_pos is not None)
 
 
 

@@ -40,7 +40,7 @@ def _gpu_compute_capability() -> tuple[int, int] | None:
 def native_window(cfg: AttentionConfig) -> tuple[bool, int | None]:
   """(cuDNN's causal mask, cuDNN's sliding window length) for the band ``lo <= j - i <= hi``, where cuDNN can express
   it: cuDNN's causal mask is top-left (j <= i), its window ``(i - w, i]`` comes with the causal mask."""
-  if cfg.per_sequence:  # aligned at each sequence's lengths: a dense mask of the data
+  if cfg.per_sequence or cfg.has_segment_pos:  # at each sequence's lengths or positions: a dense mask of the data
     return False, None
   if cfg.hi == 0 and (cfg.align == 0 or cfg.mask_type not in BOTTOM_RIGHT_TYPES):
     if cfg.lo == -math.inf:

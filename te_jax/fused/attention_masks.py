@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.fused.attention_config import AttentionConfig, segment_pair
+from te_jax.fused.attention_config import AttentionConfig, position_pair, segment_pair
 
-__all__ = ["alibi_bias", "alibi_bias_at", "alibi_slopes", "band_mask", "combine", "layer_band", "segment_mask",
-           "sequence_band_mask"]
+__all__ = ["alibi_bias", "alibi_bias_at", "alibi_slopes", "band_mask", "combine", "layer_band", "position_band_mask",
+           "segment_mask", "sequence_band_mask"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -84,8 +84,30 @@ def sequence_band_mask(cfg: AttentionConfig, mask: jax.Array | None, segment_ids
   return _outside(rel, cfg.lo - cfg.align, cfg.hi - cfg.align)[:, None]
 
 
-def layer_band(cfg: AttentionConfig, mask: jax.Array | None, segment_ids) -> jax.Array | None:
-  """The band a call applies: ``sequence_band_mask`` where it is aligned per sequence, else ``band_mask``."""
+def position_band_mask(cfg: AttentionConfig, segment_ids, segment_pos) -> jax.Array | None:
+  """The causal band (and window) at the tokens' positions within their segments, True = masked out, (B, 1, T, S):
+  query ``i`` at position ``p_i`` and key ``j`` at ``p_j`` are masked where ``p_j - p_i`` is outside ``[lo, hi]``
+  (packed sequences, each in its own coordinates, as Transformer Engine's ``segment_pos``). Aligned per sequence
+  ("padding_causal_bottom_right"), ``p_j - p_i`` less the sequence's ``s - t``: ``(t - p_i) - (s - p_j)``, ``t``
+  and ``s`` its queries and keys (the tokens of its segment id). None where the band is unbounded."""
+  if cfg.lo == -math.inf and cfg.hi == math.inf:
+    return None
+  q_pos, kv_pos = (p.astype(jnp.int32) for p in position_pair(segment_pos, cfg.batch, cfg.q_len, cfg.kv_len))
+  if cfg.per_sequence:
+    q_ids, kv_ids = segment_pair(segment_ids, cfg.batch, cfg.q_len, cfg.kv_len)
+    q_pos = jnp.sum(q_ids[:, :, None] == q_ids[:, None, :], axis=-1) - q_pos  # t - p_i
+    kv_pos = jnp.sum(kv_ids[:, :, None] == kv_ids[:, None, :], axis=-1) - kv_pos  # s - p_j
+    rel = q_pos[:, :, None] - kv_pos[:, None, :]
+  else:
+    rel = kv_pos[:, None, :] - q_pos[:, :, None]
+  return _outside(rel, cfg.lo - cfg.align, cfg.hi - cfg.align)[:, None]
+
+
+def layer_band(cfg: AttentionConfig, mask: jax.Array | None, segment_ids, segment_pos=None) -> jax.Array | None:
+  """The band a call applies: ``position_band_mask`` with ``segment_pos``, else ``sequence_band_mask`` where it is
+  aligned per sequence, else ``band_mask``."""
+  if segment_pos is not None:
+    return position_band_mask(cfg, segment_ids, segment_pos)
   return sequence_band_mask(cfg, mask, segment_ids) if cfg.per_sequence else band_mask(cfg)
 
 

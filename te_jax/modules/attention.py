@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from te_jax.fused.attention import (ATTN_MASK_TYPES, QKV_LAYOUTS, AttentionBackend, attention_backend,
                                     dot_product_attention, fp8_dpa_enabled, layout_for)
-from te_jax.fused.attention_config import check_mask_convention, check_softmax_type, masked_out
+from te_jax.fused.attention_config import check_mask_convention, check_softmax_type, masked_out, position_pair
+from te_jax.fused.attention_sequences import resolve_sequences, sequence_shape
 from te_jax.fused.context_parallel import check_layer_options, context_parallel_attention, context_parallel_backend
 from te_jax.modules.attention_cache import (KVCache, check_fits_cache, decode_mask_and_bias, mark_overflow,
                                            query_positions)
@@ -115,12 +116,27 @@ def _check_heads(o: DotProductAttentionOptions, query, key, layout: str) -> None
                      f"{kv.shape[-2]}")
 
 
-def _attention_kwargs(o: DotProductAttentionOptions, segment_ids, rate: float, attn_mask_type: str | None,
-                      attn_bias_type: str | None, window_size: tuple[int, int] | None) -> dict:
+def _check_mask_type(attn_mask_type: str | None) -> None:
   if attn_mask_type is not None and attn_mask_type not in ATTN_MASK_TYPES:
     raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
-  return dict(segment_ids=segment_ids, dropout_rate=rate, attn_mask_type=attn_mask_type or o.attn_mask_type,
-              attn_bias_type=attn_bias_type or o.attn_bias_type, scale_factor=o.scale_factor,
+
+
+def _sequences(o: DotProductAttentionOptions, query, key, mask, segment_ids, segment_pos, attn_mask_type):
+  """The call's ``mask``, ``segment_ids``, ``segment_pos``, a ``SequenceDescriptor`` (as the mask or the segment
+  ids) converted once into segment ids and positions."""
+  _check_mask_type(attn_mask_type)
+  batch, q_len, kv_len = sequence_shape(query, key, o.layout)
+  return resolve_sequences(mask, segment_ids, segment_pos, batch=batch, q_len=q_len, kv_len=kv_len,
+                           attn_mask_type=attn_mask_type or o.attn_mask_type)
+
+
+def _attention_kwargs(o: DotProductAttentionOptions, segment_ids, segment_pos, rate: float,
+                      attn_mask_type: str | None, attn_bias_type: str | None,
+                      window_size: tuple[int, int] | None) -> dict:
+  _check_mask_type(attn_mask_type)
+  return dict(segment_ids=segment_ids, segment_pos=segment_pos, dropout_rate=rate,
+              attn_mask_type=attn_mask_type or o.attn_mask_type, attn_bias_type=attn_bias_type or o.attn_bias_type,
+              scale_factor=o.scale_factor,
               window_size=o.window_size if window_size is None else window_size, qkv_layout=o.layout,
               backend=o.backend, mask_convention=o.mask_convention, softmax_type=o.softmax_type)
 
@@ -129,20 +145,25 @@ def _context_parallel_kwargs(o: DotProductAttentionOptions, kw: dict, bias) -> d
   """The arguments of ``context_parallel_attention`` from the call's, checked for what it does not combine with."""
   check_layer_options(bias=bias, attn_bias_type=kw["attn_bias_type"], window_size=kw["window_size"],
                       fp8_dpa=o.fp8_dpa, transpose_batch_sequence=o.transpose_batch_sequence)
-  kw = {k: v for k, v in kw.items()
-        if k not in ("attn_bias_type", "window_size", "mask_convention", "softmax_type", "softmax_offset")}
+  if kw["segment_pos"] is not None:
+    raise ValueError("segment_pos: context_parallel attention takes the tokens at their indices (its own zig-zag "
+                     "order); give segment_ids without positions (a SequenceDescriptor from seqlens)")
+  kw = {k: v for k, v in kw.items() if k not in ("attn_bias_type", "window_size", "mask_convention", "softmax_type",
+                                                 "softmax_offset", "segment_pos")}
   return dict(axis=o.context_parallel, mesh=o.mesh, strategy=o.cp_strategy, load_balanced=o.cp_load_balanced,
               **context_parallel_axes(), **kw)
 
 
 def dot_product_attention_block(scope: Scope, o: DotProductAttentionOptions, query, key, value, mask, bias, *,
                                 segment_ids, deterministic: bool, attn_mask_type: str | None = None,
-                                attn_bias_type: str | None = None,
-                                window_size: tuple[int, int] | None = None) -> jax.Array:
+                                attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None,
+                                segment_pos=None) -> jax.Array:
   """``DotProductAttention``'s call (documented on the linen module), ``deterministic`` resolved by the framework;
-  ``attn_mask_type``, ``attn_bias_type``, ``window_size``: this call's, None for the module's."""
+  ``attn_mask_type``, ``attn_bias_type``, ``window_size``: this call's, None for the module's; ``mask`` or
+  ``segment_ids`` may be a ``SequenceDescriptor``."""
   rate = 0.0 if deterministic else o.attention_dropout
-  kw = _attention_kwargs(o, segment_ids, rate, attn_mask_type, attn_bias_type, window_size)
+  mask, segment_ids, segment_pos = _sequences(o, query, key, mask, segment_ids, segment_pos, attn_mask_type)
+  kw = _attention_kwargs(o, segment_ids, segment_pos, rate, attn_mask_type, attn_bias_type, window_size)
   kw["softmax_offset"] = dot_product_attention_params(scope, o)
   _check_heads(o, query, key, kw["qkv_layout"])
   if o.dtype is not None:
@@ -155,14 +176,17 @@ def dot_product_attention_block(scope: Scope, o: DotProductAttentionOptions, que
 
 
 def attention_backend_for(o: DotProductAttentionOptions, query, key=None, value=None, mask=None, bias=None, *,
-                          segment_ids=None, deterministic: bool = True) -> AttentionBackend:
+                          segment_ids=None, deterministic: bool = True, segment_pos=None) -> AttentionBackend:
   """Which backend the call with these arguments (arrays or ``jax.ShapeDtypeStruct``) runs on, and why."""
   cast = [None if x is None else jax.ShapeDtypeStruct(x.shape, o.dtype or query.dtype) for x in (query, key, value)]
-  kw = _attention_kwargs(o, segment_ids, 0.0 if deterministic else o.attention_dropout, None, None, None)
+  mask, segment_ids, segment_pos = _sequences(o, query, key, mask, segment_ids, segment_pos, None)
+  kw = _attention_kwargs(o, segment_ids, segment_pos, 0.0 if deterministic else o.attention_dropout, None, None,
+                         None)
   if o.softmax_type == "learnable":
     kw["softmax_offset"] = jax.ShapeDtypeStruct((1, o.num_attention_heads, 1, 1), jnp.float32)
   if o.context_parallel is not None:
-    return context_parallel_backend(*cast, strategy=o.cp_strategy, **kw)
+    return context_parallel_backend(*cast, strategy=o.cp_strategy, **{k: v for k, v in kw.items()
+                                                                        if k != "segment_pos"})
   fp8_dpa = fp8_dpa_enabled(o.fp8_dpa, *cast, bias, mask, **kw, recipe=o.recipe)
   return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa, **kw)
 
@@ -346,12 +370,19 @@ def _split_projection(out, want_norm_output: bool, pass_input: bool):
   return y, ln_out, (rest.pop(0) if pass_input else None)
 
 
-def _rope(o: MultiHeadAttentionOptions, q, k, positions, offset, self_attention: bool):
+def _rope(o: MultiHeadAttentionOptions, q, k, positions, offset, self_attention: bool, segment_pos=None):
   """RoPE of q and k (batch first): the queries at ``positions`` (B, T) / (T,), else ``offset + arange(T)``; the keys
-  of self attention at the queries' positions, those of cross attention at ``arange(S)`` (their own sequence)."""
+  of self attention at the queries' positions, those of cross attention at ``arange(S)`` (their own sequence). With
+  ``segment_pos`` (packed sequences), the queries and keys each at their positions within their segments."""
+  rope = functools.partial(apply_rope, interleaved=o.rotary_interleaved)
+  if segment_pos is not None:
+    q_pos, kv_pos = position_pair(segment_pos, q.shape[0], q.shape[1], k.shape[1])
+    q_freqs = rope_frequencies(q_pos.astype(jnp.int32), o.rotary_dim, o.rotary_base)
+    k_freqs = q_freqs if kv_pos is q_pos else rope_frequencies(kv_pos.astype(jnp.int32), o.rotary_dim,
+                                                                o.rotary_base)
+    return rope(q, freqs=q_freqs), rope(k, freqs=k_freqs)
   if positions is None:
     positions = query_positions(q.shape[1], offset)
-  rope = functools.partial(apply_rope, interleaved=o.rotary_interleaved)
   q_freqs = rope_frequencies(jnp.asarray(positions, jnp.int32), o.rotary_dim, o.rotary_base)
   k_freqs = q_freqs if self_attention else rope_frequencies(query_positions(k.shape[1]), o.rotary_dim, o.rotary_base)
   return rope(q, freqs=q_freqs), rope(k, freqs=k_freqs)
@@ -360,14 +391,27 @@ def _rope(o: MultiHeadAttentionOptions, q, k, positions, offset, self_attention:
 def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: jax.Array, inputs_kv=None, mask=None,
                          bias=None, *, segment_ids=None, positions=None, decode: bool = False,
                          deterministic: bool = True, residual=None, attn_mask_type: str | None = None,
-                         cache: KVCache | None = None):
+                         cache: KVCache | None = None, segment_pos=None):
   """``MultiHeadAttention``'s call (documented on the linen module), ``deterministic`` and ``decode`` resolved by the
   framework, whose ``cache`` holds the keys and values of past steps when decoding."""
   self_attention = inputs_kv is None or inputs_kv is inputs_q
   if decode and not self_attention:
     raise ValueError("decode=True (KV cache) is for self attention: pass inputs_kv=None")
-  if decode and segment_ids is not None:
-    raise ValueError("decode=True does not take segment_ids")
+  if attn_mask_type is not None and attn_mask_type not in ATTN_MASK_TYPES:
+    raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
+  for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
+    if x is not None and x.ndim != 3:
+      raise ValueError(f"{name} must be 3-D ((B, S, hidden), or (S, B, hidden) with transpose_batch_sequence), "
+                       f"got shape {x.shape}")
+  seq = 0 if o.transpose_batch_sequence else 1
+  mask, segment_ids, segment_pos = resolve_sequences(
+      mask, segment_ids, segment_pos, batch=inputs_q.shape[1 - seq], q_len=inputs_q.shape[seq],
+      kv_len=(inputs_q if self_attention else inputs_kv).shape[seq], attn_mask_type=attn_mask_type or o.attn_mask_type)
+  if decode and (segment_ids is not None or segment_pos is not None):
+    raise ValueError("decode=True does not take segment_ids, segment_pos or a SequenceDescriptor")
+  if segment_pos is not None and positions is not None:
+    raise ValueError("positions are RoPE's and segment_pos (or a SequenceDescriptor's) gives RoPE and the masks the "
+                     "tokens' positions within their segments: give one of the two")
   if o.context_parallel is not None:
     check_layer_options(decode=decode)
     if o.enable_rotary_pos_emb and o.cp_load_balanced and not self_attention:
@@ -378,12 +422,6 @@ def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: j
       raise ValueError("positions: with context_parallel and cp_load_balanced=True the sequence is in zig-zag order, "
                        "so RoPE needs its tokens' positions: pass positions=te_jax.zigzag_order(seq_len, cp) (or "
                        "cp_load_balanced=False for a sequence in its natural order)")
-  if attn_mask_type is not None and attn_mask_type not in ATTN_MASK_TYPES:
-    raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
-  for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
-    if x is not None and x.ndim != 3:
-      raise ValueError(f"{name} must be 3-D ((B, S, hidden), or (S, B, hidden) with transpose_batch_sequence), "
-                       f"got shape {x.shape}")
   # The caller's mask in the one representation the attention computes with (True = masked out), converted once
   # here: the KV-cache path adds its own masked positions to it, and the attention takes it as "te".
   mask = masked_out(mask, o.mask_convention)
@@ -430,7 +468,7 @@ def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: j
     k, v = parts.kv(ln_out if kv_from_norm else stream(xkv))
 
   if o.enable_rotary_pos_emb:
-    q, k = _rope(o, q, k, positions, offset, self_attention)
+    q, k = _rope(o, q, k, positions, offset, self_attention, segment_pos)
   bias_type = window = None  # the attention's own
   if decode:
     cached_k, cached_v = cache.append(k, v)
@@ -441,7 +479,8 @@ def multi_head_attention(scope: Scope, o: MultiHeadAttentionOptions, inputs_q: j
       attn_mask_type, window = "arbitrary", (-1, -1)
   q, k, v = (gathered(t) for t in (q, k, v))
   out = gathered(parts.attention(q, k, v, mask, bias, segment_ids=segment_ids, deterministic=deterministic,
-                                 attn_mask_type=attn_mask_type, attn_bias_type=bias_type, window_size=window))
+                                 attn_mask_type=attn_mask_type, attn_bias_type=bias_type, window_size=window,
+                                 segment_pos=segment_pos))
   if offset is not None:  # past the cache's end its update was clamped: say so with NaN, not wrong values
     out = mark_overflow(out, offset, q.shape[1], k.shape[1])
   out = parts.out(out, x_passed if pass_input else seq_first_to_batch_first(residual, o.transpose_batch_sequence))

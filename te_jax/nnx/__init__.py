@@ -19,10 +19,12 @@ from te_jax.nnx.layernorm import LayerNormDenseGeneral as LayerNormDenseGeneral
 from te_jax.nnx.layernorm import LayerNormMLP as LayerNormMLP
 from te_jax.nnx.moe import AuxLoss as AuxLoss
 from te_jax.nnx.moe import MoEBlock as MoEBlock
+from te_jax.nnx.softmax import Softmax as Softmax
 from te_jax.nnx.transformer import TransformerLayer as TransformerLayer
 
 __all__ = [
     "AuxLoss", "DenseGeneral", "DotProductAttention", "Fp8DotGeneral", "Fp8Einsum", "Fp8State", "LayerNorm",
     "LayerNormDenseGeneral", "LayerNormMLP", "MoEBlock", "MultiHeadAttention", "RelativePositionBiases",
-    "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen", "update_fp8_state", "value_and_grad",
+    "Softmax", "TransformerLayer", "calibrate", "from_linen", "grad", "to_linen", "update_fp8_state",
+    "value_and_grad",
 ]

@@ -83,22 +83,23 @@ class DotProductAttention(nnx.Module):
     return cls(**fields_of(options), rngs=rngs)
 
   def backend_for(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
-                  deterministic: bool | None = None) -> AttentionBackend:
+                  deterministic: bool | None = None, segment_pos=None) -> AttentionBackend:
     """As te_jax.flax.DotProductAttention.backend_for: the backend the call with these arguments runs on, and why."""
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.options.attention_dropout)
     return attention_backend_for(self.options, query, key, value, mask, bias, segment_ids=segment_ids,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, segment_pos=segment_pos)
 
   def __call__(self, query, key=None, value=None, mask=None, bias=None, *, segment_ids=None,
                deterministic: bool | None = None, attn_mask_type: str | None = None,
-               attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None):
+               attn_bias_type: str | None = None, window_size: tuple[int, int] | None = None, segment_pos=None):
     """As te_jax.flax.DotProductAttention's call (``attn_mask_type``, ``attn_bias_type``, ``window_size``: this
-    call's, None for the module's)."""
+    call's, None for the module's; ``mask`` or ``segment_ids`` may be a ``te_jax.SequenceDescriptor``;
+    ``segment_pos``: the tokens' positions within their segments)."""
     deterministic = resolve_deterministic(self, deterministic, attention_dropout=self.options.attention_dropout)
     return dot_product_attention_block(NnxScope(self), self.options, query, key, value, mask, bias,
                                        segment_ids=segment_ids, deterministic=deterministic,
                                        attn_mask_type=attn_mask_type, attn_bias_type=attn_bias_type,
-                                       window_size=window_size)
+                                       window_size=window_size, segment_pos=segment_pos)
 
 
 @builds(MultiHeadAttentionOptions)
@@ -213,9 +214,10 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
                bias: jax.Array | None = None, *, segment_ids=None, positions: jax.Array | None = None,
                decode: bool | None = None, deterministic: bool | None = None, residual: jax.Array | None = None,
-               attn_mask_type: str | None = None):
+               attn_mask_type: str | None = None, segment_pos=None):
     """As te_jax.flax.MultiHeadAttention's call; ``decode`` (None: the module's) uses and updates the KV cache of
-    ``init_cache``."""
+    ``init_cache``; ``mask`` or ``segment_ids`` may be a ``te_jax.SequenceDescriptor``, and ``segment_pos`` gives
+    RoPE and the masks the tokens' positions within their segments."""
     self_attention = inputs_kv is None or inputs_kv is inputs_q
     if self_attention != (self.attention_type == "self"):
       raise ValueError(f"attention_type={self.attention_type!r}, but inputs_kv is "
@@ -227,7 +229,7 @@ class MultiHeadAttention(nnx.Module):
     return multi_head_attention(NnxScope(self), self.options, inputs_q, inputs_kv, mask, bias,
                                 segment_ids=segment_ids, positions=positions, decode=decode,
                                 deterministic=deterministic, residual=residual, attn_mask_type=attn_mask_type,
-                                cache=NnxKVCache(self) if decode else None)
+                                cache=NnxKVCache(self) if decode else None, segment_pos=segment_pos)
 
 
 @builds(RelativePositionBiasesOptions)
