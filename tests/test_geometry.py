@@ -228,7 +228,9 @@ def _short_gemm(lhs, rhs):
   one = jnp.float32(1.0)
   empty = jnp.zeros((0,), _BF16)
   return jax.ffi.ffi_call("te_gemm_cuda", results)(lhs, rhs, one, one, empty, empty, transpose_lhs=np.bool_(False),
-                                                   transpose_rhs=np.bool_(False), fast_accum=np.bool_(False))
+                                                   transpose_rhs=np.bool_(False), fast_accum=np.bool_(False),
+                                                   lhs_scaling_mode=np.int64(0), rhs_scaling_mode=np.int64(0),
+                                                   deterministic=np.bool_(False))
 
 
 _SHORT = {
