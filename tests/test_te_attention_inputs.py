@@ -1,0 +1,298 @@
+"""Transformer Engine's attention inputs and its Softmax layer, against independent references.
+
+- ``segment_pos``: the tokens' positions within packed segments. The reference mask is built here one query/key pair
+  at a time from the definitions (same segment, not padding; causal ``p_j > p_i``; windows on ``p_j - p_i``; the
+  per-sequence bottom-right band ``p_j - p_i - (s - t)``), and the attention is ``tests/attention_reference``'s naive
+  one; a packed batch of cross attention with RoPE must also equal each sequence pair attended on its own.
+- ``SequenceDescriptor``: every form gives the attention of the equivalent explicit mask or segment ids and
+  positions (built here by hand from the lengths and offsets), in the linen and NNX modules, under jit.
+- ``Softmax``: against a float64 numpy softmax with Transformer Engine's mask convention (1 = masked out), under the
+  tolerance rule; gradients numerically; linen and NNX bit for bit; on the GPU, the CUDA handler in the HLO.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_reference import naive_attention, padding_mask, qkv, randn, segments
+from conftest import assert_within_rule
+from flax import nnx
+from jax.test_util import check_grads
+
+import te_jax
+import te_jax.flax as te_flax
+import te_jax.nnx as te_nnx
+
+H, D = 4, 8
+TOL = 3e-5
+
+
+# ---- references ----------------------------------------------------------------------------------------------------
+
+
+def _np_positions(ids: np.ndarray) -> np.ndarray:
+  """Position within the segment, one token at a time: its index less that of its id's first token in the row."""
+  ids = np.asarray(ids)
+  out = np.zeros(ids.shape, np.int32)
+  for b in range(ids.shape[0]):
+    row = list(ids[b])
+    for i in range(len(row)):
+      out[b, i] = i - row.index(row[i])
+  return out
+
+
+def _position_mask(mask_type, q_ids, kv_ids, q_pos, kv_pos, window=None, heads=H):
+  """True = masked out (B, heads, T, S), from the definitions, pair by pair."""
+  q_ids, kv_ids, q_pos, kv_pos = (np.asarray(a) for a in (q_ids, kv_ids, q_pos, kv_pos))
+  b, t = q_ids.shape
+  s = kv_ids.shape[1]
+  out = np.zeros((b, heads, t, s), bool)
+  for n in range(b):
+    for i in range(t):
+      for j in range(s):
+        seg = q_ids[n, i]
+        if seg == 0 or kv_ids[n, j] != seg:
+          out[n, :, i, j] = True
+          continue
+        rel = int(kv_pos[n, j]) - int(q_pos[n, i])
+        if mask_type == "padding_causal_bottom_right":
+          rel -= int(np.sum(kv_ids[n] == seg)) - int(np.sum(q_ids[n] == seg))
+        masked = "causal" in mask_type and rel > 0
+        if window is not None:
+          masked |= (window[0] >= 0 and rel < -window[0]) or (window[1] >= 0 and rel > window[1])
+        out[n, :, i, j] = masked
+  return out
+
+
+def _attention_and_grads(f, q, k, v):
+  cot = randn(99, q.shape[:3] + (v.shape[-1],))
+  (_, out), grads = jax.value_and_grad(lambda *a: (jnp.sum(f(*a) * cot), f(*a)), argnums=(0, 1, 2),
+                                       has_aux=True)(q, k, v)
+  return out, grads
+
+
+def _assert_close(got, want, tol=TOL):
+  for name, a, e in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1]), strict=True):
+    assert np.all(np.isfinite(a)), name
+    np.testing.assert_allclose(a, e, rtol=tol, atol=tol, err_msg=name)
+
+
+# Packed cross attention: the queries' and keys' segments start at different offsets.
+Q_IDS = segments([[3, 5], [6]], 8)
+KV_IDS = segments([[4, 4, 2], [7, 3]], 10)
+
+
+# ---- segment positions -------------------------------------------------------------------------------------------
+
+
+def test_segment_positions_restart_at_each_segment():
+  ids = np.asarray([[1, 1, 1, 2, 2, 0, 0], [3, 3, 1, 1, 1, 1, 2], [1, 2, 1, 2, 0, 1, 0]], np.int32)
+  np.testing.assert_array_equal(te_jax.segment_positions(jnp.asarray(ids)), _np_positions(ids))
+  with pytest.raises(TypeError, match="segment_ids must be an integer array"):
+    te_jax.segment_positions(jnp.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("mask_type,window", [("padding_causal", None), ("padding_causal_bottom_right", None),
+                                              ("padding", (2, 1)), ("padding_causal", (1, 0))])
+def test_segment_pos_cross_attention(mask_type, window):
+  """Packed cross attention at the tokens' positions: values and gradients against the naive attention of the mask
+  built from the positions; the mask itself bit for bit (make_attention_mask)."""
+  q, k, v = qkv(8, 10, kv_heads=2)
+  pos = (jnp.asarray(_np_positions(Q_IDS)), jnp.asarray(_np_positions(KV_IDS)))
+  masked = _position_mask(mask_type, Q_IDS, KV_IDS, *pos, window)
+  assert not np.array_equal(masked, _position_mask(mask_type, Q_IDS, KV_IDS, *(np.broadcast_to(
+      np.arange(n), (2, n)) for n in (8, 10)), window)), "the positions must change the mask for this test to mean it"
+  got = _attention_and_grads(lambda q, k, v: te_jax.dot_product_attention(
+      q, k, v, segment_ids=(Q_IDS, KV_IDS), segment_pos=pos, attn_mask_type=mask_type, window_size=window,
+      backend="unfused"), q, k, v)
+  want = _attention_and_grads(lambda q, k, v: naive_attention(q, k, v, None, masked, 1 / np.sqrt(D)), q, k, v)
+  _assert_close(got, want)
+  made = te_jax.make_attention_mask(q, k, v, segment_ids=(Q_IDS, KV_IDS), segment_pos=pos, attn_mask_type=mask_type,
+                                    window_size=window, mask_convention="te")
+  np.testing.assert_array_equal(np.broadcast_to(made, masked.shape), masked)
+
+
+def test_segment_pos_of_packed_self_attention_is_the_indices_band():
+  """Packed self attention: positions within the segments give the band of the indices (j - i within a segment)."""
+  ids = segments([[5, 4, 2], [12]], 12)
+  q, k, v = qkv(12, 12, kv_heads=2)
+  for mask_type, window in (("padding_causal", (3, 0)), ("padding_causal_bottom_right", None)):
+    kw = dict(segment_ids=ids, attn_mask_type=mask_type, window_size=window, backend="unfused")
+    with_pos = te_jax.dot_product_attention(q, k, v, segment_pos=te_jax.segment_positions(ids), **kw)
+    np.testing.assert_allclose(with_pos, te_jax.dot_product_attention(q, k, v, **kw), rtol=1e-6, atol=1e-6)
+
+
+def _mha(attn_mask_type="padding_causal"):
+  return te_flax.MultiHeadAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=2, input_layernorm=False,
+                                    fuse_qkv_params=False, enable_rotary_pos_emb=True, attn_mask_type=attn_mask_type)
+
+
+def test_packed_cross_attention_with_rope_is_each_sequence_alone():
+  """A packed batch of cross attention (RoPE and the causal mask at the positions within the segments) gives, for
+  each query segment, the attention of that sequence alone over its key sequence, both starting at 0."""
+  hidden = 16
+  xq, xkv = randn(1, (2, 8, hidden)), randn(2, (2, 10, hidden))
+  q_ids, kv_ids = np.asarray(Q_IDS), np.asarray(KV_IDS)
+  sd = te_jax.SequenceDescriptor.from_segment_ids_and_pos(
+      (Q_IDS, KV_IDS), (jnp.asarray(_np_positions(q_ids)), jnp.asarray(_np_positions(kv_ids))))
+  mha = _mha()
+  variables = mha.init(jax.random.key(0), xq, xkv, sd, deterministic=True)
+  packed = mha.apply(variables, xq, xkv, sd, deterministic=True)
+  alone = _mha(attn_mask_type="causal")
+  for b in range(2):
+    for seg in set(q_ids[b]) - {0}:
+      qi, ki = np.flatnonzero(q_ids[b] == seg), np.flatnonzero(kv_ids[b] == seg)
+      want = alone.apply(variables, xq[b:b + 1, qi], xkv[b:b + 1, ki], deterministic=True)
+      np.testing.assert_allclose(packed[b:b + 1, qi], want, rtol=2e-5, atol=2e-5, err_msg=f"example {b} seg {seg}")
+
+
+def test_mha_descriptor_equals_explicit_ids_and_positions_linen_and_nnx():
+  hidden = 16
+  xq, xkv = randn(1, (2, 8, hidden)), randn(2, (2, 10, hidden))
+  pos = (jnp.asarray(_np_positions(Q_IDS)), jnp.asarray(_np_positions(KV_IDS)))
+  sd = te_jax.SequenceDescriptor.from_segment_ids_and_pos((Q_IDS, KV_IDS), pos)
+  mha = _mha()
+  variables = mha.init(jax.random.key(0), xq, xkv, sd, deterministic=True)
+  got = jax.jit(lambda v, x, y, sd: mha.apply(v, x, y, sd, deterministic=True))(variables, xq, xkv, sd)
+  want = jax.jit(lambda v, x, y, ids, pos: mha.apply(v, x, y, segment_ids=ids, segment_pos=pos, deterministic=True))(
+      variables, xq, xkv, (Q_IDS, KV_IDS), pos)
+  np.testing.assert_array_equal(got, want)
+  ours = te_nnx.MultiHeadAttention(hidden, D, H, num_gqa_groups=2, input_layernorm=False, fuse_qkv_params=False,
+                                   enable_rotary_pos_emb=True, attn_mask_type="padding_causal",
+                                   attention_type="cross", rngs=nnx.Rngs(0))
+  te_nnx.from_linen(ours, variables)
+  np.testing.assert_array_equal(nnx.jit(lambda m, x, y, sd: m(x, y, segment_ids=sd))(ours, xq, xkv, sd), want)
+
+
+# ---- SequenceDescriptor -------------------------------------------------------------------------------------------
+
+
+def _dpa(mask_type, cls=te_flax.DotProductAttention, **kw):
+  return cls(head_dim=D, num_attention_heads=H, num_gqa_groups=2, attn_mask_type=mask_type, backend="unfused", **kw)
+
+
+def _linen_dpa(mask_type, q, k, v, *args, **kw):
+  return _dpa(mask_type).apply({}, q, k, v, *args, deterministic=True, **kw)
+
+
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
+def test_descriptor_from_seqlens_is_the_padding_mask(mask_type):
+  """One sequence per row: the lengths give the attention of the padding mask of those lengths (Flax's convention,
+  True = attend), and the naive attention of that mask; as the mask or as segment_ids, jitted."""
+  q_lens, kv_lens = (9, 5), (7, 12)
+  q, k, v = qkv(10, 12, kv_heads=2)
+  sd = te_jax.SequenceDescriptor.from_seqlens((jnp.asarray(q_lens), jnp.asarray(kv_lens)))
+  mask = padding_mask(10, 12, q_lens, kv_lens)
+  want = _linen_dpa(mask_type, q, k, v, mask)
+  np.testing.assert_array_equal(jax.jit(lambda sd: _linen_dpa(mask_type, q, k, v, sd))(sd),
+                                jax.jit(lambda m: _linen_dpa(mask_type, q, k, v, m))(mask))
+  np.testing.assert_allclose(_linen_dpa(mask_type, q, k, v, segment_ids=sd), want, rtol=1e-6, atol=1e-6)
+  ids = [np.asarray(np.arange(n)[None, :] < np.asarray(lens)[:, None], np.int32) for lens, n in
+         ((q_lens, 10), (kv_lens, 12))]
+  masked = _position_mask(mask_type, *ids, *(np.broadcast_to(np.arange(n), (2, n)) for n in (10, 12)))
+  np.testing.assert_allclose(want, naive_attention(q, k, v, None, masked, 1 / np.sqrt(D)), rtol=TOL, atol=TOL)
+
+
+def _packed_by_hand(lens, offsets, n):
+  """Segment ids and positions of packed sequences, token by token from the lengths and offsets."""
+  ids, pos = np.zeros((len(lens), n), np.int32), np.zeros((len(lens), n), np.int32)
+  for b, (row_lens, row_offsets) in enumerate(zip(lens, offsets, strict=True)):
+    for k, (length, start) in enumerate(zip(row_lens, row_offsets, strict=False)):
+      for t in range(max(start, 0), max(start, 0) + max(length, 0)):
+        ids[b, t], pos[b, t] = k + 1, t - start
+  return ids, pos
+
+
+# Packed sequences with a gap (intra-row padding) and unused slots (-1), as Transformer Engine pads them.
+Q_LENS, Q_OFFSETS = [[3, 4, -1], [2, 2, 3]], [[0, 4, 8, -1], [0, 2, 5, 8]]
+KV_LENS, KV_OFFSETS = [[5, 2, -1], [3, 1, 4]], [[0, 5, 7, -1], [1, 4, 6, 10]]
+
+
+@pytest.mark.parametrize("mask_type,window", [("padding_causal", None), ("padding_causal_bottom_right", None),
+                                              ("padding", (1, 1))])
+def test_descriptor_from_seqlens_and_offsets(mask_type, window):
+  """Packed sequences from lengths and offsets: the explicit segment ids and positions built by hand give the same
+  attention, and it is the naive attention of the mask of those positions; linen and NNX bit for bit."""
+  q, k, v = qkv(9, 10, kv_heads=2)
+  (q_ids, q_pos), (kv_ids, kv_pos) = _packed_by_hand(Q_LENS, Q_OFFSETS, 9), _packed_by_hand(KV_LENS, KV_OFFSETS, 10)
+  sd = te_jax.SequenceDescriptor.from_seqlens_and_offsets(
+      (jnp.asarray(Q_LENS), jnp.asarray(KV_LENS)), (jnp.asarray(Q_OFFSETS), jnp.asarray(KV_OFFSETS)))
+  got_ids, got_pos = sd.segments(batch=2, q_len=9, kv_len=10)
+  for a, e in zip((*got_ids, *got_pos), (q_ids, kv_ids, q_pos, kv_pos), strict=True):
+    np.testing.assert_array_equal(a, e)
+  ids, pos = (jnp.asarray(q_ids), jnp.asarray(kv_ids)), (jnp.asarray(q_pos), jnp.asarray(kv_pos))
+  run = jax.jit(lambda q, k, v, *a, **kw: _linen_dpa(mask_type, q, k, v, *a, window_size=window, **kw))
+  got = run(q, k, v, sd)
+  np.testing.assert_array_equal(got, run(q, k, v, segment_ids=ids, segment_pos=pos))
+  masked = _position_mask(mask_type, q_ids, kv_ids, q_pos, kv_pos, window)
+  np.testing.assert_allclose(got, naive_attention(q, k, v, None, masked, 1 / np.sqrt(D)), rtol=TOL, atol=TOL)
+  nnx_dpa = _dpa(mask_type, cls=te_nnx.DotProductAttention)
+  np.testing.assert_array_equal(
+      nnx.jit(lambda m, q, k, v, sd: m(q, k, v, sd, window_size=window, deterministic=True))(nnx_dpa, q, k, v, sd), got)
+  # from_segment_ids_and_pos of the same ids and positions: the same attention.
+  np.testing.assert_array_equal(run(q, k, v, te_jax.SequenceDescriptor.from_segment_ids_and_pos(ids, pos)), got)
+
+
+def test_descriptor_gradients_flow_to_q_k_v():
+  q, k, v = qkv(9, 10, kv_heads=2)
+  sd = te_jax.SequenceDescriptor.from_seqlens_and_offsets(
+      (jnp.asarray(Q_LENS), jnp.asarray(KV_LENS)), (jnp.asarray(Q_OFFSETS), jnp.asarray(KV_OFFSETS)))
+  (q_ids, q_pos), (kv_ids, kv_pos) = _packed_by_hand(Q_LENS, Q_OFFSETS, 9), _packed_by_hand(KV_LENS, KV_OFFSETS, 10)
+  masked = _position_mask("padding_causal", q_ids, kv_ids, q_pos, kv_pos)
+  got = _attention_and_grads(lambda q, k, v: _linen_dpa("padding_causal", q, k, v, sd), q, k, v)
+  want = _attention_and_grads(lambda q, k, v: naive_attention(q, k, v, None, masked, 1 / np.sqrt(D)), q, k, v)
+  _assert_close(got, want)
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------------------
+
+
+def test_bad_sequence_inputs_raise_naming_the_argument():
+  q, k, v = qkv(8, 10, kv_heads=2)
+  sd = te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 4]))
+  pos = (jnp.asarray(_np_positions(Q_IDS)), jnp.asarray(_np_positions(KV_IDS)))
+  cases = [
+      (lambda: _linen_dpa("causal", q, k, v, sd), ValueError, r"SequenceDescriptor gives the padding.*'causal'"),
+      (lambda: _linen_dpa("padding", q, k, v, sd, segment_ids=Q_IDS), ValueError, "give no segment_ids"),
+      (lambda: _linen_dpa("padding", q, k, v, segment_ids=sd, segment_pos=pos), ValueError, "give no segment_pos"),
+      (lambda: _linen_dpa("padding", q, k, v, segment_pos=sd), TypeError, "segment_pos takes positions"),
+      (lambda: _linen_dpa("padding", q, k, v, segment_pos=pos), ValueError, "needs the segment_ids too"),
+      (lambda: _linen_dpa("padding", q, k, v, segment_ids=(Q_IDS, KV_IDS), segment_pos=pos[0]), ValueError,
+       r"key/value segment_pos must have shape \(B, S\) = \(2, 10\)"),
+      (lambda: _linen_dpa("padding", q, k, v, segment_ids=(Q_IDS, KV_IDS), segment_pos=(pos[0] * 1.0, pos[1])),
+       TypeError, "query segment_pos must be an integer array"),
+      (lambda: te_jax.dot_product_attention(q, k, v, segment_ids=(Q_IDS, KV_IDS), segment_pos=pos,
+                                            attn_mask_type="padding", attn_bias_type="alibi"), ValueError,
+       "attn_bias_type='alibi'.*segment_pos"),
+      (lambda: _linen_dpa("padding", q, k, v, te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 4, 5]))),
+       ValueError, "q_seqlens have batch 3; this attention's is 2"),
+      (lambda: te_jax.SequenceDescriptor.from_segment_ids_and_pos(Q_IDS), ValueError, "segment_pos is required"),
+      (lambda: te_jax.SequenceDescriptor.from_segment_ids_and_pos(Q_IDS, pos[1]), ValueError,
+       r"q_segment_pos must have q_segment_ids' shape \(2, 8\)"),
+      (lambda: te_jax.SequenceDescriptor.from_seqlens_and_offsets(jnp.asarray(Q_LENS), jnp.asarray(Q_LENS)),
+       ValueError, r"q_seq_offsets must have shape \(B, M \+ 1\) = \(2, 4\)"),
+      (lambda: te_jax.SequenceDescriptor.from_seqlens(jnp.ones((2, 3), jnp.int32)), ValueError,
+       "q_seqlens must be 1-D"),
+      (lambda: te_jax.SequenceDescriptor.from_seqlens(jnp.ones(2)), TypeError, "q_seqlens must be an integer"),
+      (lambda: te_jax.SequenceDescriptor.from_seqlens((sd, sd, sd)), ValueError, "seqlens must be one array"),
+  ]
+  for f, error, message in cases:
+    with pytest.raises(error, match=message):
+      f()
+
+
+def test_mha_sequence_inputs_raise():
+  x = randn(1, (2, 8, 16))
+  mha = _mha()
+  pos = jnp.asarray(_np_positions(Q_IDS))
+  variables = mha.init(jax.random.key(0), x, segment_ids=Q_IDS, deterministic=True)
+  with pytest.raises(ValueError, match="give one of the two"):
+    mha.apply(variables, x, segment_ids=Q_IDS, segment_pos=pos, positions=jnp.arange(8), deterministic=True)
+  with pytest.raises(ValueError, match=r"SequenceDescriptor gives the padding.*'causal'"):
+    mha.apply(variables, x, None, te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 8])),
+              deterministic=True, attn_mask_type="causal")
+  with pytest.raises(ValueError, match="decode=True does not take segment_ids, segment_pos or a SequenceDescriptor"):
+    mha.init(jax.random.key(0), x, None, te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 8])), decode=True,
+             deterministic=True)
