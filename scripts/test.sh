@@ -60,7 +60,7 @@ seconds = {"nnx": 140, "block_recipes": 50, "nnx_attention_parity": 65, "transfo
            "nnx_sharding": 22, "parallel_layers": 21, "activation": 19, "softmax": 17, "norm": 16, "residual": 15,
            "activation_pairs": 13,
            "doctor": 15, "attention_cudnn": 14, "rope": 14, "attention_masks": 13, "quantize_interleaved": 11,
-           "moe_block": 36, "te_layer_options": 15,
+           "moe_block": 36, "te_layer_options": 15, "te_attention_inputs": 16,
            "explicit_sharding": 39}
 exact = [pathlib.Path(f) for f in sys.argv[1:]]
 files = [f for f in sorted(pathlib.Path("tests").glob("test_*.py")) if f not in exact]

@@ -178,6 +178,7 @@ def _linen_dpa(mask_type, q, k, v, *args, **kw):
 
 
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.fast_cases(1)
 def test_descriptor_from_seqlens_is_the_padding_mask(mask_type):
   """One sequence per row: the lengths give the attention of the padding mask of those lengths (Flax's convention,
   True = attend), and the naive attention of that mask; as the mask or as segment_ids, jitted."""
@@ -212,6 +213,7 @@ KV_LENS, KV_OFFSETS = [[5, 2, -1], [3, 1, 4]], [[0, 5, 7, -1], [1, 4, 6, 10]]
 
 @pytest.mark.parametrize("mask_type,window", [("padding_causal", None), ("padding_causal_bottom_right", None),
                                               ("padding", (1, 1))])
+@pytest.mark.fast_cases(1)
 def test_descriptor_from_seqlens_and_offsets(mask_type, window):
   """Packed sequences from lengths and offsets: the explicit segment ids and positions built by hand give the same
   attention, and it is the naive attention of the mask of those positions; linen and NNX bit for bit."""
@@ -235,6 +237,7 @@ def test_descriptor_from_seqlens_and_offsets(mask_type, window):
   np.testing.assert_array_equal(run(q, k, v, te_jax.SequenceDescriptor.from_segment_ids_and_pos(ids, pos)), got)
 
 
+@pytest.mark.slow
 def test_descriptor_gradients_flow_to_q_k_v():
   q, k, v = qkv(9, 10, kv_heads=2)
   sd = te_jax.SequenceDescriptor.from_seqlens_and_offsets(
@@ -296,3 +299,151 @@ def test_mha_sequence_inputs_raise():
   with pytest.raises(ValueError, match="decode=True does not take segment_ids, segment_pos or a SequenceDescriptor"):
     mha.init(jax.random.key(0), x, None, te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 8])), decode=True,
              deterministic=True)
+
+
+# ---- Softmax -------------------------------------------------------------------------------------------------------
+
+
+def _np_softmax(x, scale, masked=None, sink=None, dtype=np.float64):
+  """Transformer Engine's Softmax in numpy: ``masked`` True where masked out (its mask == 1), ``sink`` one more logit
+  in each denominator (unscaled); a row with every key masked gives zeros."""
+  z = np.asarray(x, dtype) * dtype(scale)
+  keep = np.ones(z.shape, bool) if masked is None else ~np.broadcast_to(np.asarray(masked, bool), z.shape)
+  z = np.where(keep, z, -np.inf)
+  m = np.max(z, axis=-1, keepdims=True)
+  extra = None if sink is None else np.broadcast_to(np.asarray(sink, dtype), (*z.shape[:-1], 1))
+  if extra is not None:
+    m = np.maximum(m, extra)
+  m = np.where(np.isfinite(m), m, 0)
+  e = np.where(keep, np.exp(z - m), 0)
+  total = np.sum(e, axis=-1, keepdims=True) + (0 if extra is None else np.exp(extra - m))
+  return np.where(total > 0, e / np.where(total > 0, total, 1), 0)
+
+
+SM_SHAPE = (2, 3, 5, 7)
+
+
+def _logits(dtype=jnp.float32, seed=0, shape=SM_SHAPE):
+  return randn(seed, shape, jnp.float32).astype(dtype) * 3
+
+
+def _te_mask():
+  """(B, 1, Sq, Sk) int, 1 = masked out; row 1 of example 0 fully masked."""
+  mask = (np.random.default_rng(3).random((2, 1, 5, 7)) < 0.4).astype(np.int32)
+  mask[0, 0, 1] = 1
+  return mask
+
+
+def _causal(shape=SM_SHAPE):
+  return np.arange(shape[-1])[None, :] > np.arange(shape[-2])[:, None]
+
+
+@pytest.mark.parametrize("fusion", ["scaled", "scaled_masked", "scaled_upper_triang_masked"])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off_by_one", "learnable"])
+def test_softmax_against_numpy(fusion, softmax_type):
+  x = _logits()
+  bias = randn(5, (1, 3, 5, 7))
+  mask = _te_mask() if fusion == "scaled_masked" else None
+  masked = {"scaled": None, "scaled_masked": mask, "scaled_upper_triang_masked": _causal()}[fusion]
+  offset = randn(6, (1, 3, 1, 1)) if softmax_type == "learnable" else None
+  sink = {"vanilla": None, "off_by_one": 0.0, "learnable": offset}[softmax_type]
+  sm = te_flax.Softmax(scale_factor=0.5, softmax_fusion_type=fusion, softmax_type=softmax_type)
+  got = sm.apply({}, x, None if mask is None else jnp.asarray(mask), bias, offset)
+  assert got.dtype == jnp.float32 and got.shape == SM_SHAPE
+  biased = np.asarray(x) + np.asarray(bias)
+  ref64 = _np_softmax(biased, 0.5, masked, None if sink is None else np.asarray(sink))
+  ref32 = _np_softmax(biased, 0.5, masked, None if sink is None else np.asarray(sink), np.float32)
+  assert_within_rule(got, ref32, ref64, f"{fusion} {softmax_type}")
+  if masked is not None:
+    assert np.all(np.asarray(got)[np.broadcast_to(np.asarray(masked, bool), SM_SHAPE)] == 0)
+  # NNX: the same module, bit for bit.
+  nnx_sm = te_nnx.Softmax(scale_factor=0.5, softmax_fusion_type=fusion, softmax_type=softmax_type)
+  np.testing.assert_array_equal(nnx_sm(x, None if mask is None else jnp.asarray(mask), bias, offset), got)
+
+
+def test_softmax_mask_conventions_and_dtypes():
+  x = _logits()
+  mask = _te_mask()
+  te_mask = te_flax.Softmax(softmax_fusion_type="SCALED_MASKED")
+  want = te_mask.apply({}, x, jnp.asarray(mask))
+  for given in (jnp.asarray(mask, bool), jnp.asarray(mask, jnp.float32)):  # nonzero = masked out
+    np.testing.assert_array_equal(te_mask.apply({}, x, given), want)
+  flax_mask = te_flax.Softmax(softmax_fusion_type="scaled_masked", mask_convention="flax")
+  np.testing.assert_array_equal(flax_mask.apply({}, x, jnp.asarray(mask == 0)), want)
+  got = te_mask.apply({}, x.astype(jnp.bfloat16), jnp.asarray(mask))
+  assert got.dtype == jnp.bfloat16
+  # bfloat16 in and out: the float32 softmax of the bfloat16 logits, rounded once to bfloat16 (half an ulp, 2^-9).
+  want = _np_softmax(np.asarray(x.astype(jnp.bfloat16), np.float64), 1.0, mask)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=2**-12)
+
+
+def test_softmax_gradients():
+  x = _logits(shape=(1, 2, 3, 4))
+  mask = jnp.asarray(np.random.default_rng(1).random((1, 1, 3, 4)) < 0.3)
+  offset = randn(7, (1, 2, 1, 1))
+  for fusion, m in (("scaled", None), ("scaled_masked", mask), ("scaled_upper_triang_masked", None)):
+    sm = te_flax.Softmax(scale_factor=0.7, softmax_fusion_type=fusion)
+    check_grads(lambda x, sm=sm, m=m: sm.apply({}, x, m), (x,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+  sm = te_flax.Softmax(softmax_fusion_type="scaled_masked", softmax_type="learnable")
+  check_grads(lambda x, o: sm.apply({}, x, mask, None, o), (x, offset), order=1, modes=["rev"], atol=1e-2,
+              rtol=1e-2)
+
+
+def test_softmax_bad_arguments_raise():
+  x = _logits()
+  cases = [
+      (lambda: te_flax.Softmax(softmax_type="scaled_masked").apply({}, x), ValueError,
+       "softmax_fusion_type='scaled_masked'"),
+      (lambda: te_flax.Softmax(softmax_fusion_type="masked").apply({}, x), ValueError,
+       "softmax_fusion_type must be one of"),
+      (lambda: te_nnx.Softmax(softmax_type="sink"), ValueError, "softmax_type must be one of"),
+      (lambda: te_nnx.Softmax(mask_convention="torch"), ValueError, "mask_convention must be one of"),
+      (lambda: te_nnx.Softmax(scale_factor=float("nan")), ValueError, "scale_factor must be a finite"),
+      (lambda: te_flax.Softmax().apply({}, x, jnp.asarray(_te_mask())), ValueError, "takes no mask"),
+      (lambda: te_flax.Softmax(softmax_fusion_type="scaled_masked").apply({}, x), ValueError, "needs a mask"),
+      (lambda: te_flax.Softmax(softmax_fusion_type="scaled_masked").apply({}, x, jnp.ones((2, 1, 5, 6))),
+       ValueError, r"mask of shape \(2, 1, 5, 6\) must broadcast"),
+      (lambda: te_flax.Softmax().apply({}, x, None, jnp.ones((3, 5, 6))), ValueError, "bias of shape"),
+      (lambda: te_flax.Softmax().apply({}, x, None, None, jnp.zeros((1, 3, 1, 1))), ValueError,
+       "softmax_offset is the learnable softmax's"),
+      (lambda: te_flax.Softmax(softmax_type="learnable").apply({}, x), ValueError, "needs softmax_offset"),
+      (lambda: te_flax.Softmax(softmax_type="learnable").apply({}, x, None, None, jnp.zeros((1, 3, 5, 7))),
+       ValueError, r"softmax_offset of shape \(1, 3, 5, 7\) must broadcast to \(2, 3, 5, 1\)"),
+      (lambda: te_flax.Softmax().apply({}, jnp.zeros((2, 3), jnp.int32)), TypeError, "inputs must be a float32"),
+  ]
+  for f, error, message in cases:
+    with pytest.raises(error, match=message):
+      f()
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fusion", ["scaled", "scaled_masked", "scaled_upper_triang_masked"])
+def test_gpu_softmax_runs_the_cuda_kernel(fusion, gpu):
+  x = jax.device_put(_logits(shape=(2, 4, 64, 300)), gpu)
+  mask = np.random.default_rng(2).random((2, 1, 64, 300)) < 0.3 if fusion == "scaled_masked" else None
+  sm = te_flax.Softmax(scale_factor=0.25, softmax_fusion_type=fusion)
+  args = (x,) if mask is None else (x, jax.device_put(jnp.asarray(mask), gpu))
+  fn = jax.jit(lambda *a: sm.apply({}, *a))
+  assert "te_softmax_fwd_cuda" in fn.lower(*args).compile().as_text()
+  masked = mask if fusion == "scaled_masked" else (_causal((64, 300)) if fusion != "scaled" else None)
+  assert_within_rule(fn(*args), _np_softmax(x, 0.25, masked, dtype=np.float32), _np_softmax(x, 0.25, masked), fusion)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_attention_at_segment_positions(gpu):
+  """cuDNN (the positions' band as its additive mask) against the unfused backend and the naive attention."""
+  q, k, v = (jax.device_put(a.astype(jnp.bfloat16), gpu) for a in qkv(8, 10, kv_heads=2, d=64))
+  pos = (jnp.asarray(_np_positions(Q_IDS)), jnp.asarray(_np_positions(KV_IDS)))
+  kw = dict(segment_ids=(Q_IDS, KV_IDS), segment_pos=pos, attn_mask_type="padding_causal")
+  assert te_jax.attention_backend(q, k, v, **kw).name == "fused"
+  fn = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend="fused", **kw))
+  assert "__cudnn$fmha" in fn.lower(q, k, v).compile().as_text()
+  masked = _position_mask("padding_causal", Q_IDS, KV_IDS, *pos)
+  ref = naive_attention(*(a.astype(jnp.float32) for a in (q, k, v)), None, masked, 1 / 8)
+  unfused = te_jax.dot_product_attention(q, k, v, backend="unfused", **kw).astype(jnp.float32)
+  fused = fn(q, k, v).astype(jnp.float32)
+  err, err_unfused = float(jnp.max(jnp.abs(fused - ref))), float(jnp.max(jnp.abs(unfused - ref)))
+  assert err <= 2 * err_unfused + 2e-3 * float(jnp.max(jnp.abs(ref))), (err, err_unfused)
