@@ -58,7 +58,9 @@ constexpr int kRowsPerThread = kTile / kRowsPerPass;    // 8
 // keep more values live (at 64 registers those spill; so does the float16 backward, whose conversions take more
 // registers than bfloat16's). 24 warps with their rows of loads in flight each cover the memory latency. A pair
 // whose second half is activated too (not linear) keeps that half's values live as well: 3 blocks forward; 2 (16
-// warps, 128 registers) backward, where at 80 registers the (gelu, gelu) gradient spilled 1 KiB per thread.
+// warps, 128 registers) backward, where at 80 registers the (gelu, gelu) gradient spilled 1 KiB per thread (H100,
+// bfloat16 (16384, 2, 8192), FP8 with dbias: (gelu, gelu) 1.10 -> 0.57 ms, clamped SwiGLU 0.68 -> 0.57 ms, bfloat16
+// output 0.64 -> 0.48 ms; (gelu, linear) takes 0.50 ms).
 template <typename T, Act B, bool kBwd, bool kFp8>
 constexpr int MinBlocksPerSm() {
   constexpr bool kGated = B != Act::kNone;
