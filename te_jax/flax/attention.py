@@ -232,7 +232,8 @@ class MultiHeadAttention(nn.Module):
     enable_rotary_pos_emb: rotate queries and keys (RoPE); rotary_base: its wavelength base; rotary_percent: the
       fraction of each head's features that rotate; rotary_interleaved: GPT-J pairs (2i, 2i+1) instead of the
       half-split pairs (i, i + R/2) of GPT-NeoX and Llama. In cross attention the queries rotate at their positions
-      and the keys at ``arange(S)`` of their own sequence.
+      and the keys at ``arange(S)`` of their own sequence; with the call's ``segment_pos`` (or a
+      ``te_jax.SequenceDescriptor`` of packed sequences) each token at its position within its segment.
     fuse_qkv_params: one QKV kernel (self attention), else separate query / key / value kernels.
     use_bias: biases on the projections.
     scale_factor: the logits' scale; None is 1 / sqrt(head_dim).
