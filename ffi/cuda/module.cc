@@ -41,6 +41,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(ScaleUpdateCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxFwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SoftmaxBwdCudaHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCudaHandler);
 }
 
 namespace {
@@ -82,6 +83,7 @@ NB_MODULE(_te_cuda, m) {
     d["te_softmax_fwd_cuda"] = Capsule(te_jax::SoftmaxFwdCudaHandler);
     d["te_softmax_bwd_cuda"] = Capsule(te_jax::SoftmaxBwdCudaHandler);
     d["te_gemm_cuda"] = Capsule(te_jax::GemmCudaHandler);
+    d["te_grouped_gemm_cuda"] = Capsule(te_jax::GroupedGemmCudaHandler);
     return d;
   });
   // The CUDA runtime this module was built with (static cudart), e.g. 13000.
@@ -128,6 +130,17 @@ NB_MODULE(_te_cuda, m) {
         return Workspace(te_jax::GemmWorkspace(parts));
       },
       nb::arg("parts"), "te_gemm_cuda's workspace for `parts` outputs.");
+  m.def(
+      "grouped_gemm_workspace",
+      [](bool ragged, int64_t rows, int64_t k, int64_t n, int64_t tile, int out_bytes) {
+        if (tile < 16 || tile % 16 != 0 || rows % tile != 0) {
+          throw nb::value_error(("grouped_gemm_workspace: tile must be a multiple of 16 dividing rows = " +
+                                 std::to_string(rows) + ", got " + std::to_string(tile)).c_str());
+        }
+        return Workspace(te_jax::GroupedGemmWorkspace(ragged, rows, k, n, tile, out_bytes));
+      },
+      nb::arg("ragged"), nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("tile"), nb::arg("out_bytes"),
+      "te_grouped_gemm_cuda's workspace (rows: the grouped M; k, n: the output's other dims).");
   m.def(
       "quantize_workspace",
       [](const std::vector<int64_t>& x_shape, int64_t batch_ndim) {

@@ -109,7 +109,8 @@ def define_op(
     native_platforms: the platforms ("cpu", "cuda") with an FFI handler, whose target is ``te_<name>_<platform>``.
     ffi_attributes: ``config -> {attribute: numpy scalar}`` passed to the FFI handler.
     native_signature: for handlers with a fixed signature whose optional operands/results the primitive omits,
-      ``(platform, config, avals_in, avals_out) -> NativeSignature``.
+      ``(platform, config, avals_in, avals_out) -> NativeSignature``, or None where the handler does not take the
+      config (that call lowers to the reference).
     partition: custom_partitioning's partition callback, called as ``partition(config, mesh, arg_shapes,
       result_shape)``; its ``lower_fn`` must bind ``Op.inner``.
     sharding_rule: ``(config, mesh, value_types, result_types) -> Shardy rule string``.
@@ -299,6 +300,8 @@ def _native_lowering(name, platform, target, ffi_attributes, native_signature, r
     if native_signature is None:
       return call(ctx, *args, **ffi_attributes(config))
     sig = native_signature(platform, config, ctx.avals_in, ctx.avals_out)
+    if sig is None:  # a config the handler does not take
+      return reference_lowering(ctx, *args, config=config)
     extra_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in sig.extra_operands]
     extra = [mlir.ir_constant(a) for a in sig.extra_operands]
     prim_avals = list(ctx.avals_in)

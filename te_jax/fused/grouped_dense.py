@@ -24,8 +24,9 @@ Under FP8 every tensor is quantized per group:
 Why the groups are padded rather than checked: whether a group's size is a multiple of the block is known only at
 run time (the sizes are traced), so it cannot raise before XLA runs, and rounding blocks to groups inside the
 quantize would give a scale layout of its own. Instead every FP8 GEMM runs on a group-aligned layout: each group's
-rows are placed at a multiple of ``align`` (the token block: 128 for 1 x 128 blocks, 32 for MXFP8, 16 for NVFP4 and
-for per-tensor scaling, ``te_jax.ops.gemm.FP8_ALIGN``, the multiple an FP8 GEMM's contracted dim needs) with zero
+rows are placed at a multiple of ``align`` (the token block: 128 for 1 x 128 blocks, 32 for MXFP8, 16 for NVFP4; for
+per-tensor scaling the CUDA grouped GEMM's tile where it runs, ``te_jax.ops.grouped_gemm.native_tile()``, else
+``te_jax.ops.gemm.FP8_ALIGN``, the multiple an FP8 GEMM's contracted dim needs) with zero
 rows up to the next one, in a buffer of ``round_up(M + min(G, M) * (align - 1), align)`` rows, the most that any
 routing needs. Zero rows change no amax, no output and no gradient (NVFP4's Hadamard transform mixes them into a
 block of 16 tokens of their group only, and cancels in the product), so the result is the per-group one exactly;
@@ -62,7 +63,8 @@ from te_jax.fused.linear import (Fp8Config, as_arrays, fp8_dims_aligned, fp8_rec
                                  keeps_state, primal_values, state_as_float32, state_like)
 from te_jax.fused.quantizer import ROLES, DenseFp8Meta, Quantizer, quantizer_for
 from te_jax.ops.gemm import FP8_ALIGN
-from te_jax.ops.grouped_gemm import check_group_sizes, group_amax, group_ids, grouped_gemm, quantize_by_group
+from te_jax.ops.grouped_gemm import (check_group_sizes, group_amax, group_ids, grouped_gemm, native_tile,
+                                     quantize_by_group)
 from te_jax.recipe import Recipe
 
 __all__ = ["GroupedConfig", "GroupedResiduals", "QuantizedRows", "check_grouped_meta", "grouped_config",
@@ -86,8 +88,21 @@ def grouped_fp8_meta(groups: int, history_len: int) -> DenseFp8Meta:
 
 
 def _quantizer_align(quantizer: Quantizer) -> int:
+  """Block-scaled: the token dim's block; per tensor: the CUDA grouped GEMM's tile where it runs
+  (``native_tile``), else ``FP8_ALIGN``."""
   blocks = [quantizer.mode_for(role).block for role in ("x", "grad")]
+  if all(b is None for b in blocks):
+    return max(FP8_ALIGN, native_tile())
   return max([FP8_ALIGN, *(b[1] for b in blocks if b is not None)])
+
+
+def _tile(cfg: "GroupedConfig", rows: int) -> int | None:
+  """The tile the grouped GEMMs promise on a layout of ``rows`` rows (each group a multiple of ``cfg.align``):
+  the CUDA handler's where the alignment is a multiple of it, else None (the reference)."""
+  tile = native_tile()
+  if not tile or cfg.align % tile or rows % cfg.align:
+    return None
+  return cfg.align
 
 
 def token_align(fp8: Fp8Config | None) -> int:
@@ -316,7 +331,8 @@ def grouped_dense_fwd(cfg: GroupedConfig, x: jax.Array | QuantizedRows, kernel: 
     qx, amax_x = _quantize_rows(cfg, "x", meta and meta.x, _scatter_rows(layout, x), layout.sizes, fp8.fwd_dtype)
     qw, amax_w = _quantize_kernels(cfg, meta and meta.kernel, kernel)
     y = layout.gather(grouped_gemm(qx.without_transposed(), qw.transposed(), layout.sizes, dtype=jnp.float32,
-                                   fast_accum=not fp8.recipe.fp8_gemm_fprop.use_split_accumulator))
+                                   fast_accum=not fp8.recipe.fp8_gemm_fprop.use_split_accumulator,
+                                   tile=_tile(cfg, layout.rows)))
     res = GroupedResiduals(_saved(qx.transposed()), _saved(qw), group_sizes, amax_x, amax_w, meta_in)
   if bias is not None:  # added in float32 to the float32 product, rounded to the output dtype first (as dense's)
     y = y + _bias_rows(bias.astype(cfg.out_dtype), group_sizes, rows)
@@ -351,10 +367,11 @@ def grouped_dense_bwd(cfg: GroupedConfig, r: GroupedResiduals, g: jax.Array | Qu
   recipe = fp8.recipe
   qg, amax_g = _quantize_rows(cfg, "grad", meta and meta.grad, _scatter_rows(layout, g), layout.sizes,
                               fp8.bwd_dtype)
+  tile = _tile(cfg, layout.rows)
   dx = layout.gather(grouped_gemm(qg.without_transposed(), r.w, layout.sizes, dtype=cfg.out_dtype,
-                                  fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator))
+                                  fast_accum=not recipe.fp8_gemm_dgrad.use_split_accumulator, tile=tile))
   dw = grouped_gemm(r.x_t, qg.transposed(), layout.sizes, ragged_contracting=True, dtype=cfg.kernel_dtype,
-                    fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator)
+                    fast_accum=not recipe.fp8_gemm_wgrad.use_split_accumulator, tile=tile)
   new_meta = None
   if meta is not None:  # one update of every group's state
     items = [(jax.tree.map(lambda v, i=i: v[i], meta), r.amax_x[i], r.amax_w[i], amax_g[i]) for i in range(groups)]

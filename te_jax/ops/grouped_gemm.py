@@ -28,7 +28,16 @@ Operands are both high-precision (float32, bfloat16, float16) or both ``Quantize
   groups would mix their values under one scale; the caller lays the groups out on whole blocks
   (``te_jax.grouped_dense`` pads each group to them).
 
-Reference (the CPU path, the oracle and, until a grouped CUDA handler exists, every platform's lowering): each
+CUDA handler (``te_grouped_gemm_cuda``, ffi/cuda/grouped_gemm.cu), where the caller promises a ``tile`` that every
+group's size is a multiple of: high-precision and per-tensor FP8 operands as cuBLASLt GEMMs of tiles of rows, their
+pointers written on the device from the sizes. Rows grouped, one pointer-array launch of every tile; FP8 products
+come out unscaled and ``grouped_gemm`` multiplies each row by its group's scales (cuBLASLt has no per-batch scale
+there). Contracting, one launch per tile accumulating into its group's float32 matrix, which reads and writes that
+matrix once per tile: slow for small tiles, the form a grouped kernel with its sums on chip would serve. Sizes that
+break the promise give NaN, as invalid ones do. Block-scaled operands and calls without a tile lower to the
+reference.
+
+Reference (the CPU path, the oracle, and the lowering of what the CUDA handler does not take): each
 operand dequantized as ``gemm_ref`` does (per-tensor FP8 into float32, by its group's ``scale_inv``; block-scaled
 into bfloat16, ``te_jax.ops.gemm_block.emulate``, per matrix for rhs), then per group one float32 ``dot_general``
 (``Precision.HIGHEST``) over the whole operand, of which the group's rows are kept (first form) or the other rows
@@ -55,13 +64,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax._core.dtypes import FP8_DTYPES, HP_DTYPES
-from te_jax._core.primitive import define_op, full_spec, mesh_axes, output_aval
+from te_jax._core import native
+from te_jax._core.primitive import NativeSignature, define_op, full_spec, mesh_axes, output_aval
 from te_jax._core.quantized_tensor import QuantizedTensor, ScalingMode, scale_inv
 from te_jax.ops.gemm_block import check_block_operands, emulate, is_block_scaled
 from te_jax.ops.quantize import saturating_cast
 
-__all__ = ["GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm", "grouped_gemm_ref",
-           "quantize_by_group"]
+# Rows per tile of the CUDA handler in te_jax's layouts: enough rows per tile for one pointer-array launch to fill
+# the GPU, few enough that padding each group to a multiple costs little (benchmarks/DECISIONS.md).
+NATIVE_TILE = 256
+
+__all__ = ["NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm",
+           "grouped_gemm_ref", "native_tile", "quantize_by_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +87,11 @@ class GroupedGemmConfig:
     ragged_contracting: the second form (lhs (K, M), rhs (N, M), out (G, K, N)); else the first (lhs (M, K), rhs
       (G, N, K), out (M, N)).
     lhs_mode, rhs_mode: each operand's ``ScalingMode``; None for a high-precision operand (both or neither).
-    fast_accum: FP8 fast accumulation, for the handler to come (the reference accumulates in float32 either way).
+    fast_accum: FP8 fast accumulation in the CUDA handler (the reference accumulates in float32 either way).
+    tile: every group's size is a multiple of it (the caller's promise; 0: none): the CUDA handler runs tiles of
+      this many rows (``grouped_gemm(..., tile=)``); without one the op lowers to the reference everywhere.
+    unscaled: per-tensor FP8 operands are read without their ``scale_inv`` (the sum of the FP8 products), which the
+      caller applies (``grouped_gemm`` does, per row).
   """
 
   out_dtype: np.dtype
@@ -81,6 +99,8 @@ class GroupedGemmConfig:
   lhs_mode: ScalingMode | None = None
   rhs_mode: ScalingMode | None = None
   fast_accum: bool = False
+  tile: int = 0
+  unscaled: bool = False
 
   @property
   def nvfp4(self) -> bool:
@@ -164,6 +184,8 @@ def grouped_gemm_ref(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *globa
   """The pure-jnp definition (see the module docstring): the operands as ``grouped_gemm`` binds them (data, the
   group sizes, scales, and NVFP4's two global scales last); returns ``[out]``."""
   g_lhs, g_rhs = global_scale_inv if config.nvfp4 else (None, None)
+  if config.unscaled:
+    lhs_scale_inv, rhs_scale_inv = jnp.ones_like(lhs_scale_inv), jnp.ones_like(rhs_scale_inv)
   n_groups = group_sizes.shape[0]
   groups = jnp.arange(n_groups, dtype=jnp.int32)
   if config.ragged_contracting:  # (K, M) and (N, M) -> (G, K, N)
@@ -257,10 +279,12 @@ def _partition(config: GroupedGemmConfig, mesh, arg_shapes, result_shape):
     out = NamedSharding(mesh, P(m, n))
   local_rows = rows // _shards(mesh, m_axes)
   arg_shardings = (*data, rep, *scales, *(rep,) * (len(arg_shapes) - 5))
+  # Each shard's groups are multiples of the tile where its rows are (they start at a multiple of it).
+  local = config if not config.tile or local_rows % config.tile == 0 else dataclasses.replace(config, tile=0)
 
   def lower_fn(lhs, rhs, group_sizes, *rest):
     sizes = _local_sizes(group_sizes, rows, m_axes, local_rows) if m_axes else group_sizes
-    (y,) = _GROUPED_GEMM.inner.bind(lhs, rhs, sizes, *rest, config=config)
+    (y,) = _GROUPED_GEMM.inner.bind(lhs, rhs, sizes, *rest, config=local)
     if config.ragged_contracting and m_axes:
       y = jax.lax.psum(y, m_axes)
     return (y,)
@@ -307,15 +331,42 @@ def _sharding_rule(config: GroupedGemmConfig, mesh, value_types, result_types):
   return ", ".join(operands) + " -> " + out, {"need_replication_factors": tuple(replicated), **extra}
 
 
+def _native_signature(platform: str, config: GroupedGemmConfig, avals_in, avals_out) -> NativeSignature | None:
+  """The CUDA handler's signature (a workspace before the output), or None (the reference) for what it does not
+  run: no tile, block-scaled operands, scaled FP8 rows-grouped products (it has no per-group scale there), a
+  contracting form not in float32."""
+  lhs, rhs = avals_in[:2]
+  fp8 = config.lhs_mode is ScalingMode.PER_TENSOR
+  if (config.tile == 0 or config.lhs_mode not in (None, ScalingMode.PER_TENSOR)
+      or (fp8 and not config.ragged_contracting and not config.unscaled)
+      or (config.ragged_contracting and jnp.dtype(config.out_dtype) != jnp.float32)):
+    return None
+  out = avals_out[0]
+  if config.ragged_contracting:
+    rows, k, n = lhs.shape[1], lhs.shape[0], rhs.shape[0]
+  else:
+    rows, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[1]
+  if rows % config.tile:
+    return None
+  workspace = native.workspace(platform, "grouped_gemm", bool(config.ragged_contracting), rows, k, n, config.tile,
+                               jnp.dtype(out.dtype).itemsize)
+  return NativeSignature(extra_operands=(), result_avals=(workspace, jax.core.ShapedArray(out.shape, out.dtype)),
+                         keep=(1,))
+
+
+def _attributes(config: GroupedGemmConfig) -> dict:
+  return {"ragged_contracting": np.bool_(config.ragged_contracting), "tile": np.int64(config.tile),
+          "fast_accum": np.bool_(config.fast_accum)}
+
+
 _GROUPED_GEMM = define_op(
     "grouped_gemm",
     abstract_eval=_abstract_eval,
     reference=grouped_gemm_ref,
-    # No handler yet: every platform lowers the reference. A CUDA handler (cuBLASLt's grouped GEMM, or a device-side
-    # array of per-group pointers built from the group sizes) registers as te_grouped_gemm_cuda by listing "cuda"
-    # here, with the attributes it reads.
-    native_platforms=(),
-    ffi_attributes=lambda config: {},
+    # te_grouped_gemm_cuda (ffi/cuda/grouped_gemm.cu) where _native_signature takes the config, else the reference.
+    native_platforms=("cuda",),
+    ffi_attributes=_attributes,
+    native_signature=_native_signature,
     partition=_partition,
     sharding_rule=_sharding_rule,
 )
@@ -379,7 +430,8 @@ def _block_operands(lhs: QuantizedTensor, rhs: QuantizedTensor, groups: int, rag
 
 
 def grouped_gemm(lhs: jax.Array | QuantizedTensor, rhs: jax.Array | QuantizedTensor, group_sizes: jax.Array, *,
-                 dtype=jnp.bfloat16, ragged_contracting: bool = False, fast_accum: bool = False) -> jax.Array:
+                 dtype=jnp.bfloat16, ragged_contracting: bool = False, fast_accum: bool = False,
+                 tile: int | None = None) -> jax.Array:
   """The grouped GEMM of ``lhs`` and ``rhs`` over the groups ``group_sizes`` gives (see the module docstring).
 
   >>> import jax.numpy as jnp, te_jax
@@ -400,6 +452,11 @@ def grouped_gemm(lhs: jax.Array | QuantizedTensor, rhs: jax.Array | QuantizedTen
     dtype: the output dtype: bfloat16, float16 or float32.
     ragged_contracting: the weight-gradient form: contract lhs (K, M) with rhs (N, M) over each group's rows.
     fast_accum: FP8 fast accumulation where a kernel has it (the reference accumulates in float32 either way).
+    tile: the caller's promise that every group's size is a multiple of ``tile`` (a multiple of 16 dividing M), so
+      that the CUDA handler can run (tiles of this many rows, high-precision or per-tensor FP8 operands); None: the
+      reference on every platform. Concrete sizes that break it raise; traced ones make the output NaN on the GPU.
+      Rows grouped, the FP8 products are then scaled per row after the GEMM (``native_tile`` says which tile the
+      handler is fast with).
 
   Returns:
     (M, N), the rows past the groups zeros; with ``ragged_contracting`` (G, K, N), an empty group's zeros.
@@ -426,10 +483,13 @@ def grouped_gemm(lhs: jax.Array | QuantizedTensor, rhs: jax.Array | QuantizedTen
   groups = group_sizes.shape[0]
   if not ragged_contracting and rhs_shape[0] != groups:
     raise ValueError(f"rhs has {rhs_shape[0]} matrices but group_sizes {groups} groups")
+  tile = _check_tile(tile, rows, group_sizes, kinds[0])
+  # The handler's contracting form writes float32: the cast to dtype follows.
+  bind_dtype = jnp.dtype(jnp.float32) if tile and ragged_contracting else out_dtype
   if kinds[0] == "hp":
-    config = GroupedGemmConfig(out_dtype, bool(ragged_contracting), fast_accum=bool(fast_accum))
+    config = GroupedGemmConfig(bind_dtype, bool(ragged_contracting), fast_accum=bool(fast_accum), tile=tile)
     one = jnp.ones((), jnp.float32)
-    return _GROUPED_GEMM.bind(lhs, rhs, group_sizes, one, one, config=config)[0]
+    return _GROUPED_GEMM.bind(lhs, rhs, group_sizes, one, one, config=config)[0].astype(out_dtype)
   if kinds[0] == "fp8":
     if lhs.dtype == rhs.dtype == jnp.dtype(jnp.float8_e5m2):
       raise TypeError("E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
@@ -442,5 +502,30 @@ def grouped_gemm(lhs: jax.Array | QuantizedTensor, rhs: jax.Array | QuantizedTen
     if x.data_t is not None:
       raise ValueError(f"{name} carries a transposed copy; pass the operand this GEMM reads (x.without_transposed() "
                        "or x.transposed())")
-  config = GroupedGemmConfig(out_dtype, bool(ragged_contracting), lhs.mode, rhs.mode, bool(fast_accum))
-  return _GROUPED_GEMM.bind(lhs.data, rhs.data, group_sizes, *scales, *extra, config=config)[0]
+  unscaled = bool(tile) and kinds[0] == "fp8" and not ragged_contracting
+  config = GroupedGemmConfig(jnp.dtype(jnp.float32) if unscaled else bind_dtype, bool(ragged_contracting), lhs.mode,
+                             rhs.mode, bool(fast_accum), tile, unscaled)
+  out = _GROUPED_GEMM.bind(lhs.data, rhs.data, group_sizes, *scales, *extra, config=config)[0]
+  if unscaled:  # each row times its group's two reciprocal scales (rows past the groups are zeros)
+    ids = jnp.minimum(group_ids(group_sizes, rows), groups - 1)
+    out = out * (scales[0] * scales[1])[ids][:, None]
+  return out.astype(out_dtype)
+
+
+def _check_tile(tile, rows: int, group_sizes: jax.Array, kind: str) -> int:
+  """``grouped_gemm``'s ``tile`` as the config's int (0: none), checked."""
+  if tile is None or kind == "block":
+    return 0
+  if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile % 16 or rows % tile:
+    raise ValueError(f"tile must be a multiple of 16 dividing the {rows} grouped rows, got {tile!r}")
+  if not isinstance(group_sizes, jax.core.Tracer) and (np.asarray(group_sizes) % tile).any():
+    raise ValueError(f"tile={tile}: every group size must be a multiple of it, got {np.asarray(group_sizes).tolist()}")
+  return tile
+
+
+def native_tile() -> int:
+  """The tile (rows) te_jax's grouped layouts use on this machine: 256 where the CUDA handler runs (JAX's default
+  backend a GPU, te_jax's CUDA module loaded), else 0 (the reference, which needs none)."""
+  if jax.default_backend() != "gpu" or not native.has_target("cuda", "te_grouped_gemm_cuda"):
+    return 0
+  return NATIVE_TILE

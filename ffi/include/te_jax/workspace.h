@@ -23,6 +23,10 @@ struct WorkspaceSize {
 // parts in [1, kMaxGemmParts].
 WorkspaceSize GemmWorkspace(int parts);
 
+// te_grouped_gemm: cuBLASLt's workspace, the per-tile pointer arrays and scalars, and a scratch output for the tiles
+// past the groups (ragged: a float32 (k, n) matrix; else (tile, n) of out_bytes each); bytes. rows % tile == 0.
+WorkspaceSize GroupedGemmWorkspace(bool ragged, int64_t rows, int64_t k, int64_t n, int64_t tile, int out_bytes);
+
 // te_quantize and te_quantize_interleaved with dbias: float32 column partials of x's view (the interleaved parts side
 // by side), one row per row tile.
 WorkspaceSize QuantizeWorkspace(const QuantizeView& v);
