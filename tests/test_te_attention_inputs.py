@@ -90,6 +90,9 @@ KV_IDS = segments([[4, 4, 2], [7, 3]], 10)
 def test_segment_positions_restart_at_each_segment():
   ids = np.asarray([[1, 1, 1, 2, 2, 0, 0], [3, 3, 1, 1, 1, 1, 2], [1, 2, 1, 2, 0, 1, 0]], np.int32)
   np.testing.assert_array_equal(te_jax.segment_positions(jnp.asarray(ids)), _np_positions(ids))
+  many = np.random.default_rng(0).integers(0, 5, (2, 3, 40)).astype(np.int32)  # leading dims, ids in any order
+  np.testing.assert_array_equal(te_jax.segment_positions(jnp.asarray(many)),
+                                _np_positions(many.reshape(6, 40)).reshape(2, 3, 40))
   with pytest.raises(TypeError, match="segment_ids must be an integer array"):
     te_jax.segment_positions(jnp.zeros((2, 3)))
 
@@ -271,6 +274,9 @@ def test_bad_sequence_inputs_raise_naming_the_argument():
        "attn_bias_type='alibi'.*segment_pos"),
       (lambda: _linen_dpa("padding", q, k, v, te_jax.SequenceDescriptor.from_seqlens(jnp.asarray([3, 4, 5]))),
        ValueError, "q_seqlens have batch 3; this attention's is 2"),
+      (lambda: _dpa("padding_causal", context_parallel="cp").apply({}, q, k, v, segment_ids=(Q_IDS, KV_IDS),
+                                                                   segment_pos=pos, deterministic=True),
+       ValueError, "segment_pos: context_parallel attention takes the tokens at their indices"),
       (lambda: te_jax.SequenceDescriptor.from_segment_ids_and_pos(Q_IDS), ValueError, "segment_pos is required"),
       (lambda: te_jax.SequenceDescriptor.from_segment_ids_and_pos(Q_IDS, pos[1]), ValueError,
        r"q_segment_pos must have q_segment_ids' shape \(2, 8\)"),

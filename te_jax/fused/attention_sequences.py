@@ -61,10 +61,20 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
   if segment_ids.ndim < 1:
     raise ValueError(f"segment_ids must have a sequence dim (..., L), got shape {tuple(segment_ids.shape)}")
   n = segment_ids.shape[-1]
+  ids = segment_ids.reshape(-1, n)
   index = jnp.arange(n, dtype=jnp.int32)
-  same = segment_ids[..., :, None] == segment_ids[..., None, :]
-  first = jnp.min(jnp.where(same, index, n), axis=-1)  # the first index of each token's id
-  return index - first
+
+  def first_of_its_id(row):
+    # O(L log L), not an (L, L) comparison: a stable sort puts each id's tokens together in their order, so the
+    # first of each run of equal ids in the sorted row is the id's first token.
+    order = jnp.argsort(row, stable=True).astype(jnp.int32)
+    ordered = row[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+    run_start = jax.lax.cummax(jnp.where(starts, index, 0))
+    return jnp.zeros((n,), jnp.int32).at[order].set(order[run_start])
+
+  first = jax.vmap(first_of_its_id)(ids) if ids.shape[0] else jnp.zeros(ids.shape, jnp.int32)
+  return (index - first).reshape(segment_ids.shape)
 
 
 @jax.tree_util.register_pytree_node_class

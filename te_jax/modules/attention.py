@@ -141,15 +141,21 @@ def _attention_kwargs(o: DotProductAttentionOptions, segment_ids, segment_pos, r
               backend=o.backend, mask_convention=o.mask_convention, softmax_type=o.softmax_type)
 
 
+def _without_positions(kw: dict) -> dict:
+  """``kw`` less ``segment_pos``, which context parallelism does not take (it raises when one is given)."""
+  if kw["segment_pos"] is not None:
+    raise ValueError("segment_pos: context_parallel attention takes the tokens at their indices (its own zig-zag "
+                     "order); give segment_ids without positions (a SequenceDescriptor from seqlens)")
+  return {k: v for k, v in kw.items() if k != "segment_pos"}
+
+
 def _context_parallel_kwargs(o: DotProductAttentionOptions, kw: dict, bias) -> dict:
   """The arguments of ``context_parallel_attention`` from the call's, checked for what it does not combine with."""
   check_layer_options(bias=bias, attn_bias_type=kw["attn_bias_type"], window_size=kw["window_size"],
                       fp8_dpa=o.fp8_dpa, transpose_batch_sequence=o.transpose_batch_sequence)
-  if kw["segment_pos"] is not None:
-    raise ValueError("segment_pos: context_parallel attention takes the tokens at their indices (its own zig-zag "
-                     "order); give segment_ids without positions (a SequenceDescriptor from seqlens)")
+  kw = _without_positions(kw)
   kw = {k: v for k, v in kw.items() if k not in ("attn_bias_type", "window_size", "mask_convention", "softmax_type",
-                                                 "softmax_offset", "segment_pos")}
+                                                 "softmax_offset")}
   return dict(axis=o.context_parallel, mesh=o.mesh, strategy=o.cp_strategy, load_balanced=o.cp_load_balanced,
               **context_parallel_axes(), **kw)
 
@@ -185,8 +191,7 @@ def attention_backend_for(o: DotProductAttentionOptions, query, key=None, value=
   if o.softmax_type == "learnable":
     kw["softmax_offset"] = jax.ShapeDtypeStruct((1, o.num_attention_heads, 1, 1), jnp.float32)
   if o.context_parallel is not None:
-    return context_parallel_backend(*cast, strategy=o.cp_strategy, **{k: v for k, v in kw.items()
-                                                                        if k != "segment_pos"})
+    return context_parallel_backend(*cast, strategy=o.cp_strategy, **_without_positions(kw))
   fp8_dpa = fp8_dpa_enabled(o.fp8_dpa, *cast, bias, mask, **kw, recipe=o.recipe)
   return attention_backend(*cast, bias, mask, fp8_dpa=fp8_dpa, **kw)
 
