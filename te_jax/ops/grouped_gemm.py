@@ -72,7 +72,7 @@ from te_jax.ops.quantize import saturating_cast
 
 # Rows per tile of the CUDA handler in te_jax's layouts: enough rows per tile for one pointer-array launch to fill
 # the GPU, few enough that padding each group to a multiple costs little (benchmarks/DECISIONS.md).
-NATIVE_TILE = 256
+NATIVE_TILE = 512
 
 __all__ = ["NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm",
            "grouped_gemm_ref", "native_tile", "quantize_by_group"]
@@ -524,7 +524,7 @@ def _check_tile(tile, rows: int, group_sizes: jax.Array, kind: str) -> int:
 
 
 def native_tile() -> int:
-  """The tile (rows) te_jax's grouped layouts use on this machine: 256 where the CUDA handler runs (JAX's default
+  """The tile (rows) te_jax's grouped layouts use on this machine: ``NATIVE_TILE`` where the CUDA handler runs (JAX's default
   backend a GPU, te_jax's CUDA module loaded), else 0 (the reference, which needs none)."""
   if jax.default_backend() != "gpu" or not native.has_target("cuda", "te_grouped_gemm_cuda"):
     return 0
