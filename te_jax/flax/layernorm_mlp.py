@@ -3,7 +3,7 @@ kernel before it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -35,7 +35,11 @@ class LayerNormMLP(nn.Module):
   Attributes:
     intermediate_dim: fc1's width F.
     activation_type: ``("gelu",)``, ``("relu",)``, ... or a gated pair ``("silu", "linear")`` (SwiGLU), ``("gelu",
-      "linear")`` (GeGLU), ``("relu", "linear")`` (ReGLU).
+      "linear")`` (GeGLU), ``("relu", "linear")`` (ReGLU), ``("clamped_silu", "clamped_linear")`` (GPT-OSS's
+      clamped SwiGLU), ... (``te_jax.ops.activation.ACTIVATION_TYPES``).
+    activation_params: Transformer Engine's option of that name: a dict of the clamped SwiGLU's ``limit``,
+      ``alpha`` and ``glu_linear_offset`` (any of them; the rest its defaults 7.0, 1.702, 1.0), e.g. ``{"limit":
+      10.0}``; None for the defaults, and for the other activations, which take no parameters (any raises).
     intermediate_dropout: dropout on the activation output (from the ``dropout_rng_name`` rng stream unless
       deterministic); when it is active the layer runs as its parts (norm, dense, activation, dropout, dense), each
       still FP8.
@@ -71,6 +75,7 @@ class LayerNormMLP(nn.Module):
 
   intermediate_dim: int = 2048
   activation_type: Sequence[str] = ("gelu",)
+  activation_params: Mapping[str, float] | None = None
   intermediate_dropout: float = 0.0
   dropout_rng_name: str = "dropout"
   deterministic: bool | None = None

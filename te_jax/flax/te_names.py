@@ -35,7 +35,7 @@ TE_NAMES: Mapping[str, Mapping[str, str]] = {
     "MultiHeadAttention": {**_NORM, "layernorm_epsilon": "epsilon", **_ROTARY},
     "TransformerLayer": {**_NORM, "layernorm_epsilon": "epsilon", "mlp_hidden_size": "intermediate_dim",
                          "mha_kernel_init": "kernel_init", "mlp_kernel_init": "kernel_init",
-                         "mlp_activations": "activation_type",
+                         "mlp_activations": "activation_type", "mlp_activation_params": "activation_params",
                          "relative_embedding": "relative_embedding_buckets and relative_embedding_max_distance",
                          **_ROTARY},
 }

@@ -9,7 +9,7 @@ draws from the ``dropout_rng_name`` rng stream unless ``deterministic``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -61,6 +61,8 @@ class TransformerLayer(nn.Module):
       Transformer Engine: each example's branch dropped with this rate, the kept ones scaled by 1 / (1 - rate);
       none when ``deterministic``.
     activation_type: the MLP's, e.g. ("gelu",), ("silu", "linear") for SwiGLU.
+    activation_params: the MLP's activation parameters (Transformer Engine's ``mlp_activation_params``), as
+      LayerNormMLP's ``activation_params``: the clamped SwiGLU's ``limit``, ``alpha``, ``glu_linear_offset``.
     use_bias: biases on every projection.
     apply_residual_connection_post_layernorm: each block's residual is its normalized input instead of its input
       (Megatron's option; self attention, cross attention and MLP alike), pre-LN only.
@@ -113,6 +115,7 @@ class TransformerLayer(nn.Module):
   intermediate_dropout_dims: Sequence[int] = ()
   dropout_rng_name: str = "dropout"
   activation_type: Sequence[str] = ("gelu",)
+  activation_params: Mapping[str, float] | None = None
   use_bias: bool = False
   apply_residual_connection_post_layernorm: bool = False
   post_layernorm: bool = False

@@ -17,6 +17,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,7 +35,7 @@ from te_jax.ops.activation import activation, activation_bwd, activation_fwd, no
 from te_jax.ops.gemm import output_spec
 from te_jax.recipe import Recipe
 
-__all__ = ["intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
+__all__ = ["activation_params_items", "intermediate_split", "layernorm_mlp", "merge_parts", "split_parts"]
 
 # How the residual reaches fc2's epilogue: none, a given array, or the block's own input (a pre-LN block), whose
 # gradient the backward then adds inside the norm's backward kernel.
@@ -64,6 +65,12 @@ class _Config:
   # fc2's; None: unnamed.
   ffn1_name: str | None = None
   ffn2_name: str | None = None
+  # The activation's parameters (activation_params_items: sorted (name, value) pairs; () for the defaults).
+  activation_params: tuple[tuple[str, float], ...] = ()
+
+  @property
+  def act_params(self) -> dict[str, float]:
+    return dict(self.activation_params)
 
 
 def _named(x: jax.Array, name: str | None) -> jax.Array:
@@ -151,9 +158,10 @@ def _forward(cfg: _Config, x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, r
   h = _named(h, cfg.ffn1_name)
   if fc2.quantizer.fused_cast:
     s2 = fc2.quantizer.scale(meta_2.x, None, fc2.fwd_dtype)
-    a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0)
+    a = activation_fwd(h, cfg.activation_type, dtype=fc2.fwd_dtype, scale=s2, transpose=True, transpose_batch_dims=0,
+                       activation_params=cfg.act_params)
   else:  # the activation's amax is needed before its cast (current and block scaling): a second pass
-    a_hp = activation_fwd(h, cfg.activation_type).out
+    a_hp = activation_fwd(h, cfg.activation_type, activation_params=cfg.act_params).out
     a = fc2.quantizer.quantize("x", meta_2 and meta_2.x, a_hp, fc2.fwd_dtype, transpose=True, transpose_batch_dims=0)
   y, res_2 = linear_fwd(fc2, a.out, kernel_2, meta_2 and meta_2.kernel, bias_2, residual, out_rows=cfg.out_rows,
                         out_sharding=cfg.out_spec)
@@ -178,13 +186,13 @@ def _ln_mlp_fp8_bwd(cfg: _Config, r: _Residuals, g):
   if fc1.quantizer.fused_cast:  # gated: the kernel writes (M, 2, F), (2, F, M) and a (2, F) bias gradient, merged
     sg1 = fc1.quantizer.scale(meta_1.grad, None, fc1.bwd_dtype)  # as kernel_1 was
     dh = activation_bwd(da, h, cfg.activation_type, dtype=fc1.bwd_dtype, scale=sg1, transpose=True,
-                        transpose_batch_dims=0, dbias=fc1.has_bias)
+                        transpose_batch_dims=0, dbias=fc1.has_bias, activation_params=cfg.act_params)
     if cfg.gated:
       merged = dataclasses.replace(dh.out, data=merge_parts(dh.out.data, len(rows), axes),
                                    data_t=merge_parts(dh.out.data_t, 0, axes))
       dh = dh._replace(out=merged, dbias=None if dh.dbias is None else merge_parts(dh.dbias, 0, axes))
   else:  # gated: the (M, 2, F) gradient merged before its cast
-    dh_hp = activation_bwd(da, h, cfg.activation_type).out
+    dh_hp = activation_bwd(da, h, cfg.activation_type, activation_params=cfg.act_params).out
     dh_hp = merge_parts(dh_hp, len(rows), axes) if cfg.gated else dh_hp
     dh = fc1.quantizer.quantize("grad", meta_1 and meta_1.grad, dh_hp, fc1.bwd_dtype, transpose=True,
                                 transpose_batch_dims=0, dbias=fc1.has_bias)
@@ -227,6 +235,37 @@ def intermediate_split(intermediate_axes) -> tuple[str, ...]:
   return tuple(a for a in axes if a not in manual and mesh.shape[a] > 1)
 
 
+def activation_params_items(activation_params, activation_type) -> tuple[tuple[str, float], ...]:
+  """``activation_params`` (Transformer Engine's dict: ``limit``, ``alpha``, ``glu_linear_offset`` of
+  ``("clamped_silu", "clamped_linear")``; None; or this function's own answer) for ``activation_type``, validated
+  as ``te_jax.activation`` validates it, as the hashable tuple of its ``(name, value)`` items sorted by name that a
+  static config holds (``dict`` of it gives the parameters back; ``()`` the defaults).
+
+  >>> activation_params_items({"limit": 5, "alpha": 1.5}, ("clamped_silu", "clamped_linear"))
+  (('alpha', 1.5), ('limit', 5.0))
+
+  Raises:
+    TypeError, ValueError: naming ``activation_params``, for what is not a dict (or None), an unknown key, a value
+      that is no real number or out of its range, or parameters given to an activation that takes none.
+  """
+  if activation_params is None:
+    given = {}
+  elif hasattr(activation_params, "items"):
+    given = dict(activation_params.items())
+  elif isinstance(activation_params, (tuple, list)) and all(
+      isinstance(p, tuple) and len(p) == 2 for p in activation_params):
+    given = dict(activation_params)
+  else:
+    raise TypeError(f"activation_params must be a dict (Transformer Engine's keys 'limit', 'alpha', "
+                    f"'glu_linear_offset') or None, got {activation_params!r}")
+  act = normalize_activation_type(activation_type)
+  if given:  # the checks of te_jax.activation itself, on an abstract input (nothing runs)
+    shape = (1, 2, 1) if len(act) == 2 else (1, 1)
+    jax.eval_shape(lambda x: activation_fwd(x, act, activation_params=given).out,
+                   jax.ShapeDtypeStruct(shape, jnp.float32))
+  return tuple(sorted((key, float(value)) for key, value in given.items()))
+
+
 def layernorm_mlp(
     x: jax.Array,
     gamma: jax.Array,
@@ -240,6 +279,7 @@ def layernorm_mlp(
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
     activation_type=("gelu",),
+    activation_params=None,
     residual: jax.Array | None = None,
     fp8_meta_1: DenseFp8Meta | None = None,
     fp8_meta_2: DenseFp8Meta | None = None,
@@ -269,7 +309,10 @@ def layernorm_mlp(
     bias_1: optional ``(n, F)``; bias_2: optional ``(H,)``.
     norm_type, epsilon, zero_centered_gamma: as in ``te_jax.layernorm``.
     activation_type: one of ``te_jax.ops.activation.ACTIVATION_TYPES``: ``("gelu",)``, ``("silu", "linear")`` for
-      SwiGLU, ``("relu", "relu")``, ``("clamped_silu", "clamped_linear")`` (Transformer Engine's defaults), ...
+      SwiGLU, ``("relu", "relu")``, ``("clamped_silu", "clamped_linear")``, ...
+    activation_params: the clamped SwiGLU's ``{"limit", "alpha", "glu_linear_offset"}`` (any of them, the rest
+      Transformer Engine's defaults 7.0, 1.702, 1.0), as ``te_jax.activation`` and Transformer Engine take them; None
+      (or empty) for the other forms, for which any parameter raises.
     residual: optional, ``x``'s shape: added to the output (a residual connection), under FP8 in fc2's GEMM
       epilogue. When it is ``x`` itself (a pre-LN block), its gradient is also added inside the norm's backward
       kernel rather than by a separate pass.
@@ -307,6 +350,7 @@ def layernorm_mlp(
                     ("ffn1_ckpt_name", ffn1_ckpt_name), ("ffn2_ckpt_name", ffn2_ckpt_name)):
     check_checkpoint_name(name, arg)
   act = normalize_activation_type(activation_type)
+  params = activation_params_items(activation_params, act)
   gated = len(act) == 2
   norm = NormSpec(norm_type, float(epsilon), bool(zero_centered_gamma))
   h_dim = x.shape[-1]
@@ -340,7 +384,7 @@ def layernorm_mlp(
     if gated:
       h = split_parts(h, -1, 2, split_axes)
     h = _named(h, ffn1_ckpt_name)
-    y = high_precision_dense(activation(h, act), kernel_2, bias_2, residual=residual, out_sharding=spec)
+    y = high_precision_dense(activation(h, act, dict(params)), kernel_2, bias_2, residual=residual, out_sharding=spec)
     return _named(y, ffn2_ckpt_name)
   x2d, pad = pad_rows(x.reshape(-1, h_dim))
 
@@ -365,7 +409,7 @@ def layernorm_mlp(
                 norm, act, gated, f_dim, kind, out_rows, keep_rows=keep,
                 grad_sharding=None if rows is None else grad_sharding, intermediate_axes=split_axes,
                 out_spec=spec if own else None, grad_spec=grad_spec, ffn1_name=ffn1_ckpt_name,
-                ffn2_name=ffn2_ckpt_name)
+                ffn2_name=ffn2_ckpt_name, activation_params=params)
   x_in = x if keep or cfg.grad_sharding is not None else x2d  # (B, S, H): its gradient's rows come back as two dims too
   x_in, gamma, beta, k1, kernel_2, b1, bias_2, r = to_common_varying(x_in, gamma, beta, k1, kernel_2, b1, bias_2, r)
   y = _ln_mlp_fp8(cfg, x_in, gamma, beta, k1, kernel_2, b1, bias_2, r, fp8_meta_1 if stateful else None,

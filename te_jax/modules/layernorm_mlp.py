@@ -14,7 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 from te_jax._core.autocast import resolve_recipe
 from te_jax.fused.dense import dense
 from te_jax.fused.layernorm_dense import layernorm_dense
-from te_jax.fused.layernorm_mlp import intermediate_split, layernorm_mlp, merge_parts, split_parts
+from te_jax.fused.layernorm_mlp import (activation_params_items, intermediate_split, layernorm_mlp, merge_parts,
+                                        split_parts)
 from te_jax.fused.linear import check_checkpoint_name
 from te_jax.modules.axes import (ACT, ACT_EMBED, BATCH, EMBED, MLP, SEQ, Initializer, explicit_out, is_int,
                                  logical_constraint, rule_axes, rule_shards, sequence_kept, stream_input,
@@ -47,6 +48,9 @@ class LayerNormMLPOptions:
 
   intermediate_dim: int
   activation_type: Sequence[str]
+  # The user's dict (or None), stored as te_jax.fused.layernorm_mlp.activation_params_items' sorted (name, value)
+  # tuple: the options are a static, hashable config.
+  activation_params: Any
   intermediate_dropout: float
   intermediate_dropout_dims: Sequence[int]
   dropout_rng_name: str
@@ -82,7 +86,8 @@ class LayerNormMLPOptions:
       check_checkpoint_name(getattr(self, arg), arg)
     if not (is_int(self.intermediate_dim) and self.intermediate_dim > 0):
       raise ValueError(f"intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
-    normalize_activation_type(self.activation_type)
+    object.__setattr__(self, "activation_params", activation_params_items(
+        self.activation_params, normalize_activation_type(self.activation_type)))
     if self.logical_axes:
       given = [a for a in _AXES_ATTRS if getattr(self, a)]
       if given:
@@ -166,7 +171,8 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
   qname = dict(quantization_checkpoint_name=o.quantization_checkpoint_name)
   dropout = o.intermediate_dropout > 0.0 and not deterministic
   if not dropout and not o.return_layernorm_output:
-    return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act, residual=residual,
+    return finish(layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, activation_type=act,
+                                activation_params=dict(o.activation_params), residual=residual,
                                 fp8_meta_1=meta_1, fp8_meta_2=meta_2, recipe=recipe, grad_sharding=grad_sharding,
                                 intermediate_axes=split, out_sharding=out_sharding, ffn1_ckpt_name=o.ffn1_ckpt_name,
                                 ffn2_ckpt_name=o.ffn2_ckpt_name, **qname, **rows, **norm_args))
@@ -176,7 +182,8 @@ def layernorm_mlp_block(scope: Scope, o: LayerNormMLPOptions, inputs: jax.Array,
                       return_layernorm_output=o.return_layernorm_output, fp8_meta=meta_1, recipe=recipe,
                       keep_rows=rows["keep_rows"], grad_sharding=grad_sharding, **qname, **norm_args)
   h, z = h if o.return_layernorm_output else (h, None)
-  a = activation(_named(split_parts(h, -1, 2, split) if gated else h, o.ffn1_ckpt_name), act)
+  a = activation(_named(split_parts(h, -1, 2, split) if gated else h, o.ffn1_ckpt_name), act,
+                 dict(o.activation_params))
   if dropout:
     a = scope.dropout("dropout", o.intermediate_dropout, o.dropout_rng_name, a,
                       broadcast_dims=o.intermediate_dropout_dims)

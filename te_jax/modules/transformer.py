@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from te_jax.fused.layernorm_mlp import activation_params_items
 from te_jax.modules.attention import AttentionRunOptions, MultiHeadAttentionOptions, RelativePositionBiasesOptions
 from te_jax.modules.attention_cache import KVCache, check_fits_cache, query_positions
 from te_jax.modules.axes import ACT, ACT_EMBED, BATCH, EMBED, HEADS, MLP, SEQ, Initializer, axes, constrain
@@ -60,6 +61,7 @@ class TransformerLayerOptions(AttentionRunOptions):
   intermediate_dropout_dims: Sequence[int]
   dropout_rng_name: str
   activation_type: Sequence[str]
+  activation_params: Any  # as LayerNormMLPOptions' (a sorted tuple of the dict's items)
   use_bias: bool
   apply_residual_connection_post_layernorm: bool
   post_layernorm: bool
@@ -80,6 +82,8 @@ class TransformerLayerOptions(AttentionRunOptions):
 
   def __post_init__(self):
     object.__setattr__(self, "activation_type", tuple(self.activation_type))
+    object.__setattr__(self, "activation_params", activation_params_items(self.activation_params,
+                                                                          self.activation_type))
     dims = self.hidden_dropout_dims
     if not (isinstance(dims, Sequence) and all(isinstance(d, int) and not isinstance(d, bool) and -3 <= d < 3
                                                for d in dims)):
@@ -164,8 +168,8 @@ class TransformerLayerOptions(AttentionRunOptions):
     """The options of a pre-LN MLP (``LayerNormMLP``)."""
     return LayerNormMLPOptions(
         intermediate_dim=self.intermediate_dim, activation_type=self.activation_type,
-        intermediate_dropout=self.intermediate_dropout, intermediate_dropout_dims=self.intermediate_dropout_dims,
-        dropout_rng_name=self.dropout_rng_name,
+        activation_params=self.activation_params, intermediate_dropout=self.intermediate_dropout,
+        intermediate_dropout_dims=self.intermediate_dropout_dims, dropout_rng_name=self.dropout_rng_name,
         use_bias=self.use_bias, return_layernorm_output=self.apply_residual_connection_post_layernorm,
         norm_type=self.norm_type, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
         ln_scale_init=None, ln_scale_axes=(), ln_bias_init=_zeros, ln_bias_axes=(), kernel_init=self.kernel_init,
@@ -304,7 +308,7 @@ def transformer_layer(scope: Scope, o: TransformerLayerOptions, inputs: jax.Arra
     return parts.output_layernorm(x) if o.output_layernorm else x
   # Post-LN: the input is normalized already; the MLP is fc1, activation, fc2, their outputs named as LayerNormMLP's.
   h = checkpoint_name(parts.wi(x), FFN1_CKPT_NAME)
-  a = activation(h if len(o.activation_type) == 2 else h[..., 0, :], o.activation_type)
+  a = activation(h if len(o.activation_type) == 2 else h[..., 0, :], o.activation_type, dict(o.activation_params))
   a = scope.dropout("intermediate", o.intermediate_dropout, o.dropout_rng_name, a, deterministic,
                     o.intermediate_dropout_dims)
   x = dropout_add(checkpoint_name(parts.wo(a), FFN2_CKPT_NAME), x, True)

@@ -3,7 +3,7 @@ the same fused ops as ``te_jax.flax``'s modules (parameter names and shapes are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -128,7 +128,7 @@ class LayerNormMLP(nnx.Module):
 
   Args:
     in_features: the hidden size; intermediate_dim: fc1's width.
-    activation_type, intermediate_dropout, intermediate_dropout_dims, deterministic, use_bias,
+    activation_type, activation_params, intermediate_dropout, intermediate_dropout_dims, deterministic, use_bias,
       return_layernorm_output, norm_type, epsilon, zero_centered_gamma: as te_jax.flax.LayerNormMLP's
       (``deterministic``: the call's, else the module's).
     dropout_rng_name: the stream of ``rngs`` the dropout masks come from.
@@ -141,8 +141,8 @@ class LayerNormMLP(nnx.Module):
   """
 
   def __init__(self, in_features: int, intermediate_dim: int = 2048, *, activation_type: Sequence[str] = ("gelu",),
-               intermediate_dropout: float = 0.0, intermediate_dropout_dims: Sequence[int] = (),
-               dropout_rng_name: str = "dropout",
+               activation_params: Mapping[str, float] | None = None, intermediate_dropout: float = 0.0,
+               intermediate_dropout_dims: Sequence[int] = (), dropout_rng_name: str = "dropout",
                deterministic: bool | None = None, use_bias: bool = True, return_layernorm_output: bool = False,
                norm_type: str = "layernorm", epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                kernel_init: Initializer = nnx.initializers.lecun_normal(),
@@ -155,7 +155,7 @@ class LayerNormMLP(nnx.Module):
                ffn2_ckpt_name: str | None = "ffn2", rngs: nnx.Rngs):
     self.deterministic = deterministic
     self.options = nnx.static(LayerNormMLPOptions(
-        intermediate_dim=intermediate_dim, activation_type=tuple(activation_type),
+        intermediate_dim=intermediate_dim, activation_type=tuple(activation_type), activation_params=activation_params,
         intermediate_dropout=intermediate_dropout, intermediate_dropout_dims=intermediate_dropout_dims,
         dropout_rng_name=dropout_rng_name, use_bias=use_bias,
         return_layernorm_output=return_layernorm_output, norm_type=norm_type, epsilon=epsilon,

@@ -5,7 +5,7 @@ unless ``mask_convention="te"``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -70,7 +70,8 @@ class TransformerLayer(nnx.Module):
                drop_path: float = 0.0, attention_dropout: float = 0.0,
                intermediate_dropout: float = 0.0, intermediate_dropout_dims: Sequence[int] = (),
                dropout_rng_name: str = "dropout",
-               activation_type: Sequence[str] = ("gelu",), use_bias: bool = False,
+               activation_type: Sequence[str] = ("gelu",), activation_params: Mapping[str, float] | None = None,
+               use_bias: bool = False,
                apply_residual_connection_post_layernorm: bool = False, post_layernorm: bool = False,
                output_layernorm: bool = False, scale_attn_logits: bool = True, softmax_type: str = "vanilla",
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0, rotary_percent: float = 1.0,
@@ -93,7 +94,7 @@ class TransformerLayer(nnx.Module):
         hidden_dropout_dims=hidden_dropout_dims, drop_path=drop_path, attention_dropout=attention_dropout,
         intermediate_dropout=intermediate_dropout, intermediate_dropout_dims=intermediate_dropout_dims,
         dropout_rng_name=dropout_rng_name,
-        activation_type=activation_type, use_bias=use_bias,
+        activation_type=activation_type, activation_params=activation_params, use_bias=use_bias,
         apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
         post_layernorm=post_layernorm, output_layernorm=output_layernorm, scale_attn_logits=scale_attn_logits,
         softmax_type=softmax_type,
