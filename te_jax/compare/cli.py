@@ -57,7 +57,8 @@ def _parser():
   parser = argparse.ArgumentParser(prog="python -m te_jax.compare", description=__doc__.splitlines()[0])
   parser.add_argument("--preset", choices=sorted(lm.PRESETS), default=None,
                       help="the embedded LM's size: tiny (CPU, about a minute), gpt-small and gpt-1b (GPU), "
-                           "distill-tiny (a BF16 teacher, then FP8 and BF16 students); default: tiny on CPU, "
+                           "distill-tiny (a BF16 teacher, then FP8 and BF16 students), moe (GPU) and moe-tiny (CPU): "
+                           "mixture-of-experts FFNs (Mixtral's: SwiGLU experts, top 2); default: tiny on CPU, "
                            "gpt-small on a GPU")
   parser.add_argument("--module", default=None, metavar="PATH:ATTR",
                       help="your own model instead: a model_fn(fp8: bool) returning a Flax module that takes the "
@@ -197,8 +198,10 @@ def _compare(args: argparse.Namespace, preset_name: str, corpus: tuple[np.ndarra
   if args.module:
     model_fn, what = load_model_fn(args.module), f"model {args.module}"
   else:
+    ffn = (f"{student['experts']} experts of mlp {student['mlp']}, top {student.get('top_k', 2)}"
+           if student.get("experts") else f"mlp {student['mlp']}")
     model_fn, what = (lambda fp8: lm.LM(**student)), (
-        f"byte-level LM {student['layers']} x {student['hidden']} (heads {student['heads']}, mlp {student['mlp']})")
+        f"byte-level LM {student['layers']} x {student['hidden']} (heads {student['heads']}, {ffn})")
   loss = None
   if preset.distill:  # a BF16 teacher first; the students learn its distribution
     teacher = lm.LM(**preset.model)

@@ -1,17 +1,27 @@
 """One run of ``te_jax.compare``: a model trained for a number of steps under one precision, from given parameters
-on given batches, with its step times, losses, compile time, memory and (under delayed scaling) FP8 health."""
+on given batches, with its step times, losses, compile time, memory and (under delayed scaling) FP8 health.
+
+What flows where: the optimizer trains ``"params"``; the FP8 state (``te_jax.FP8_COLLECTION``) rides in the same
+dict and is overwritten by its gradient (Flax's ``TrainState``); every other collection that ``init`` returns (an
+MoE block's expert bias in ``"batch_stats"``) is the model's state, kept beside them (``TrainState.model_state``),
+mutable in the train step and replaced by what it returns. The train step also makes ``"aux_loss"`` mutable and adds
+the sum of what the model sows there (an MoE block's auxiliary losses, each already times its coefficient) to the
+loss; evaluation applies the model with nothing mutable, its loss the plain one.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from flax.training import train_state
 from tqdm.auto import tqdm
 
@@ -19,9 +29,13 @@ import te_jax
 import te_jax.flax as te_flax
 from te_jax import recipe as te_recipe
 from te_jax.compare import health
+from te_jax.flax.moe import AUX_LOSS_COLLECTION
 
-__all__ = ["Run", "check_batches", "cross_entropy", "health_step", "loss_of", "optimizer", "tokens_in", "train_run",
-           "train_state_and_step"]
+__all__ = ["Run", "TrainState", "aux_loss_sum", "check_batches", "cross_entropy", "health_step", "loss_of",
+           "optimizer", "split_variables", "tokens_in", "train_loss_of", "train_run", "train_state_and_step"]
+
+# Collections that are not the model's state: the trained ones, and those a call sows afresh.
+_NOT_STATE = ("params", te_jax.FP8_COLLECTION, AUX_LOSS_COLLECTION, health.HEALTH_COLLECTION)
 
 
 def cross_entropy(outputs: jax.Array, batch: tuple) -> jax.Array:
@@ -39,6 +53,34 @@ class Run:
   steps: int
 
 
+class TrainState(train_state.TrainState):
+  """Flax's ``TrainState`` (``params``: the trained parameters with the FP8 state) and ``model_state``: the
+  collections the model updates as it trains that the optimizer must not touch (``split_variables``)."""
+
+  model_state: Any = struct.field(default_factory=dict)
+
+
+def _model_state(state) -> dict:
+  return dict(getattr(state, "model_state", None) or {})
+
+
+def split_variables(variables: Mapping) -> tuple[dict, dict]:
+  """``(trained, model_state)``: ``"params"`` and the FP8 state, which the train state's ``params`` holds, and every
+  other collection but those sown afresh by each call (``"aux_loss"``, the health counters).
+
+  >>> split_variables({"params": 1, "batch_stats": 2, "aux_loss": 3})
+  ({'params': 1}, {'batch_stats': 2})
+  """
+  trained = {k: v for k, v in variables.items() if k in ("params", te_jax.FP8_COLLECTION)}
+  return trained, {k: v for k, v in variables.items() if k not in _NOT_STATE}
+
+
+def aux_loss_sum(sown: Mapping | None) -> jax.Array:
+  """The float32 sum of every leaf of an ``"aux_loss"`` collection (0 when it holds none)."""
+  leaves = jax.tree.leaves(sown or {})
+  return sum((jnp.sum(v.astype(jnp.float32)) for v in leaves), jnp.float32(0.0))
+
+
 def _memory_peak(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
@@ -52,25 +94,44 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
 
 
 def loss_of(run: Run, loss: Callable = cross_entropy) -> Callable:
-  """``loss_fn(variables, batch)``: ``loss`` of ``run.model``'s outputs on ``batch[0]`` against ``batch``."""
+  """``loss_fn(variables, batch)``: ``loss`` of ``run.model``'s outputs on ``batch[0]`` against ``batch``, nothing
+  mutable (evaluation: no auxiliary loss)."""
   return lambda v, batch: loss(run.model.apply(v, batch[0]), batch)
+
+
+def train_loss_of(run: Run, loss: Callable = cross_entropy) -> Callable:
+  """``fn(variables, model_state, batch) -> (total, (model_state, aux))``: the train step's loss, ``loss`` of
+  ``run.model``'s outputs applied with ``"aux_loss"`` and ``model_state``'s collections mutable, plus ``aux``, the
+  sum of the auxiliary losses sown (``aux_loss_sum``); ``model_state`` as the call left it."""
+
+  def fn(v, model_state, batch):
+    outputs, new = run.model.apply({**v, **model_state}, batch[0], mutable=[AUX_LOSS_COLLECTION, *model_state])
+    aux = aux_loss_sum(new.get(AUX_LOSS_COLLECTION))
+    return loss(outputs, batch) + aux, ({k: new[k] for k in model_state}, aux)
+
+  return fn
 
 
 def train_state_and_step(run: Run, params, batch: tuple, *, loss: Callable = cross_entropy,
                          lr: float = 1e-3, donate: bool = True) -> tuple[train_state.TrainState, Callable]:
   """The train state of ``run`` from ``params`` (a copy; FP8 scales calibrated on ``batch``) and its train step
   ``step(state, batch) -> (state, loss)``, jitted (with the state donated, by default); call both inside ``run``'s
-  precision (``te_jax.autocast(enabled=run.recipe is not None, recipe=run.recipe)``)."""
-  loss_fn = loss_of(run, loss)
+  precision (``te_jax.autocast(enabled=run.recipe is not None, recipe=run.recipe)``). The step's loss is
+  ``train_loss_of``'s total, the auxiliary losses included; the state's ``model_state`` is what the step's call
+  left."""
+  loss_fn = train_loss_of(run, loss)
 
   def step(state, batch):
-    value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-    return state.apply_gradients(grads=grads), value
+    (value, (model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.model_state,
+                                                                                  batch)
+    return state.apply_gradients(grads=grads, model_state=model_state), value
 
   params = jax.tree.map(jnp.copy, params)  # the step donates its state; the caller's parameters start other runs
-  variables = {**run.model.init(jax.random.key(0), batch[0]), "params": params}
-  variables = te_flax.calibrate(loss_fn, variables, batch)  # FP8: the first step's scales; BF16: as it is
-  state = train_state.TrainState.create(apply_fn=run.model.apply, params=variables, tx=optimizer(lr, run.steps))
+  variables, model_state = split_variables({**run.model.init(jax.random.key(0), batch[0]), "params": params})
+  # FP8: the first step's scales; BF16: as it is
+  variables = te_flax.calibrate(lambda v, b: loss_fn(v, model_state, b)[0], variables, batch)
+  state = TrainState.create(apply_fn=run.model.apply, params=variables, tx=optimizer(lr, run.steps),
+                            model_state=model_state)
   return state, jax.jit(step, donate_argnums=0 if donate else ())
 
 
@@ -78,20 +139,24 @@ def health_step(run: Run, loss: Callable = cross_entropy) -> Callable:
   """``step(state, probes, batch) -> (state, loss, shares)``: the train step that also takes the FP8 health counters
   (``te_jax.compare.health``) of the values it casts, kernels, inputs and output gradients, with ``probes``
   (``health.grad_probes(state.params)``) receiving the output gradients' counts; ``shares`` maps each operand to its
-  (saturated, flushed) shares (``health.rows`` turns them into per-layer floats). Not jitted."""
+  (saturated, flushed) shares (``health.rows`` turns them into per-layer floats). Its loss and model state are the
+  plain step's (``train_loss_of``); ``state`` may be Flax's own ``TrainState`` (no model state). Not jitted."""
 
-  def loss_with_health(v, probes, batch):
+  def loss_with_health(v, probes, model_state, batch):
     with health.input_health(), health.grad_health():
-      outputs, sown = run.model.apply(health.with_grad_probes(v, probes), batch[0],
-                                      mutable=[health.HEALTH_COLLECTION])
-    return loss(outputs, batch), health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {}))
+      outputs, sown = run.model.apply({**health.with_grad_probes(v, probes), **model_state}, batch[0],
+                                      mutable=[health.HEALTH_COLLECTION, AUX_LOSS_COLLECTION, *model_state])
+    value = loss(outputs, batch) + aux_loss_sum(sown.get(AUX_LOSS_COLLECTION))
+    return value, (health.flatten_sown(sown.get(health.HEALTH_COLLECTION, {})), {k: sown[k] for k in model_state})
 
   def step(state, probes, batch):
     # The gradient w.r.t. the probes is the output gradients' counts; the variables' own gradient is the plain step's.
-    (value, inputs), (grads, counts) = jax.value_and_grad(loss_with_health, argnums=(0, 1), has_aux=True)(
-        state.params, probes, batch)
+    (value, (inputs, model_state)), (grads, counts) = jax.value_and_grad(loss_with_health, argnums=(0, 1),
+                                                                         has_aux=True)(
+        state.params, probes, _model_state(state), batch)
     shares = {**health.kernel_health(state.params), **inputs, **health.grad_shares(counts)}
-    return state.apply_gradients(grads=grads), value, shares
+    kept = {"model_state": model_state} if hasattr(state, "model_state") else {}
+    return state.apply_gradients(grads=grads, **kept), value, shares
 
   return step
 
@@ -129,7 +194,7 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
 
   def eval_loss(state):
     with precision():
-      return float(np.mean([float(evaluate(state.params, b)) for b in eval_batches]))
+      return float(np.mean([float(evaluate({**state.params, **state.model_state}, b)) for b in eval_batches]))
 
   # One step in flight, as a training loop runs: step i+1 is dispatched before step i's loss is read, so the device
   # never waits for the host between steps. A step's time runs from the previous step's end (or from its own dispatch,
@@ -211,7 +276,7 @@ def train_run(run: Run, params, batches: Sequence[tuple], eval_batches: Sequence
                     "XLA's compiled memory_analysis (arguments + outputs + temp - aliased): the device reports none",
       },
       "health": health_rows,
-      "final_variables": state.params,
+      "final_variables": {**state.params, **state.model_state},
   }
 
 
