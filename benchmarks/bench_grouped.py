@@ -67,7 +67,7 @@ def _rows(ctx, case, impls, flops, ref, tile):
 def run(ctx: harness.Context) -> list[dict]:
   s = ctx.shrink
   m, k, n, g = TOKENS_X_TOPK // s, HIDDEN // s, FFN // s, EXPERTS
-  tile = gg.native_tile() or 16
+  tile = gg.NATIVE_TILE if ctx.gpu else 16
   key = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(key[0], (m, k), jnp.float32)
   w = jax.random.normal(key[1], (g, n, k), jnp.float32) * 0.02  # (G, N, K): each expert's (f, h) matrix

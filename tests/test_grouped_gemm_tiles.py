@@ -6,7 +6,8 @@
 - On the GPU: te_grouped_gemm_cuda in the compiled program; its values within the rule of the float64 loop (FP8
   with the noise term of Hopper's FP8 accumulator, tests/test_gemm.py's FP8_ACCUM_U); rows past the groups and
   empty groups' matrices zeros; traced sizes that are no grouping, or not multiples of the tile, all NaN;
-  grouped_dense's train step runs its three GEMMs on it, within the rule of the reference path's.
+  grouped_dense's train step (TE_JAX_GROUPED_GEMM=cuda) runs its three GEMMs on it, within the rule of the
+  reference path's.
 """
 
 import math
@@ -59,9 +60,15 @@ def test_bad_tiles_raise():
     gg.grouped_gemm(x, w, jnp.asarray([20, 12, 16], jnp.int32), tile=16)
 
 
-def test_native_tile_is_none_off_the_gpu():
+def test_native_tile_is_opt_in_and_none_off_the_gpu(monkeypatch):
+  monkeypatch.delenv(gg.GROUPED_GEMM_ENV, raising=False)
+  assert gg.native_tile() == 0  # the reference by default
+  monkeypatch.setenv(gg.GROUPED_GEMM_ENV, "cuda")
   if jax.default_backend() != "gpu":
     assert gg.native_tile() == 0
+  monkeypatch.setenv(gg.GROUPED_GEMM_ENV, "fast")
+  with pytest.raises(ValueError, match="TE_JAX_GROUPED_GEMM='fast': set it to 'cuda'"):
+    gg.native_tile()
 
 
 # ---- the CUDA handler ----------------------------------------------------------------------------------------------
@@ -109,6 +116,7 @@ def test_gpu_sizes_that_break_the_promise_give_nan(ragged, gpu):
 def test_gpu_grouped_dense_step_runs_on_the_handler(gpu, monkeypatch):
   """A current-scaling train step of grouped_dense on the GPU: its forward, dgrad and wgrad GEMMs are
   te_grouped_gemm_cuda, and output and gradients are within the rule of the same step on the reference."""
+  monkeypatch.setenv(gg.GROUPED_GEMM_ENV, "cuda")
   tile = gg.native_tile()
   assert tile, "no CUDA grouped GEMM on this GPU"
   rows, k, n, groups = 4 * tile, 256, 128, 4

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ from te_jax.ops.quantize import saturating_cast
 # the GPU, few enough that padding each group to a multiple costs little (benchmarks/DECISIONS.md).
 NATIVE_TILE = 512
 
-__all__ = ["NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm",
+__all__ = ["GROUPED_GEMM_ENV", "NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm",
            "grouped_gemm_ref", "native_tile", "quantize_by_group"]
 
 
@@ -523,9 +524,19 @@ def _check_tile(tile, rows: int, group_sizes: jax.Array, kind: str) -> int:
   return tile
 
 
+# The CUDA handler is opt-in until its GPU tests (tests/test_grouped_gemm_tiles.py) and benchmark have run on a GPU:
+# TE_JAX_GROUPED_GEMM=cuda selects it for te_jax's grouped layouts.
+GROUPED_GEMM_ENV = "TE_JAX_GROUPED_GEMM"
+
+
 def native_tile() -> int:
-  """The tile (rows) te_jax's grouped layouts use on this machine: ``NATIVE_TILE`` where the CUDA handler runs (JAX's default
-  backend a GPU, te_jax's CUDA module loaded), else 0 (the reference, which needs none)."""
-  if jax.default_backend() != "gpu" or not native.has_target("cuda", "te_grouped_gemm_cuda"):
+  """The tile (rows) te_jax's grouped layouts use on this machine: ``NATIVE_TILE`` where the CUDA handler runs (JAX's
+  default backend a GPU, te_jax's CUDA module loaded, ``TE_JAX_GROUPED_GEMM=cuda``), else 0 (the reference, which
+  needs none)."""
+  choice = os.environ.get(GROUPED_GEMM_ENV, "").strip().lower()
+  if choice not in ("", "cuda", "reference"):
+    raise ValueError(f"{GROUPED_GEMM_ENV}={os.environ[GROUPED_GEMM_ENV]!r}: set it to 'cuda' (te_jax's CUDA grouped "
+                     "GEMM) or 'reference' (the default: per-expert GEMMs through XLA)")
+  if choice != "cuda" or jax.default_backend() != "gpu" or not native.has_target("cuda", "te_grouped_gemm_cuda"):
     return 0
   return NATIVE_TILE
