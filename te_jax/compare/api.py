@@ -103,7 +103,7 @@ def run(model_fn: Callable[[bool], nn.Module], batches: Iterable[tuple], *, step
   for name, model in models.items():
     if not isinstance(model, nn.Module):
       raise TypeError(f"run: model_fn({name == 'FP8'}) must return a flax.linen.Module, got {type(model).__name__}")
-  params = models["BF16"].init(jax.random.key(seed), batches[0][0])["params"]
+  params = jax.jit(models["BF16"].init)(jax.random.key(seed), batches[0][0])["params"]
   n_params = int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
   note = emulation_note()
   device = jax.devices()[0]

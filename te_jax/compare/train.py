@@ -127,7 +127,9 @@ def train_state_and_step(run: Run, params, batch: tuple, *, loss: Callable = cro
     return state.apply_gradients(grads=grads, model_state=model_state), value
 
   params = jax.tree.map(jnp.copy, params)  # the step donates its state; the caller's parameters start other runs
-  variables, model_state = split_variables({**run.model.init(jax.random.key(0), batch[0]), "params": params})
+  # init jitted: op by op it takes longer than the step's compile on a CPU (the FP8 state's shapes are all it gives)
+  init = jax.jit(run.model.init)(jax.random.key(0), batch[0])
+  variables, model_state = split_variables({**init, "params": params})
   # FP8: the first step's scales; BF16: as it is
   variables = te_flax.calibrate(lambda v, b: loss_fn(v, model_state, b)[0], variables, batch)
   state = TrainState.create(apply_fn=run.model.apply, params=variables, tx=optimizer(lr, run.steps),
