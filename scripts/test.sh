@@ -58,7 +58,7 @@ seconds = {"nnx": 140, "block_recipes": 50, "nnx_attention_parity": 65, "transfo
            "expert_parallel": 30, "determinism": 4,
            "gemm": 27, "quantize_block": 25, "fused_layers": 25, "layering": 24, "train_steps": 24,
            "nnx_sharding": 22, "parallel_layers": 21, "activation": 19, "softmax": 17, "norm": 16, "residual": 15,
-           "activation_pairs": 13,
+           "activation_pairs": 13, "activation_params": 8,
            "doctor": 15, "attention_cudnn": 14, "rope": 14, "attention_masks": 13, "quantize_interleaved": 11,
            "moe_block": 36, "te_layer_options": 15, "te_attention_inputs": 16,
            "explicit_sharding": 39}

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from te_jax.flax.params import resolve_deterministic
 from te_jax.flax.scope import LinenKVCache, LinenScope, options_of
+from te_jax.flax.te_names import te_names
 from te_jax.modules.axes import Initializer
 from te_jax.modules.transformer import TransformerLayerOptions, transformer_layer
 from te_jax.recipe import Recipe
@@ -25,6 +26,7 @@ from te_jax.recipe import Recipe
 __all__ = ["TransformerLayer"]
 
 
+@te_names
 class TransformerLayer(nn.Module):
   """One Transformer layer: self attention, (decoder) cross attention, MLP, each with dropout and a residual.
 
