@@ -55,7 +55,7 @@ import pathlib, sys
 seconds = {"nnx": 140, "block_recipes": 50, "nnx_attention_parity": 65, "transformer": 61, "docs": 61, "quantize": 59,
            "decoder_lm_port": 40, "gemm_block": 54, "nonfinite": 46, "properties": 45, "attention": 42,
            "checkpoint": 41, "flax_dense": 38, "context_parallel": 25, "compare": 31, "module_bodies": 31, "dense": 28,
-           "expert_parallel": 30, "determinism": 4,
+           "expert_parallel": 30, "determinism": 4, "compare_moe": 20,
            "gemm": 27, "quantize_block": 25, "fused_layers": 25, "layering": 24, "train_steps": 24,
            "nnx_sharding": 22, "parallel_layers": 21, "activation": 19, "softmax": 17, "norm": 16, "residual": 15,
            "activation_pairs": 13, "activation_params": 8,
