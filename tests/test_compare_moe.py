@@ -148,7 +148,7 @@ def test_presets_and_bad_sizes():
       lm.LM(**{**_SMALL, **bad}).init(jax.random.key(0), tokens)
 
 
-@pytest.mark.slow  # ~50 s on 2 cores: two runs of 6 steps with their compiles (the step, its health form, the eval)
+@pytest.mark.slow  # ~35-50 s on 2 cores: two runs of 6 steps with their compiles (step, health step, eval)
 def test_moe_tiny_trains_in_bf16_and_fp8():
   """moe-tiny through te_jax.compare.run: both runs' losses finite and falling, close to each other; the FP8 run's
   state moves (every expert's amaxes change between the health steps) and its health covers the experts."""
@@ -169,3 +169,32 @@ def test_moe_tiny_trains_in_bf16_and_fp8():
   assert len(experts) == 2 * 4, sorted(first)  # per layer, per expert
   assert all(first[k] != later[k] for k in experts)
   assert any("/moe[" in k for k in fp8["health"][0]["shares"])
+
+
+@pytest.mark.gpu
+def test_gpu_moe_preset_step_runs_on_the_grouped_gemm_handler(gpu, monkeypatch):
+  """The moe preset's layer (two of them) on the GPU under delayed scaling, with te_jax's grouped GEMM chosen: each
+  layer's six expert GEMMs (the two forward, their dgrads and wgrads) are te_grouped_gemm_cuda in the compiled step;
+  three steps on one batch train (finite losses, the last below the first) and move the experts' FP8 state."""
+  from te_jax.ops import grouped_gemm as gg
+
+  monkeypatch.setenv(gg.GROUPED_GEMM_ENV, "cuda")
+  assert gg.native_tile(), "no CUDA grouped GEMM on this GPU"
+  preset = lm.PRESETS["moe"]
+  model = lm.LM(**{**preset.model, "layers": 2})
+  train, _ = lm.load_corpus(1 << 20)
+  batches = list(itertools.islice(lm.batches(train, 2, preset.seq, seed=1), 1)) * 3  # step 0's rate is 0 (warmup)
+  rec = recipe.DelayedScaling()
+  with te_jax.autocast(enabled=True, recipe=rec):
+    params = jax.jit(model.init)(jax.random.key(0), batches[0][0])["params"]
+    state, step = train_state_and_step(Run("FP8", model, rec, 3), params, batches[0], lr=preset.lr, donate=False)
+    hlo = step.lower(state, batches[0]).compile().as_text()
+    assert hlo.count('custom_call_target="te_grouped_gemm_cuda"') == 6 * 2
+    before = jax.tree.map(np.asarray, state.params[te_jax.FP8_COLLECTION]["layer_0"]["moe"])
+    losses = []
+    for b in batches:
+      state, value = step(state, b)
+      losses.append(float(value))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  after = state.params[te_jax.FP8_COLLECTION]["layer_0"]["moe"]
+  assert any(not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))

@@ -62,6 +62,8 @@ PRESETS = {
     # body and batches. FLOPs per token match gpt-small's: a SwiGLU expert of width F costs 3 * 768 * F
     # multiply-adds a token and each token runs 2 of them, 6 * 768 * F, which equals the dense GELU MLP's
     # 2 * 768 * 3072 at F = 1024 (the router's 768 x 8 adds 0.1%). ~255M params, 19M of them per layer's experts.
+    # TE_JAX_GROUPED_GEMM=cuda runs the FP8 expert GEMMs on te_jax's grouped GEMM kernel (default: per-expert GEMMs
+    # through XLA).
     "moe": Preset(dict(hidden=768, layers=12, heads=12, mlp=1024, experts=8, top_k=2), batch=16, seq=1024,
                   steps=500, corpus_bytes=32 << 20, lr=6e-4),
     # The same on a CPU: tiny's attention, 4 experts of width 128 (top 2: 3/4 of tiny's MLP FLOPs), in about a
