@@ -52,15 +52,15 @@ source scripts/setup_env.sh
 EXACT=(tests/test_norm.py tests/test_rope.py tests/test_moe_block.py)
 mapfile -t groups < <(python - "${EXACT[@]}" <<'PY'
 import pathlib, sys
-seconds = {"nnx": 140, "block_recipes": 50, "nnx_attention_parity": 65, "transformer": 61, "docs": 61, "quantize": 59,
+seconds = {"nnx": 125, "block_recipes": 50, "nnx_attention_parity": 65, "transformer": 61, "docs": 61, "quantize": 59,
            "decoder_lm_port": 40, "gemm_block": 54, "nonfinite": 46, "properties": 45, "attention": 42,
            "checkpoint": 41, "flax_dense": 38, "context_parallel": 25, "compare": 31, "module_bodies": 31, "dense": 28,
-           "expert_parallel": 30, "determinism": 4, "compare_moe": 20,
+           "expert_parallel": 30, "determinism": 4, "compare_moe": 12,
            "gemm": 27, "quantize_block": 25, "fused_layers": 25, "layering": 24, "train_steps": 24,
            "nnx_sharding": 22, "parallel_layers": 21, "activation": 19, "softmax": 17, "norm": 16, "residual": 15,
            "activation_pairs": 13, "activation_params": 8,
            "doctor": 15, "attention_cudnn": 14, "rope": 14, "attention_masks": 13, "quantize_interleaved": 11,
-           "moe_block": 36, "te_layer_options": 15, "te_attention_inputs": 16,
+           "moe_block": 36, "te_layer_options": 12, "te_attention_inputs": 12,
            "explicit_sharding": 39}
 exact = [pathlib.Path(f) for f in sys.argv[1:]]
 files = [f for f in sorted(pathlib.Path("tests").glob("test_*.py")) if f not in exact]

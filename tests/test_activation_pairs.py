@@ -172,6 +172,7 @@ def bwd_terms(g, x, act, params=None):
 
 
 @cases
+@pytest.mark.fast_cases(4)
 def test_reference_matches_numpy(act, params):
   """Forward and backward of the float32 reference against float64 numpy, within 2^-17 of the terms each rounds (a
   wrong constant, clamp or half is off by 1e-3 or more)."""
@@ -185,6 +186,7 @@ def test_reference_matches_numpy(act, params):
 
 
 @cases
+@pytest.mark.fast_cases(4)
 def test_grad_matches_jax_grad_of_the_formula(act, params):
   """``te_jax.activation`` (the CPU handlers) and its gradient against jax.vjp of the jnp formula."""
   x = jax.device_put(random_input(input_shape((32, 40), act), np.float32, seed=7, spread=2.5), CPU)
@@ -399,7 +401,7 @@ def _plain_mlp(p, x, act):
 
 
 @pytest.mark.parametrize("act", NEW_TYPES, ids=lambda a: "-".join(a))
-@pytest.mark.fast_cases(2)
+@pytest.mark.fast_cases(1)
 def test_layernorm_mlp_fp8(act):
   """te_flax.LayerNormMLP with each new form under FP8 (current scaling): loss and parameter gradients within FP8's
   quantization of the float32 jnp block's (E4M3 forward, E5M2 gradients: a few percent; a wrong half or derivative

@@ -109,6 +109,7 @@ class _BiasedMoE(nn.Module):
     return te_flax.DenseGeneral(8, dtype=jnp.bfloat16, name="head")(x + y).astype(jnp.float32)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores: a train step's compile
 def test_the_train_step_keeps_the_expert_bias():
   """The expert bias lives in the state's model_state, out of the optimizer's reach: each step replaces it by what
   the block's training call returned (moved by the step's load)."""

@@ -42,6 +42,7 @@ def _run(kind, ragged, sizes, tile, jit=False):
 @pytest.mark.parametrize("sizes", list(SIZES))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ragged", [False, True], ids=["rows", "contracting"])
+@pytest.mark.fast_cases(4)
 def test_tiled_reference_is_the_float64_group_loop(ragged, kind, sizes):
   out, (exact, base, abs_prod), _ = _run(kind, ragged, SIZES[sizes], TILE)
   assert_rule(out, exact, base, abs_prod, M if ragged else 128, f"{kind} {sizes}")

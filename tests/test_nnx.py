@@ -344,6 +344,7 @@ def test_dropout_needs_deterministic_and_draws_from_rngs():
   _assert_trees_equal(layer(x, deterministic=True), layer(x, deterministic=True))
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: the decoder's linen and NNX steps
 def test_decoder_with_cross_attention_parity():
   kw = dict(layer_type="decoder", dtype=jnp.bfloat16, backend="unfused", use_bias=True)
   encoded = _batches((2, 8, 64), 1)[0].astype(jnp.bfloat16)

@@ -99,6 +99,7 @@ def test_segment_positions_restart_at_each_segment():
 
 @pytest.mark.parametrize("mask_type,window", [("padding_causal", None), ("padding_causal_bottom_right", None),
                                               ("padding", (2, 1)), ("padding_causal", (1, 0))])
+@pytest.mark.fast_cases(1)
 def test_segment_pos_cross_attention(mask_type, window):
   """Packed cross attention at the tokens' positions: values and gradients against the naive attention of the mask
   built from the positions; the mask itself bit for bit (make_attention_mask)."""
@@ -346,6 +347,7 @@ def _causal(shape=SM_SHAPE):
 
 @pytest.mark.parametrize("fusion", ["scaled", "scaled_masked", "scaled_upper_triang_masked"])
 @pytest.mark.parametrize("softmax_type", ["vanilla", "off_by_one", "learnable"])
+@pytest.mark.fast_cases(3)
 def test_softmax_against_numpy(fusion, softmax_type):
   x = _logits()
   bias = randn(5, (1, 3, 5, 7))

@@ -72,6 +72,7 @@ def _unfused_params(fused: dict) -> dict:
 @pytest.mark.parametrize("kw", [dict(), dict(num_gqa_groups=2),
                                 dict(layer_type="decoder", enable_rotary_pos_emb=True)],
                          ids=["mha", "gqa", "decoder"])
+@pytest.mark.fast_cases(1)
 def test_unfused_qkv_is_the_fused_layer_on_its_kernel_slices(kw):
   x, enc = _normal(0, (2, 6, H)), _normal(1, (2, 5, H))
   args = (x, enc) if kw.get("layer_type") == "decoder" else (x,)
