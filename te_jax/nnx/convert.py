@@ -3,9 +3,9 @@
 Every NNX module names its parameters, FP8 state variables and submodules as its linen twin names its parameters,
 ``te_jax.FP8_COLLECTION`` entries and submodules (DenseGeneral: ``kernel``, ``bias``; LayerNorm: ``scale``,
 ``bias``; LayerNormDenseGeneral: ``ln_scale``, ``ln_bias``, ``kernel``, ``bias``; LayerNormMLP: ``ln_scale``,
-``ln_bias``, ``wi_kernel``, ``wi_bias``, ``wo_kernel``, ``wo_bias``; MultiHeadAttention: ``qkv`` or ``query`` and
-``kv``, then ``out``; TransformerLayer: ``self_attention``, ``encoder_decoder_attention``, ``mlp`` or ``wi`` and
-``wo``, the post-LN norms; the FP8 state its recipe's quantizer declares, under ``DelayedScaling``
+``ln_bias``, ``wi_kernel``, ``wi_bias``, ``wo_kernel``, ``wo_bias``; MultiHeadAttention: ``qkv``, or ``query``
+and ``kv``, or ``query``, ``key`` and ``value``, then ``out``; TransformerLayer: ``self_attention``,
+``encoder_decoder_attention``, ``mlp`` or ``wi`` and ``wo``, the post-LN norms; the FP8 state its recipe's quantizer declares, under ``DelayedScaling``
 ``{prefix}{x,kernel,grad}_{amax_history,scale}``), with the same shapes, so one function pair converts every module:
 a state stacked by ``nn.scan`` / ``nnx.vmap`` converts the same way. One exception:
 ``nn.Dense(dot_general_cls=te_flax.Fp8DotGeneral)`` keeps its GEMM's state under ``Fp8DotGeneral_0``,

@@ -12,11 +12,14 @@ Modules:
 - ``quantize``: the saturating FP8 cast with amax, transposed copy and bias gradient fused; ``amax``.
 - ``quantize_interleaved``: the same cast of several arrays' column chunks, interleaved.
 - ``quantize_block``: the block-scaled casts (1 x 128 and 128 x 128 FP8 blocks, MXFP8, NVFP4), references first.
-- ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues.
+- ``gemm``: FP8 and bf16/fp16/fp32 GEMMs through cuBLASLt, with bias and residual epilogues, and a strided batched
+  form.
 - ``grouped_gemm``: the ragged GEMMs of mixture-of-experts layers (one matrix per group of rows, the groups given by
-  traced sizes), high precision, FP8 with per-group scales and block-scaled; reference first.
+  traced sizes), high precision, FP8 with per-group scales and block-scaled; reference first, a CUDA handler for
+  tiled groups.
 - ``norm``: LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward; ``layernorm``.
-- ``activation``: gelu, relu, silu, quick_gelu, squared_relu and their gated forms; ``activation``.
+- ``activation``: gelu, relu, silu, quick_gelu, squared_relu, sigmoid, their gated and paired forms and the clamped
+  SwiGLU (``ACTIVATION_TYPES``); ``activation``.
 - ``softmax``: scaled, masked and causal softmax; ``scaled_softmax`` and its masked and causal forms.
 - ``rope``: rotary position embedding; ``apply_rope``, ``rope_frequencies``.
 - ``scale_update``: the delayed-scaling update of many amax histories and scales in one op.
