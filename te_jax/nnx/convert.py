@@ -5,7 +5,8 @@ Every NNX module names its parameters, FP8 state variables and submodules as its
 ``bias``; LayerNormDenseGeneral: ``ln_scale``, ``ln_bias``, ``kernel``, ``bias``; LayerNormMLP: ``ln_scale``,
 ``ln_bias``, ``wi_kernel``, ``wi_bias``, ``wo_kernel``, ``wo_bias``; MultiHeadAttention: ``qkv``, or ``query``
 and ``kv``, or ``query``, ``key`` and ``value``, then ``out``; TransformerLayer: ``self_attention``,
-``encoder_decoder_attention``, ``mlp`` or ``wi`` and ``wo``, the post-LN norms; the FP8 state its recipe's quantizer declares, under ``DelayedScaling``
+``encoder_decoder_attention``, ``mlp`` or ``wi`` and ``wo``, the post-LN norms; the FP8 state its recipe's
+quantizer declares, under ``DelayedScaling``
 ``{prefix}{x,kernel,grad}_{amax_history,scale}``), with the same shapes, so one function pair converts every module:
 a state stacked by ``nn.scan`` / ``nnx.vmap`` converts the same way. One exception:
 ``nn.Dense(dot_general_cls=te_flax.Fp8DotGeneral)`` keeps its GEMM's state under ``Fp8DotGeneral_0``,
@@ -55,8 +56,9 @@ def to_linen(model: nnx.Module) -> dict:
 
 def from_linen(model: nnx.Module, variables: Mapping) -> None:
   """Loads the linen variables dict of ``model``'s twin (``init``'s result: params and, under delayed scaling, the
-  FP8 collection; ``"batch_stats"`` where the model has ``nnx.BatchStat`` variables) into ``model``, in place. Every parameter and state variable of the model must be given, with
-  its shape and dtype, and nothing else: a mismatch raises, naming the paths.
+  FP8 collection; ``"batch_stats"`` where the model has ``nnx.BatchStat`` variables) into ``model``, in place. Every
+  parameter and state variable of the model must be given, with its shape and dtype, and nothing else: a mismatch
+  raises, naming the paths.
 
   >>> import jax, jax.numpy as jnp, te_jax.flax as te_flax, te_jax.nnx as te_nnx
   >>> from flax import nnx

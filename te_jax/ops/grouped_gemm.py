@@ -75,8 +75,8 @@ from te_jax.ops.quantize import saturating_cast
 # the GPU, few enough that padding each group to a multiple costs little (benchmarks/DECISIONS.md).
 NATIVE_TILE = 512
 
-__all__ = ["GROUPED_GEMM_ENV", "NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids", "grouped_gemm",
-           "grouped_gemm_ref", "native_tile", "quantize_by_group"]
+__all__ = ["GROUPED_GEMM_ENV", "NATIVE_TILE", "GroupedGemmConfig", "check_group_sizes", "group_amax", "group_ids",
+           "grouped_gemm", "grouped_gemm_ref", "native_tile", "quantize_by_group"]
 
 
 @dataclasses.dataclass(frozen=True)
