@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import F32_U
-from te_jax import recipe
+from te_jax import ScalingMode, recipe
 import te_jax.fused.grouped_dense as gd
 from te_jax.fused.grouped_dense import grouped_dense
 from te_jax.ops import grouped_gemm as gg
@@ -138,3 +138,18 @@ def test_gpu_grouped_dense_step_runs_on_the_handler(gpu, monkeypatch):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.all(np.isfinite(a))
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+def test_the_handler_declines_what_it_does_not_run():
+  """No tile, block-scaled operands, scaled FP8 rows-grouped products and a contracting form not in float32 lower
+  to the reference (the native signature is None), on every platform."""
+  lhs, rhs = jax.ShapeDtypeStruct((64, 32), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2, 16, 32), jnp.float8_e4m3fn)
+  out = jax.ShapeDtypeStruct((64, 16), F32)
+  cfg = gg.GroupedGemmConfig
+  per_tensor, block = ScalingMode.PER_TENSOR, ScalingMode.BLOCK_1X128
+  for config in (cfg(F32, lhs_mode=per_tensor, rhs_mode=per_tensor, unscaled=True),  # no tile
+                 cfg(F32, lhs_mode=per_tensor, rhs_mode=per_tensor, tile=16),  # scaled FP8, rows grouped
+                 cfg(F32, lhs_mode=block, rhs_mode=block, tile=16),
+                 cfg(jnp.bfloat16, ragged_contracting=True, tile=16),  # contracting in bfloat16
+                 cfg(F32, lhs_mode=per_tensor, rhs_mode=per_tensor, tile=48, unscaled=True)):  # 64 rows % 48
+    assert gg._native_signature("cuda", config, [lhs, rhs], [out]) is None, config
