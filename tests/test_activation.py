@@ -473,8 +473,13 @@ def _gpu_check(act, dtype, shapes, gpu, fwd_fp8=E4M3, bwd_fp8=E5M2):
             reference_bwd(g, x, act, dtype=bwd_fp8, scale=2.0, transpose=True, dbias=True),
             reference_bwd(g, x, act, dtype=jnp.float32))
 
-  outs = run_many(ours, args, gpu)
-  refs = run_many(ref, args, gpu)
+  assert_gpu_outputs_equal(act, dtype, feature_ndim, args, run_many(ours, args, gpu), run_many(ref, args, gpu))
+
+
+def assert_gpu_outputs_equal(act, dtype, feature_ndim, args, outs, refs):
+  """``_gpu_check``'s comparison: the FP8 forward (data, transposed copy, amax), the ``dtype`` forward, the FP8
+  backward (its transposed copy's layout too) and the float32 backward bit for bit; dbias within any summation
+  order's bound."""
   for (g, x), (yq, yh, dq, dh), (ryq, ryh, rdq, rdh) in zip(args, outs, refs, strict=True):
     what = f"{act} shape {x.shape}"
     assert_fp8_equal(yq.data, ryq.data, what=f"y, {what}")

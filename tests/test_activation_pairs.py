@@ -24,8 +24,8 @@ import pytest
 import te_jax
 import te_jax.flax as te_flax
 from conftest import assert_column_sums_close, assert_f32_equal, assert_fp8_equal, rel_error
-from test_activation import (Flat, assert_close_to_reference, assert_fp8_consistent, assert_hp_equal, input_shape,
-                             random_input, run_many, t_axes)
+from test_activation import (Flat, assert_close_to_reference, assert_fp8_consistent, assert_gpu_outputs_equal,
+                             assert_hp_equal, input_shape, random_input, run_many, t_axes)
 from te_jax._core import native
 from te_jax.ops.activation import (ACTIVATION_TYPES, ActivationConfig, activation_bwd, activation_bwd_ref,
                                    activation_fwd, activation_fwd_ref, normalize_activation_type,
@@ -493,20 +493,7 @@ def _gpu_check(act, params, dtype, shapes, gpu, fwd_fp8=E4M3, bwd_fp8=E5M2):
 
   run_many(lambda g, x: activation_fwd(x, act, **kw), args[:1], gpu, "te_act_fwd_cuda")
   run_many(lambda g, x: activation_bwd(g, x, act, **kw), args[:1], gpu, "te_act_bwd_cuda")
-  outs = run_many(ours, args, gpu)
-  refs = run_many(ref, args, gpu)
-  for (g, x), (yq, yh, dq, dh), (ryq, ryh, rdq, rdh) in zip(args, outs, refs, strict=True):
-    what = f"{act} shape {x.shape}"
-    assert_fp8_equal(yq.data, ryq.data, what=f"y, {what}")
-    assert_fp8_equal(yq.data_t, ryq.data_t, what=f"y_t, {what}")
-    assert_f32_equal(yq.amax, ryq.amax, what=f"y amax, {what}")
-    assert_hp_equal(yh.data, ryh.data, what=f"y {np.dtype(dtype).name}, {what}")
-    assert_fp8_equal(dq.data, rdq.data, what=f"dx, {what}")
-    assert_fp8_equal(dq.data_t, rdq.data_t, what=f"dx_t, {what}")
-    assert_fp8_equal(dq.data_t, np.transpose(np.asarray(dq.data), t_axes(x.ndim, feature_ndim)), what="dx_t layout")
-    assert_f32_equal(dq.amax, rdq.amax, what=f"dx amax, {what}")
-    assert_hp_equal(dh.data, rdh.data, what=f"dx f32, {what}")
-    assert_column_sums_close(dq.dbias.reshape(-1), np.asarray(dh.data).reshape(-1, dq.dbias.size))
+  assert_gpu_outputs_equal(act, dtype, feature_ndim, args, run_many(ours, args, gpu), run_many(ref, args, gpu))
 
 
 @pytest.mark.gpu
