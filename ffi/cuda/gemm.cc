@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "te_jax/buffer_checks.h"
+#include "te_jax/cublaslt_util.h"
 #include "te_jax/cuda_check.h"
 #include "te_jax/gemm_batch.h"
 #include "te_jax/gemm_plans.h"
@@ -77,17 +78,6 @@ constexpr size_t kWorkspaceBytes = 32u << 20;
 // The batched GEMM's A, B and D pointer arrays, 8 bytes per part each, rounded up to 256 bytes; none for one part.
 size_t PointerArrayBytes(int batch) { return batch > 1 ? (3 * 8 * batch + 255) / 256 * 256 : 0; }
 
-ffi::Error CublasError(cublasStatus_t status, const char* what) {
-  if (status == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("cuBLASLt: ") + what + ": status " + std::to_string(status));
-}
-
-#define TE_JAX_CUBLAS_RETURN_IF_ERROR(expr, what)       \
-  do {                                                  \
-    auto _te_err = CublasError((expr), (what));         \
-    if (_te_err.failure()) return _te_err;              \
-  } while (0)
-
 // The A and B scale pointers of a matmul descriptor (device pointers, so no host sync; cuBLAS's A is our rhs).
 ffi::Error SetScalePointers(cublasLtMatmulDesc_t desc, const void* a_scale, const void* b_scale) {
   TE_JAX_CUBLAS_RETURN_IF_ERROR(
@@ -97,18 +87,6 @@ ffi::Error SetScalePointers(cublasLtMatmulDesc_t desc, const void* a_scale, cons
       cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)),
       "B_SCALE_POINTER");
   return ffi::Error::Success();
-}
-
-ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return CUDA_R_32F;
-    case ffi::DataType::BF16: return CUDA_R_16BF;
-    case ffi::DataType::F16: return CUDA_R_16F;
-    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
-    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
-    case ffi::DataType::F4E2M1FN: return CUDA_R_4F_E2M1;
-    default: return ffi::Error::InvalidArgument("gemm: unsupported data type");
-  }
 }
 
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool, bool, int, int, int, bool,
@@ -340,21 +318,6 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, const Problem& p, Cache& ca
   return raw;
 }
 
-// While the stream is being captured into a CUDA graph, CUDA forbids this thread the calls that could synchronize
-// implicitly (cudaMalloc, for one). Creating a handle or a plan touches no stream but may make such calls inside
-// cuBLASLt, and the algorithm timing allocates and waits on its own stream, so the thread relaxes that rule around
-// them, as CUDA's capture-mode API intends for libraries.
-class RelaxedCapture {
- public:
-  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
-
 // Times each candidate and returns the fastest, on a private stream with private output and workspace buffers; the
 // operands are read where they are (only the timing depends on their contents). So it runs the same while XLA's stream
 // is being captured into a CUDA graph (an XLA command buffer), which forbids synchronizing that stream but not work
@@ -465,9 +428,9 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
       return ffi::Error::InvalidArgument("gemm: every output must be (m, n), or (b, m, n) batched, of one dtype");
     }
   }
-  auto lhs_type = CudaType(lhs.element_type());
-  auto rhs_type = CudaType(rhs.element_type());
-  auto out_type = CudaType(out->element_type());
+  auto lhs_type = CublasType(lhs.element_type(), "gemm");
+  auto rhs_type = CublasType(rhs.element_type(), "gemm");
+  auto out_type = CublasType(out->element_type(), "gemm");
   if (lhs_type.has_error()) return lhs_type.error();
   if (rhs_type.has_error()) return rhs_type.error();
   if (out_type.has_error()) return out_type.error();

@@ -36,6 +36,7 @@
 #include <string>
 #include <tuple>
 
+#include "te_jax/cublaslt_util.h"
 #include "te_jax/cuda_check.h"
 #include "te_jax/workspace.h"
 #include "xla/ffi/api/ffi.h"
@@ -67,26 +68,10 @@ Carve CarveWorkspace(int64_t tiles, int64_t scratch_bytes) {
   return c;
 }
 
-ffi::Error CublasError(cublasStatus_t status, const char* what) {
-  if (status == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("cuBLASLt (grouped_gemm): ") + what + ": status " + std::to_string(status));
-}
-
-#define TE_JAX_GG_RETURN_IF_ERROR(expr, what)    \
-  do {                                           \
-    auto _te_err = CublasError((expr), (what));  \
-    if (_te_err.failure()) return _te_err;       \
-  } while (0)
-
+// cuBLASLt's type of an operand or output: the GEMM's types less FP4, which no grouped form takes.
 ffi::ErrorOr<cudaDataType_t> CudaType(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return CUDA_R_32F;
-    case ffi::DataType::BF16: return CUDA_R_16BF;
-    case ffi::DataType::F16: return CUDA_R_16F;
-    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
-    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
-    default: return ffi::Error::InvalidArgument("grouped_gemm: unsupported data type");
-  }
+  if (t == ffi::DataType::F4E2M1FN) return ffi::Error::InvalidArgument("grouped_gemm: unsupported data type");
+  return CublasType(t, "grouped_gemm");
 }
 
 struct SetupArgs {
@@ -223,40 +208,40 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, Cache& cache, int device, b
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second.get();
   auto plan = std::make_unique<Plan>();
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "grouped_gemm desc");
   const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)),
-                            "TRANSA");
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)),
-                            "TRANSB");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)),
+                            "grouped_gemm TRANSA");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)),
+                            "grouped_gemm TRANSB");
   if (ragged) {
     const int32_t mode = CUBLASLT_POINTER_MODE_DEVICE;
-    TE_JAX_GG_RETURN_IF_ERROR(
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)),
-        "POINTER_MODE");
+        "grouped_gemm POINTER_MODE");
   }
   const bool fp8 = a_type == CUDA_R_8F_E4M3 || a_type == CUDA_R_8F_E5M2;
   if (fp8) {
     const int8_t fast = fast_accum ? 1 : 0;
-    TE_JAX_GG_RETURN_IF_ERROR(
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
-        "FAST_ACCUM");
+        "grouped_gemm FAST_ACCUM");
   }
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, a_type, s.k, s.m, s.lda), "layout A");
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, b_type, s.k, s.n, s.ldb), "layout B");
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, d_type, s.m, s.n, s.m), "layout D");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, a_type, s.k, s.m, s.lda), "grouped_gemm layout A");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, b_type, s.k, s.n, s.ldb), "grouped_gemm layout B");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, d_type, s.m, s.n, s.m), "grouped_gemm layout D");
   const uint32_t batch_mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
   const int32_t count = static_cast<int32_t>(s.batch);
   for (cublasLtMatrixLayout_t layout : {plan->a, plan->b, plan->d}) {
-    TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &batch_mode,
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &batch_mode,
                                                                sizeof(batch_mode)),
-                              "BATCH_MODE");
-    TE_JAX_GG_RETURN_IF_ERROR(
+                              "grouped_gemm BATCH_MODE");
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
-        "BATCH_COUNT");
+        "grouped_gemm BATCH_COUNT");
   }
   cublasLtMatmulPreference_t pref;
-  TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "grouped_gemm preference");
   const size_t ws = kCublasBytes;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   cublasLtMatmulHeuristicResult_t result{};
@@ -274,18 +259,6 @@ ffi::ErrorOr<Plan*> GetPlan(cublasLtHandle_t handle, Cache& cache, int device, b
   cache.plans.emplace(key, std::move(plan));
   return raw;
 }
-
-// Thread capture mode relaxed around cuBLASLt calls that may allocate (see ffi/cuda/gemm.cc's RelaxedCapture).
-class RelaxedCapture {
- public:
-  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
 
 template <typename T>
 void LaunchFill(void* out, const int32_t* sizes, int groups, const int* invalid, bool ragged, int64_t rows,
@@ -399,7 +372,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
     RelaxedCapture relaxed;
     auto h = cache.handles.find(device);
     if (h == cache.handles.end()) {
-      TE_JAX_GG_RETURN_IF_ERROR(cublasLtCreate(&handle), "create handle");
+      TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&handle), "grouped_gemm create handle");
       cache.handles.emplace(device, handle);
     } else {
       handle = h->second;
@@ -410,17 +383,17 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
   }
   if (!ragged) {  // every tile at once, unscaled
     const float one = 1.0f, zero = 0.0f;
-    TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmul(handle, plan->desc, &one, s.a_ptrs, plan->a, s.b_ptrs, plan->b, &zero,
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(handle, plan->desc, &one, s.a_ptrs, plan->a, s.b_ptrs, plan->b, &zero,
                                              s.d_ptrs, plan->d, s.d_ptrs, plan->d, &plan->algo, ws, kCublasBytes,
                                              stream),
-                              "matmul");
+                              "grouped_gemm matmul");
     return ffi::Error::Success();
   }
   for (int64_t c = 0; c < tiles; ++c) {
-    TE_JAX_GG_RETURN_IF_ERROR(cublasLtMatmul(handle, plan->desc, s.alpha + c, s.a_ptrs + c, plan->a, s.b_ptrs + c,
+    TE_JAX_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(handle, plan->desc, s.alpha + c, s.a_ptrs + c, plan->a, s.b_ptrs + c,
                                              plan->b, s.beta + c, s.d_ptrs + c, plan->d, s.d_ptrs + c, plan->d,
                                              &plan->algo, ws, kCublasBytes, stream),
-                              "matmul");
+                              "grouped_gemm matmul");
   }
   return ffi::Error::Success();
 }
